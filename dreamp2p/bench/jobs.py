@@ -1,0 +1,106 @@
+"""Jobs that run inside peer processes started by `dreamp2p.launch`: averaging checks and timing loops.
+
+Inputs are generated from seeds, so every process can rebuild every other rank's tensors and compute
+the exact mean locally; only small summaries travel back to the parent.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import xxhash
+
+from dreamp2p.peer import Peer
+
+
+def make_tensors(rank: int, sizes: list[int], seed: int) -> list[torch.Tensor]:
+    out = []
+    for i, n in enumerate(sizes):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + rank * 7919 + i)
+        out.append(torch.randn(n, generator=g) * (1.0 + i))
+    return out
+
+
+def exact_mean(world: int, sizes: list[int], seed: int) -> list[torch.Tensor]:
+    sums = [torch.zeros(n, dtype=torch.float64) for n in sizes]
+    for r in range(world):
+        for s, t in zip(sums, make_tensors(r, sizes, seed), strict=True):
+            s += t.double()
+    return [s / world for s in sums]
+
+
+async def allreduce_check(
+    peer: Peer, rank: int, world: int, sizes: list[int], codecs: list[str], seed: int = 0
+) -> dict[str, Any]:
+    """Average seeded tensors with each codec; report error vs the exact mean and a digest of the result."""
+    expect = exact_mean(world, sizes, seed)
+    scale = max((float(e.abs().max()) for e in expect if e.numel()), default=1.0)
+    in_scale = max(
+        (float(t.abs().max()) for r in range(world) for t in make_tensors(r, sizes, seed) if t.numel()),
+        default=1.0,
+    )
+    report: dict[str, Any] = {}
+    for codec in codecs:
+        tensors = make_tensors(rank, sizes, seed)
+        res = await peer.allreduce(tensors, group_id=0, codec=codec)
+        err = max((float((t.double() - e).abs().max()) for t, e in zip(tensors, expect, strict=True) if t.numel()),
+                  default=0.0)
+        digest = xxhash.xxh3_64()
+        for t in tensors:
+            digest.update(t.numpy().tobytes())
+        report[codec] = {
+            "max_abs_err": err,
+            "rel_err": err / max(in_scale, 1e-30),
+            "mean_scale": scale,
+            "digest": digest.hexdigest(),
+            "seconds": res.seconds,
+            "bytes_sent": res.bytes_sent,
+            "finite": all(bool(torch.isfinite(t).all()) for t in tensors),
+        }
+    return report
+
+
+async def allreduce_timing(
+    peer: Peer, rank: int, world: int, mbytes: float, codecs: list[str], rounds: int = 3, warmup: int = 1
+) -> dict[str, Any]:
+    """Time ring all-reduce of one ``mbytes`` MB fp32 buffer per codec (median of ``rounds``)."""
+    n = int(mbytes * 1e6 // 4)
+    buf = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    out: dict[str, Any] = {}
+    for codec in codecs:
+        times = []
+        sent = 0
+        for i in range(warmup + rounds):
+            res = await peer.allreduce([buf], codec=codec)
+            if i >= warmup:
+                times.append(res.seconds)
+                sent += res.bytes_sent
+        times.sort()
+        out[codec] = {"seconds": times[len(times) // 2], "bytes_sent_per_round": sent / rounds,
+                      "chunk_bytes": res.chunk_bytes}
+    return out
+
+
+async def stream_timing(peer: Peer, rank: int, world: int, mbytes: float, seconds: float) -> dict[str, Any]:
+    """Repeated 2-peer fp32 all-reduce for ``seconds``: every byte crosses the link once per direction."""
+    n = int(mbytes * 1e6 // 4)
+    buf = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    await peer.allreduce([buf], codec="fp32")  # warm-up: connections, windows, chunk size
+    t0 = time.perf_counter()
+    sent = 0
+    rounds = 0
+    # every peer must run the same number of rounds: rank 0 decides by time, others follow its count
+    while True:
+        rounds += 1
+        res = await peer.allreduce([buf], codec="fp32")
+        sent += res.bytes_sent
+        flag = torch.tensor([1.0 if (time.perf_counter() - t0) < seconds or rank != 0 else 0.0])
+        await peer.allreduce([flag], group_id=1, codec="fp32")
+        if float(flag) < 1.0 - 0.5 / world:
+            break
+    elapsed = time.perf_counter() - t0
+    links = {s.peer: {"goodput_MBps": s.goodput_Bps / 1e6, "rtt_ms": s.rtt_s * 1e3, "chunk_bytes": s.chunk_bytes}
+             for s in peer.link_snapshots()}
+    return {"bytes_sent": sent, "seconds": elapsed, "rounds": rounds, "links": links}

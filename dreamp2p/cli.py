@@ -1,0 +1,120 @@
+"""`dreamp2p` command line: argument parsing and printing only; the work lives in the library."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _emit(result: dict[str, Any], as_json: bool) -> None:
+    if not as_json:
+        for key, value in result.items():
+            print(f"{key}: {json.dumps(value)}")
+    # the last line is always the JSON object, so scripts can `tail -1`
+    print(json.dumps(result))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.what == "codec":
+        from dreamp2p.bench.codec import bench_codecs
+
+        result = bench_codecs(mbytes=args.mbytes or 64.0, repeats=args.repeats, names=args.codecs)
+    elif args.what == "transport":
+        from dreamp2p.bench.transport import bench_transport
+
+        result = bench_transport(
+            mbytes=args.mbytes or 64.0, seconds=args.seconds, streams=args.streams, netns=args.netns, rate=args.rate
+        )
+    elif args.what == "allreduce":
+        from dreamp2p.bench.allreduce import bench_allreduce
+
+        result = bench_allreduce(
+            peers=args.peers, mbytes=args.mbytes or 64.0, codecs=args.codecs, rounds=args.repeats, streams=args.streams
+        )
+    else:  # argparse restricts choices
+        raise AssertionError(args.what)
+    _emit(result, args.json)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from dreamp2p.config import PeerInfo, TransportConfig
+    from dreamp2p.transport.client import Link
+
+    async def fetch() -> Any:
+        link = Link("status-cli", PeerInfo("?", args.address), TransportConfig(streams_per_link=1), None, args.token)
+        try:
+            return await link.status()
+        finally:
+            await link.close()
+
+    st = asyncio.run(fetch())
+    print(f"node {st.node_id}  cluster {st.cluster_id}  protocol v{st.protocol_version}  up {st.uptime_s:.0f}s")
+    print(f"ring: {' -> '.join(st.ring) or '(none)'}")
+    print(f"rounds: {st.rounds_completed} completed, {st.rounds_failed} failed; frames rejected: {st.frames_rejected}")
+    for link in st.links:
+        print(
+            f"  link -> {link.peer:<12} rtt {link.rtt_s * 1e3:7.2f} ms  goodput {link.goodput_Bps * 8 / 1e6:9.1f} Mbit/s"
+            f"  sent {link.bytes_sent / 1e6:9.1f} MB  recv {link.bytes_received / 1e6:9.1f} MB  chunk {link.chunk_bytes}"
+        )
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from dreamp2p.demo import run_demo
+
+    return run_demo(nodes=args.nodes, link=args.link, codec=args.codec, rounds=args.rounds)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dreamp2p", description=__doc__)
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
+    b.add_argument("what", choices=["codec", "transport", "allreduce"])
+    b.add_argument("--json", action="store_true", help="print only the JSON result line")
+    b.add_argument("--mbytes", type=float, default=None, help="buffer size in MB (default 64)")
+    b.add_argument("--repeats", type=int, default=3, help="measured repetitions (median)")
+    b.add_argument("--codecs", nargs="+", default=None, help="codecs to measure (default: all)")
+    b.add_argument("--peers", type=int, default=4, help="allreduce: number of peer processes")
+    b.add_argument("--seconds", type=float, default=6.0, help="transport: measuring time")
+    b.add_argument("--streams", type=int, default=2, help="parallel streams (TCP connections) per link")
+    b.add_argument("--netns", action="store_true", help="transport: run across two tbf-shaped namespaces (root)")
+    b.add_argument("--rate", default="100mbit", help="transport --netns: link rate, e.g. 100mbit")
+    b.set_defaults(func=_bench)
+
+    s = sub.add_parser("status", help="live status of a peer: ring, links, counters")
+    s.add_argument("address", help="HOST:PORT of the peer")
+    s.add_argument("--token", default=None, help="shared cluster token, if the peer requires one")
+    s.set_defaults(func=_status)
+
+    d = sub.add_parser("demo", help="start local peers over rate-limited links and average a real model")
+    d.add_argument("--nodes", type=int, default=3)
+    d.add_argument("--link", default="200mbit", help="emulated link rate per peer")
+    d.add_argument("--codec", default="int8")
+    d.add_argument("--rounds", type=int, default=5)
+    d.set_defaults(func=_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.func(args))
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"dreamp2p: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Collectives over an abstract transport: flat-buffer partitioning and the ring all-reduce."""

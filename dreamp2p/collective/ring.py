@@ -1,0 +1,320 @@
+"""Ring all-reduce (mean) of one flat fp32 buffer: reduce-scatter then all-gather, pipelined by chunk.
+
+The classic bandwidth-optimal ring (Patarasuk & Yuan, 2009; ALGORITHMS.md): each peer sends
+2(N-1)/N of the buffer. Chunks flow independently, so a chunk is forwarded to the next hop as soon as
+it has been reduced here, and the 2(N-1) hops overlap instead of running one after another.
+
+Lossy codecs: partial sums are always accumulated in fp32. The owner of a fully reduced segment
+encodes the mean once and replaces its own copy by the decoded bytes; all-gather forwards those exact
+bytes, so every peer ends with bit-identical values.
+
+This module is protocol only: it knows nothing of gRPC. Frames leave through an :class:`OutStream` and
+arrive through :meth:`RingRound.deliver`, which validates every field before touching the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import xxhash
+
+from dreamp2p.collective.partition import (
+    Segment,
+    all_gather_recv,
+    all_gather_send,
+    owned_segment,
+    reduce_scatter_recv,
+    reduce_scatter_send,
+    split_chunks,
+    split_segments,
+)
+from dreamp2p.compression import Codec, CodecError, NonFiniteError, ZstdStage, get_codec
+from dreamp2p.compression.base import UnknownCodecError
+from dreamp2p.errors import PeerError, Status
+from dreamp2p.messages import DType, Frame, Phase
+
+log = logging.getLogger(__name__)
+
+
+def checksum(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+class OutStream(Protocol):
+    """Where a round's outgoing frames go (to the ring successor)."""
+
+    def forward(self, frame: Frame) -> None:
+        """Queue a frame produced by a received one; never blocks, so receiving never deadlocks the ring."""
+
+    async def put(self, frame: Frame) -> None:
+        """Queue one of our own frames; waits while the queue is over its byte budget (backpressure)."""
+
+    async def close(self) -> None:
+        """Flush and wait for the receiver's acknowledgement; raises on failure."""
+
+    def abort(self, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    group_id: int
+    round_id: int
+    plan_version: int
+    rank: int
+    world: int
+    node_id: str
+    predecessor: str
+    codec: Codec
+    dtype: DType = DType.FP32
+    zstd: ZstdStage | None = None
+    chunk_elems: int = 1 << 18
+    max_payload: int = 64 << 20
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.group_id, self.round_id)
+
+
+class RingRound:
+    """One all-reduce round at one peer. Create, :meth:`start`, feed :meth:`deliver`, await :attr:`done`."""
+
+    def __init__(self, spec: RoundSpec, buffer: torch.Tensor, out: OutStream | None) -> None:
+        if buffer.dtype != torch.float32 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError("ring buffer must be a contiguous 1-D float32 tensor")
+        if spec.world > 1 and out is None:
+            raise ValueError("a ring of more than one peer needs an outbound stream")
+        self.spec = spec
+        self.acc = buffer
+        self.out = out
+        self.segments: list[Segment] = split_segments(buffer.numel(), spec.world, spec.codec.block)
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # per (phase, step): sorted chunk starts and their lengths, to refuse overlaps and duplicates
+        self._starts: dict[tuple[Phase, int], list[int]] = {}
+        self._lengths: dict[tuple[Phase, int, int], int] = {}
+        self._expected = 0
+        self._received = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        if spec.world > 1:
+            for step in range(spec.world - 1):
+                rs = self.segments[reduce_scatter_recv(spec.rank, spec.world, step)].length
+                ag = self.segments[all_gather_recv(spec.rank, spec.world, step)].length
+                self._expected += rs + ag
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    # ------------------------------------------------------------------ sending
+
+    async def start(self) -> None:
+        """Send our own segment (reduce-scatter step 0). Finishes at once for a ring of one."""
+        spec = self.spec
+        if spec.world == 1:
+            self._maybe_finish()
+            return
+        seg = self.segments[reduce_scatter_send(spec.rank, spec.world, 0)]
+        assert self.out is not None
+        for chunk in split_chunks(seg, spec.chunk_elems, spec.codec.block):
+            if self.done.done():
+                return
+            frame = self._encode_frame(Phase.REDUCE_SCATTER, 0, seg.index, chunk.start, chunk.length)
+            await self.out.put(frame)
+        self._maybe_finish()
+
+    def _encode_frame(self, phase: Phase, step: int, segment: int, start: int, length: int) -> Frame:
+        spec = self.spec
+        raw = bytes(spec.codec.encode(self.acc[start : start + length]).numpy())
+        return self._frame(phase, step, segment, start, length, raw)
+
+    def _frame(self, phase: Phase, step: int, segment: int, start: int, length: int, raw: bytes) -> Frame:
+        spec = self.spec
+        raw_length = len(raw)
+        if spec.zstd is not None:
+            payload = spec.zstd.compress(raw, spec.codec.itemsize)
+            use_zstd = len(payload) < raw_length
+            if not use_zstd:
+                payload = raw
+        else:
+            payload, use_zstd = raw, False
+        self.bytes_sent += len(payload)
+        return Frame(
+            round_id=spec.round_id,
+            plan_version=spec.plan_version,
+            group_id=spec.group_id,
+            phase=phase,
+            ring_step=step,
+            segment_index=segment,
+            chunk_offset=start,
+            chunk_length=length,
+            codec=spec.codec.wire_id,
+            dtype=spec.dtype,
+            element_count=self.acc.numel(),
+            checksum=checksum(payload),
+            zstd=use_zstd,
+            raw_length=raw_length if use_zstd else 0,
+            payload=payload,
+            sender=spec.node_id,
+        )
+
+    # ---------------------------------------------------------------- receiving
+
+    def deliver(self, frame: Frame) -> None:
+        """Validate a frame against this round, then reduce or store it and forward what follows.
+
+        Raises PeerError before touching any state if anything is off.
+        """
+        spec = self.spec
+        if self.done.done():
+            raise PeerError(Status.STALE_ROUND, f"round {spec.round_id} of group {spec.group_id} already ended")
+        raw, chunk_start, length = self._validate(frame)
+        decoded = self._decode(raw, length)
+        self._mark(frame.phase, frame.ring_step, chunk_start, length)
+        self.bytes_received += len(frame.payload)
+        try:
+            self._apply(frame, decoded, chunk_start, length)
+        except NonFiniteError as exc:
+            # our own partial sum overflowed: this round cannot produce a valid mean anywhere
+            self.fail(f"reduction became non-finite: {exc}")
+            raise PeerError(Status.NON_FINITE, f"reduction became non-finite: {exc}") from None
+        self._received += length
+        self._maybe_finish()
+
+    def _apply(self, frame: Frame, decoded: torch.Tensor, chunk_start: int, length: int) -> None:
+        spec = self.spec
+        step = frame.ring_step
+        view = self.acc[chunk_start : chunk_start + length]
+        last = step == spec.world - 2
+        if frame.phase == Phase.REDUCE_SCATTER:
+            view.add_(decoded)
+            if not last:
+                seg = reduce_scatter_send(spec.rank, spec.world, step + 1)
+                self._forward(self._encode_frame(Phase.REDUCE_SCATTER, step + 1, seg, chunk_start, length))
+            else:
+                view.div_(spec.world)
+                out_raw = bytes(spec.codec.encode(view).numpy())
+                if not spec.codec.lossless:
+                    # keep exactly what every other peer will decode
+                    spec.codec.decode(out_raw, length, out=view)
+                seg = all_gather_send(spec.rank, spec.world, 0)
+                self._forward(self._frame(Phase.ALL_GATHER, 0, seg, chunk_start, length, out_raw))
+        else:
+            view.copy_(decoded)
+            if not last:
+                seg = all_gather_send(spec.rank, spec.world, step + 1)
+                # forward the owner's exact bytes: every peer decodes the same values
+                self._forward(dataclasses.replace(frame, ring_step=step + 1, segment_index=seg, sender=spec.node_id))
+
+    def _forward(self, frame: Frame) -> None:
+        assert self.out is not None
+        self.out.forward(frame)
+
+    def _validate(self, f: Frame) -> tuple[bytes, int, int]:
+        spec = self.spec
+        if f.sender != spec.predecessor:
+            raise PeerError(
+                Status.UNKNOWN_PEER, f"frame from {f.sender!r}, but this round expects {spec.predecessor!r}"
+            )
+        if f.plan_version != spec.plan_version:
+            raise PeerError(Status.BAD_FRAME, f"plan version {f.plan_version}, round uses {spec.plan_version}")
+        if f.element_count != self.acc.numel():
+            raise PeerError(
+                Status.BAD_FRAME, f"element_count {f.element_count} but group buffer has {self.acc.numel()}"
+            )
+        if f.codec != spec.codec.wire_id:
+            try:
+                other = get_codec(f.codec).name
+            except UnknownCodecError:
+                raise PeerError(Status.UNKNOWN_CODEC, f"unknown codec id {f.codec}") from None
+            raise PeerError(Status.BAD_FRAME, f"codec {other} but round uses {spec.codec.name}")
+        if f.dtype != spec.dtype:
+            raise PeerError(Status.BAD_FRAME, f"dtype {f.dtype.name} but round uses {spec.dtype.name}")
+        if f.ring_step >= spec.world - 1:
+            raise PeerError(Status.BAD_FRAME, f"ring_step {f.ring_step} out of range for {spec.world} peers")
+        if f.phase == Phase.REDUCE_SCATTER:
+            want = reduce_scatter_recv(spec.rank, spec.world, f.ring_step)
+        else:
+            want = all_gather_recv(spec.rank, spec.world, f.ring_step)
+        if f.segment_index != want:
+            raise PeerError(
+                Status.BAD_FRAME,
+                f"segment {f.segment_index} at {f.phase.name} step {f.ring_step}; expected segment {want}",
+            )
+        seg = self.segments[want]
+        block = spec.codec.block
+        if f.chunk_length == 0 or f.chunk_offset < seg.start or f.chunk_offset + f.chunk_length > seg.stop:
+            raise PeerError(
+                Status.BAD_FRAME,
+                f"chunk [{f.chunk_offset}, {f.chunk_offset + f.chunk_length}) outside segment "
+                f"{want} [{seg.start}, {seg.stop})",
+            )
+        if (f.chunk_offset - seg.start) % block or (
+            f.chunk_length % block and f.chunk_offset + f.chunk_length != seg.stop
+        ):
+            raise PeerError(Status.BAD_FRAME, f"chunk not aligned to the codec block of {block} elements")
+        self._check_overlap(f.phase, f.ring_step, f.chunk_offset, f.chunk_length)
+        if checksum(f.payload) != f.checksum:
+            raise PeerError(Status.CHECKSUM_MISMATCH, f"payload checksum mismatch ({len(f.payload)} bytes)")
+        need = spec.codec.encoded_nbytes(f.chunk_length)
+        if f.zstd:
+            if spec.zstd is None:
+                raise PeerError(Status.BAD_FRAME, "zstd payload but this round does not use zstd")
+            if f.raw_length != need:
+                raise PeerError(Status.BAD_FRAME, f"raw_length {f.raw_length}, expected {need}")
+            try:
+                raw = spec.zstd.decompress(f.payload, need, spec.codec.itemsize, spec.max_payload)
+            except CodecError as exc:
+                raise PeerError(Status.BAD_FRAME, f"zstd: {exc}") from None
+        else:
+            if len(f.payload) != need:
+                raise PeerError(
+                    Status.BAD_FRAME,
+                    f"payload of {len(f.payload)} bytes for {f.chunk_length} {spec.codec.name} elements; "
+                    f"expected {need}",
+                )
+            raw = f.payload
+        return raw, f.chunk_offset, f.chunk_length
+
+    def _decode(self, raw: bytes, length: int) -> torch.Tensor:
+        if self._scratch.numel() < length:
+            self._scratch = torch.empty(length, dtype=torch.float32)
+        out = self._scratch[:length]
+        try:
+            return self.spec.codec.decode(raw, length, out=out)
+        except NonFiniteError as exc:
+            raise PeerError(Status.NON_FINITE, str(exc)) from None
+        except CodecError as exc:
+            raise PeerError(Status.BAD_FRAME, str(exc)) from None
+
+    def _check_overlap(self, phase: Phase, step: int, start: int, length: int) -> None:
+        starts = self._starts.get((phase, step), [])
+        i = bisect.bisect_left(starts, start)
+        if i < len(starts) and starts[i] == start:
+            raise PeerError(Status.DUPLICATE_CHUNK, f"chunk at {start} of {phase.name} step {step} already received")
+        if i > 0 and starts[i - 1] + self._lengths[(phase, step, starts[i - 1])] > start:
+            raise PeerError(Status.BAD_FRAME, f"chunk at {start} overlaps one already received")
+        if i < len(starts) and start + length > starts[i]:
+            raise PeerError(Status.BAD_FRAME, f"chunk at {start} overlaps one already received")
+
+    def _mark(self, phase: Phase, step: int, start: int, length: int) -> None:
+        bisect.insort(self._starts.setdefault((phase, step), []), start)
+        self._lengths[(phase, step, start)] = length
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def _maybe_finish(self) -> None:
+        if self._received >= self._expected and not self.done.done():
+            self.done.set_result(None)
+
+    def fail(self, reason: str) -> None:
+        if not self.done.done():
+            self.done.set_exception(_RoundAborted(reason))
+        if self.out is not None:
+            self.out.abort(reason)
+
+
+class _RoundAborted(Exception):
+    pass

@@ -1,0 +1,32 @@
+"""Tensor wire codecs (lossless and quantized), the zstd lossless stage and sender-side error feedback."""
+
+from dreamp2p.compression.base import (
+    Codec,
+    CodecError,
+    NonFiniteError,
+    UnknownCodecError,
+    codec_names,
+    get_codec,
+    register_codec,
+)
+from dreamp2p.compression.codecs import BF16, E3M0, FP16, FP32, INT4, INT8
+from dreamp2p.compression.feedback import ErrorFeedback
+from dreamp2p.compression.lossless import ZstdStage
+
+__all__ = [
+    "BF16",
+    "E3M0",
+    "FP16",
+    "FP32",
+    "INT4",
+    "INT8",
+    "Codec",
+    "CodecError",
+    "ErrorFeedback",
+    "NonFiniteError",
+    "UnknownCodecError",
+    "ZstdStage",
+    "codec_names",
+    "get_codec",
+    "register_codec",
+]

@@ -1,0 +1,245 @@
+"""Frozen configuration types for a peer and its transport, loaded from TOML or dicts.
+
+Every loader names the offending key and what it accepts; nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "e3m0")
+
+
+def parse_rate(text: str | float | int) -> float:
+    """Parse a link rate such as ``"100mbit"``, ``"1gbit"``, ``"20Mbps"`` or a number of bits/s into bytes/s."""
+    if isinstance(text, int | float):
+        if text <= 0:
+            raise ValueError(f"rate must be > 0 bits/s, got {text}")
+        return float(text) / 8.0
+    s = text.strip().lower().replace(" ", "")
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "bit": 1.0, "bps": 1.0}
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            num = s[: -len(unit)]
+            try:
+                value = float(num) * mult
+            except ValueError:
+                break
+            if value <= 0:
+                break
+            return value / 8.0
+    raise ValueError(f"cannot parse link rate {text!r}: use e.g. '20mbit', '1gbit', '500kbit'")
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Parse ``"80ms"``, ``"1.5s"``, ``"200us"`` or a number of seconds."""
+    if isinstance(text, int | float):
+        if text < 0:
+            raise ValueError(f"duration must be >= 0, got {text}")
+        return float(text)
+    s = text.strip().lower()
+    for unit, mult in (("ms", 1e-3), ("us", 1e-6), ("s", 1.0)):
+        if s.endswith(unit):
+            try:
+                value = float(s[: -len(unit)]) * mult
+            except ValueError:
+                break
+            if value < 0:
+                break
+            return value
+    raise ValueError(f"cannot parse duration {text!r}: use e.g. '80ms', '1.5s'")
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """Server TLS, optionally mutual. Paths are PEM files."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str | None = None  # verifies peers' certificates; required for mutual TLS
+    mutual: bool = False
+    server_name_override: str | None = None  # when peers are dialled by IP but certs name a host
+
+    def __post_init__(self) -> None:
+        if self.mutual and not self.ca_file:
+            raise ValueError("tls.mutual = true needs tls.ca_file to verify client certificates")
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Knobs of the gRPC transport; defaults suit a WAN link of tens of Mbit/s to a few Gbit/s."""
+
+    max_message_bytes: int = 64 << 20
+    keepalive_time_s: float = 20.0
+    keepalive_timeout_s: float = 10.0
+    streams_per_link: int = 2
+    rpc_deadline_s: float = 30.0
+    connect_timeout_s: float = 60.0
+    round_timeout_s: float = 300.0
+    chunk_min_bytes: int = 64 << 10
+    chunk_max_bytes: int = 4 << 20
+    outbound_queue_bytes: int = 32 << 20
+    max_concurrent_streams: int = 64
+    zstd: bool = False
+    zstd_level: int = 1
+    rate_limit: float | None = None  # emulated link rate in bytes/s (token bucket at the sender)
+    probe_interval_s: float = 5.0
+    probe_burst_bytes: int = 256 << 10
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_message_bytes", "keepalive_time_s", "keepalive_timeout_s", "streams_per_link",
+                  "rpc_deadline_s", "connect_timeout_s", "round_timeout_s", "chunk_min_bytes",
+                  "chunk_max_bytes", "outbound_queue_bytes", "max_concurrent_streams", "probe_interval_s",
+                  "probe_burst_bytes")
+        if self.chunk_min_bytes > self.chunk_max_bytes:
+            raise ValueError(
+                f"transport.chunk_min_bytes ({self.chunk_min_bytes}) > chunk_max_bytes ({self.chunk_max_bytes})"
+            )
+        if self.chunk_max_bytes + (1 << 16) > self.max_message_bytes:
+            raise ValueError("transport.chunk_max_bytes must leave 64 KiB of headroom below max_message_bytes")
+        if self.rate_limit is not None and self.rate_limit <= 0:
+            raise ValueError(f"transport.rate_limit must be > 0 bytes/s, got {self.rate_limit}")
+        if not 1 <= self.zstd_level <= 22:
+            raise ValueError(f"transport.zstd_level must be in 1..22, got {self.zstd_level}")
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """One member of the ring: its node id and the address its server listens on."""
+
+    node_id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    node_id: str
+    cluster_id: str = "dreamp2p"
+    listen: str = "127.0.0.1:0"
+    advertise: str | None = None
+    ring: tuple[PeerInfo, ...] = ()
+    token: str | None = None
+    tls: TLSConfig | None = None
+    codec: str = "fp32"
+    manifest_hash: bytes = b""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    def __post_init__(self) -> None:
+        if not self.node_id or any(c.isspace() for c in self.node_id):
+            raise ValueError(f"node_id must be a non-empty word without spaces, got {self.node_id!r}")
+        if not self.cluster_id:
+            raise ValueError("cluster_id must not be empty")
+        if self.codec not in _CODECS:
+            raise ValueError(f"codec must be one of {', '.join(_CODECS)}; got {self.codec!r}")
+        ids = [p.node_id for p in self.ring]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"ring lists a node id twice: {ids}")
+        if self.ring and self.node_id not in ids:
+            raise ValueError(f"ring does not contain this node ({self.node_id!r}): {ids}")
+
+    @staticmethod
+    def from_toml(path: str | Path) -> PeerConfig:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+        return PeerConfig.from_dict(data)
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> PeerConfig:
+        data = dict(data)
+        if "token_env" in data:
+            env = data.pop("token_env")
+            if env not in os.environ:
+                raise ValueError(f"token_env names environment variable {env!r}, which is not set")
+            data["token"] = os.environ[env]
+        if "transport" in data:
+            data["transport"] = _build(TransportConfig, data["transport"], "transport")
+        if "tls" in data:
+            data["tls"] = _build(TLSConfig, data["tls"], "tls")
+        if "ring" in data:
+            ring = data["ring"]
+            if not isinstance(ring, list):
+                raise ValueError("ring must be a list of {node_id = ..., address = ...} tables")
+            data["ring"] = tuple(_build(PeerInfo, r, f"ring[{i}]") for i, r in enumerate(ring))
+        if "manifest_hash" in data and isinstance(data["manifest_hash"], str):
+            data["manifest_hash"] = bytes.fromhex(data["manifest_hash"])
+        return _build(PeerConfig, data, "")
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0:
+            raise ValueError(f"transport.{name} must be > 0, got {value}")
+
+
+def _build(cls: type[T], data: Any, where: str) -> T:
+    """Build a dataclass from a mapping, refusing unknown keys and wrong types with the key's name."""
+    prefix = f"{where}." if where else ""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where or 'config'} must be a table, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown key {prefix}{unknown[0]}; allowed keys: {', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        kwargs[key] = _coerce(value, hints[key], prefix + key)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # missing required keys
+        raise ValueError(f"{where or 'config'}: {exc}") from None
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if hint is float and key.endswith("rate_limit") and isinstance(value, str):
+        return parse_rate(value)
+    if hint is float and key.endswith("_s") and isinstance(value, str):
+        return parse_duration(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key} must be a string, got {value!r}")
+        return value
+    if hint is bytes:
+        if not isinstance(value, bytes):
+            raise ValueError(f"{key} must be bytes (hex string in TOML), got {value!r}")
+        return value
+    return value

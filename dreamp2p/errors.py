@@ -1,0 +1,46 @@
+"""Application status codes and the exceptions that carry them across layers.
+
+`Status` mirrors `dreamp2p.v1.StatusCode` value for value; the transport maps each one to a gRPC status
+code (see `dreamp2p.transport.serde`), so a caller always gets both a standard code and a precise reason.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Status(enum.IntEnum):
+    UNSPECIFIED = 0
+    OK = 1
+    BAD_FRAME = 2
+    UNKNOWN_CODEC = 3
+    STALE_ROUND = 4
+    OVERSIZE = 5
+    NON_FINITE = 6
+    CHECKSUM_MISMATCH = 7
+    BAD_TOKEN = 8
+    CLUSTER_MISMATCH = 9
+    VERSION_MISMATCH = 10
+    MANIFEST_MISMATCH = 11
+    UNKNOWN_PEER = 12
+    TIMEOUT = 13
+    SHUTTING_DOWN = 14
+    DUPLICATE_CHUNK = 15
+
+
+class PeerError(Exception):
+    """A refusal with a status: raised where input is rejected, turned into a gRPC error at the edge."""
+
+    def __init__(self, status: Status, detail: str) -> None:
+        super().__init__(f"{status.name}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+class RoundFailed(RuntimeError):
+    """An averaging round did not complete; the caller's tensors were left untouched."""
+
+    def __init__(self, key: tuple[int, int], reason: str) -> None:
+        super().__init__(f"round (group={key[0]}, round={key[1]}) failed: {reason}")
+        self.key = key
+        self.reason = reason

@@ -1,0 +1,161 @@
+"""Start N peers as separate local processes, wire them into a ring on loopback, run a job on each.
+
+Used by the benchmarks, the demo and the multi-process tests. Each child runs one event loop with
+one :class:`~dreamp2p.peer.Peer`; the parent only passes ports, the ring and small result dicts over
+multiprocessing pipes between its own children (never data from a network peer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from dreamp2p.config import PeerConfig, PeerInfo
+
+log = logging.getLogger(__name__)
+
+Job = Callable[..., Awaitable[Any]]
+
+
+def resolve(spec: str) -> Job:
+    """``"package.module:function"`` -> the function."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"job must look like 'package.module:function', got {spec!r}")
+    fn = getattr(importlib.import_module(module), name, None)
+    if fn is None:
+        raise ValueError(f"{module} has no attribute {name!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def node_config(rank: int, base: Mapping[str, Any] | None = None) -> PeerConfig:
+    data = {"cluster_id": "local", "listen": "127.0.0.1:0", **(base or {}), "node_id": f"p{rank}"}
+    per_rank = data.pop("per_rank", None)
+    if per_rank:
+        data.update(per_rank.get(rank, {}))
+    return PeerConfig.from_dict(data)
+
+
+def enter_netns(name: str) -> None:
+    """Move this process into network namespace ``name`` (created by deploy/netns-wan.sh; needs root)."""
+    import ctypes
+    import os
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({name}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _child(rank: int, conn: mp.connection.Connection, config: dict[str, Any], job: str, args: dict[str, Any],
+           log_level: int, netns: str | None) -> None:
+    if netns:
+        enter_netns(netns)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s p{rank} %(name)s %(levelname)s %(message)s")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = asyncio.run(_child_main(rank, conn, config, job, args))
+        conn.send(("ok", result))
+    except BaseException as exc:  # report every failure to the parent, then exit non-zero
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        conn.close()
+
+
+async def _child_main(rank: int, conn: mp.connection.Connection, config: dict[str, Any], job: str,
+                      args: dict[str, Any]) -> Any:
+    from dreamp2p.peer import Peer
+
+    loop = asyncio.get_running_loop()
+    peer = Peer(node_config(rank, config))
+    port = await peer.start()
+    conn.send(("port", port))
+    ring = await loop.run_in_executor(None, conn.recv)
+    try:
+        await peer.connect([PeerInfo(n, a) for n, a in ring])
+        result = await resolve(job)(peer, rank, len(ring), **args)
+        conn.send(("done", None))
+        # wait until every peer is done before closing: they may still be sending to us
+        await loop.run_in_executor(None, conn.recv)
+        return result
+    finally:
+        await peer.close()
+
+
+def run_local(
+    n: int,
+    job: str,
+    args: Mapping[str, Any] | None = None,
+    config: Mapping[str, Any] | None = None,
+    timeout: float = 600.0,
+    log_level: int = logging.WARNING,
+    hosts: list[tuple[str | None, str]] | None = None,
+) -> list[Any]:
+    """Run ``job(peer, rank, world, **args)`` on ``n`` peer processes; return the results in rank order.
+
+    ``hosts`` optionally gives each rank a (network namespace, IP address) to run in and listen on.
+    Raises RuntimeError naming the rank and its error if any child fails or the deadline passes.
+    """
+    hosts = hosts or [(None, "127.0.0.1")] * n
+    ctx = mp.get_context("spawn")
+    pipes = []
+    procs = []
+    for rank in range(n):
+        parent, child = ctx.Pipe()
+        netns, host = hosts[rank]
+        cfg = {**dict(config or {}), "listen": f"{host}:0"}
+        p = ctx.Process(target=_child, args=(rank, child, cfg, job, dict(args or {}), log_level, netns), daemon=True)
+        p.start()
+        child.close()
+        pipes.append(parent)
+        procs.append(p)
+    deadline = time.monotonic() + timeout
+    try:
+        ports = [_expect(pipes[r], "port", r, deadline) for r in range(n)]
+        ring = [(f"p{r}", f"{hosts[r][1]}:{ports[r]}") for r in range(n)]
+        for pipe in pipes:
+            pipe.send(ring)
+        for r in range(n):
+            _expect(pipes[r], "done", r, deadline)
+        for pipe in pipes:
+            pipe.send("close")
+        results = [_expect(pipes[r], "ok", r, deadline) for r in range(n)]
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        return results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for pipe in pipes:
+            pipe.close()
+
+
+def _expect(pipe: mp.connection.Connection, kind: str, rank: int, deadline: float) -> Any:
+    left = deadline - time.monotonic()
+    if left <= 0 or not pipe.poll(left):
+        raise RuntimeError(f"rank {rank}: no {kind!r} message before the deadline")
+    try:
+        got, value = pipe.recv()
+    except EOFError:
+        raise RuntimeError(f"rank {rank}: process exited before sending {kind!r}") from None
+    if got == "error":
+        raise RuntimeError(f"rank {rank} failed: {value}")
+    if got != kind:
+        raise RuntimeError(f"rank {rank}: expected {kind!r}, got {got!r}")
+    return value

@@ -1,0 +1,80 @@
+"""Wire-agnostic message types that the collective and peer layers exchange with the transport.
+
+`dreamp2p.transport.serde` is the only place that turns these into protobuf and back; code above the
+transport never sees a generated class.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Phase(enum.IntEnum):
+    REDUCE_SCATTER = 1
+    ALL_GATHER = 2
+
+
+class DType(enum.IntEnum):
+    FP32 = 1
+    FP16 = 2
+    BF16 = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One chunk of one segment of one group's flat buffer, as sent on a Push stream."""
+
+    round_id: int
+    plan_version: int
+    group_id: int
+    phase: Phase
+    ring_step: int
+    segment_index: int
+    chunk_offset: int
+    chunk_length: int
+    codec: int  # wire id, see dreamp2p.compression
+    dtype: DType
+    element_count: int
+    checksum: int
+    zstd: bool
+    raw_length: int
+    payload: bytes
+    sender: str
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Handshake contents: who is calling and whether it speaks our protocol for the same model."""
+
+    cluster_id: str
+    protocol_version: int
+    node_id: str
+    manifest_hash: bytes
+    codecs: tuple[int, ...]
+    advertise_address: str = ""
+
+
+@dataclass(frozen=True)
+class LinkSnapshot:
+    peer: str
+    rtt_s: float
+    goodput_Bps: float
+    bytes_sent: int
+    bytes_received: int
+    samples: int
+    chunk_bytes: int
+
+
+@dataclass(frozen=True)
+class PeerStatus:
+    node_id: str
+    cluster_id: str
+    protocol_version: int
+    ring: tuple[str, ...]
+    links: tuple[LinkSnapshot, ...]
+    rounds_completed: int
+    rounds_failed: int
+    frames_rejected: int
+    codecs: tuple[int, ...] = field(default_factory=tuple)
+    uptime_s: float = 0.0

@@ -1,0 +1,450 @@
+"""The asyncio gRPC peer: server, links to the ring, admission, round registry and `allreduce`.
+
+One Peer lives on one event loop. It owns the gRPC server (see `transport.server` for the thin
+servicer), one :class:`~dreamp2p.transport.client.Link` per other member, and the rounds in flight.
+Averaging is the ring all-reduce of `collective.ring`; chunk sizes come from each link's measured
+goodput (`schedule.chunking`), which passive metering and a light idle-time probe keep current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from grpc import aio
+
+from dreamp2p import PROTOCOL_VERSION
+from dreamp2p.collective.partition import split_segments
+from dreamp2p.collective.ring import RingRound, RoundSpec
+from dreamp2p.compression import ZstdStage, codec_names, get_codec
+from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.errors import PeerError, RoundFailed, Status
+from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus
+from dreamp2p.schedule.chunking import choose_chunk_bytes
+from dreamp2p.transport.client import Link
+from dreamp2p.transport.server import build_server
+
+log = logging.getLogger(__name__)
+
+# How far ahead of our newest round a peer may send (it may be a little ahead of us); beyond: refused.
+MAX_ROUNDS_AHEAD = 64
+# How many rounds may be waited on before they open here (bounds memory a sender can make us hold).
+MAX_PENDING_ROUNDS = 256
+# Probes larger than this are refused.
+MAX_PROBE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    group_id: int
+    round_id: int
+    seconds: float
+    bytes_sent: int
+    bytes_received: int
+    elements: int
+    codec: str
+    chunk_bytes: int
+
+
+class Peer:
+    """A node's networking half. Use ``async with Peer(cfg) as peer`` or start/close explicitly."""
+
+    def __init__(self, config: PeerConfig) -> None:
+        self.config = config
+        self.max_payload = config.transport.max_message_bytes - (64 << 10)
+        self.max_probe_bytes = MAX_PROBE_BYTES
+        self._server: aio.Server | None = None
+        self.port = 0
+        self._ring: tuple[PeerInfo, ...] = ()
+        self._links: dict[str, Link] = {}
+        self._admitted: dict[str, Hello] = {}
+        self._rounds: dict[tuple[int, int], RingRound] = {}
+        self._waiters: dict[tuple[int, int], asyncio.Future[RingRound]] = {}
+        self._next_round: dict[int, int] = {}
+        self._closed_rounds: dict[int, set[int]] = {}
+        self._zstd = ZstdStage(config.transport.zstd_level) if config.transport.zstd else None
+        self._prober: asyncio.Task[None] | None = None
+        self._started = time.monotonic()
+        self._closing = False
+        self.rounds_completed = 0
+        self.rounds_failed = 0
+        self.frames_rejected = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> int:
+        self._server, self.port = build_server(self.config, self)
+        await self._server.start()
+        log.info("%s listening on port %d", self.config.node_id, self.port)
+        return self.port
+
+    @property
+    def address(self) -> str:
+        if self.config.advertise:
+            return self.config.advertise
+        host = self.config.listen.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    @property
+    def ring(self) -> tuple[PeerInfo, ...]:
+        return self._ring
+
+    def hello(self) -> Hello:
+        return Hello(
+            cluster_id=self.config.cluster_id,
+            protocol_version=PROTOCOL_VERSION,
+            node_id=self.config.node_id,
+            manifest_hash=self.config.manifest_hash,
+            codecs=tuple(get_codec(n).wire_id for n in codec_names()),
+            advertise_address=self.address,
+        )
+
+    async def connect(self, ring: Sequence[PeerInfo] | None = None, timeout: float | None = None) -> None:
+        """Adopt the ring (config order by default) and handshake with every other member."""
+        ring = tuple(ring if ring is not None else self.config.ring)
+        ids = [p.node_id for p in ring]
+        if self.config.node_id not in ids:
+            raise ValueError(f"ring {ids} does not contain this node {self.config.node_id!r}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"ring lists a node id twice: {ids}")
+        self._ring = ring
+        cfg = self.config
+        for p in ring:
+            if p.node_id != cfg.node_id and p.node_id not in self._links:
+                self._links[p.node_id] = Link(cfg.node_id, p, cfg.transport, cfg.tls, cfg.token)
+        hello = self.hello()
+        limit = timeout if timeout is not None else cfg.transport.connect_timeout_s
+        replies = await asyncio.gather(*(link.handshake(hello, limit) for link in self._links.values()))
+        for link, reply in zip(self._links.values(), replies, strict=True):
+            if reply.node_id != link.dest.node_id:
+                raise PeerError(
+                    Status.UNKNOWN_PEER, f"{link.dest.address} answered as {reply.node_id!r}, not {link.dest.node_id!r}"
+                )
+        if self._prober is None and cfg.transport.probe_interval_s > 0:
+            self._prober = asyncio.create_task(self._probe_loop(), name=f"probe-{cfg.node_id}")
+
+    async def close(self, grace: float = 2.0) -> None:
+        """Stop probing, fail rounds in flight, stop the server with ``grace`` seconds, close channels."""
+        self._closing = True
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
+            self._prober = None
+        for rnd in list(self._rounds.values()):
+            rnd.fail("peer shutting down")
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(PeerError(Status.SHUTTING_DOWN, "peer shutting down"))
+                fut.exception()
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        await asyncio.gather(*(link.close() for link in self._links.values()))
+        self._links.clear()
+
+    async def __aenter__(self) -> Peer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ server backend
+
+    def admit(self, hello: Hello) -> Hello:
+        mine = self.hello()
+        if hello.cluster_id != mine.cluster_id:
+            raise PeerError(
+                Status.CLUSTER_MISMATCH, f"cluster {hello.cluster_id!r}, this peer is in {mine.cluster_id!r}"
+            )
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise PeerError(
+                Status.VERSION_MISMATCH,
+                f"protocol version {hello.protocol_version}, this peer speaks {PROTOCOL_VERSION}",
+            )
+        if hello.manifest_hash != mine.manifest_hash:
+            raise PeerError(
+                Status.MANIFEST_MISMATCH,
+                f"model manifest {hello.manifest_hash.hex()[:16]} differs from {mine.manifest_hash.hex()[:16]}",
+            )
+        allowed = {p.node_id for p in (self._ring or self.config.ring)}
+        if allowed and hello.node_id not in allowed:
+            raise PeerError(Status.UNKNOWN_PEER, f"node {hello.node_id!r} is not a member of this ring")
+        codec = get_codec(self.config.codec).wire_id
+        if codec not in hello.codecs:
+            raise PeerError(Status.UNKNOWN_CODEC, f"peer cannot decode codec {self.config.codec}")
+        self._admitted[hello.node_id] = hello
+        return mine
+
+    async def accept_frame(self, frame: Frame) -> None:
+        try:
+            if self._closing:
+                raise PeerError(Status.SHUTTING_DOWN, "peer shutting down")
+            if frame.sender not in self._admitted:
+                raise PeerError(Status.UNKNOWN_PEER, f"sender {frame.sender!r} has not completed a handshake")
+            rnd = self._rounds.get((frame.group_id, frame.round_id)) or await self._wait_round(frame)
+            rnd.deliver(frame)
+        except PeerError:
+            self.frames_rejected += 1
+            raise
+        link = self._links.get(frame.sender)
+        if link is not None:
+            link.stats.bytes_received += len(frame.payload)
+
+    async def _wait_round(self, frame: Frame) -> RingRound:
+        key = (frame.group_id, frame.round_id)
+        newest = self._next_round.get(frame.group_id, 0)
+        if frame.round_id == 0 or frame.round_id in self._closed_rounds.get(frame.group_id, ()) or (
+            frame.round_id <= newest
+        ):
+            raise PeerError(Status.STALE_ROUND, f"round {frame.round_id} of group {frame.group_id} is not open here")
+        if frame.round_id > newest + MAX_ROUNDS_AHEAD:
+            raise PeerError(
+                Status.BAD_FRAME, f"round {frame.round_id} is more than {MAX_ROUNDS_AHEAD} ahead of {newest}"
+            )
+        fut = self._waiters.get(key)
+        if fut is None:
+            if len(self._waiters) >= MAX_PENDING_ROUNDS:
+                raise PeerError(Status.OVERSIZE, "too many rounds pending")
+            fut = self._waiters[key] = asyncio.get_running_loop().create_future()
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.config.transport.round_timeout_s)
+        except TimeoutError:
+            raise PeerError(Status.TIMEOUT, f"round {key} did not open here in time") from None
+        finally:
+            if fut.done() and self._waiters.get(key) is fut:
+                del self._waiters[key]
+
+    def stream_broken(self, sender: str, reason: str) -> None:
+        for rnd in list(self._rounds.values()):
+            if rnd.spec.predecessor == sender:
+                rnd.fail(f"{sender}: {reason}")
+
+    def note_probe(self, sender: str, nbytes: int) -> None:
+        link = self._links.get(sender)
+        if link is not None:
+            link.stats.bytes_received += nbytes
+
+    def status(self) -> PeerStatus:
+        return PeerStatus(
+            node_id=self.config.node_id,
+            cluster_id=self.config.cluster_id,
+            protocol_version=PROTOCOL_VERSION,
+            ring=tuple(p.node_id for p in self._ring),
+            links=tuple(self.link_snapshots()),
+            rounds_completed=self.rounds_completed,
+            rounds_failed=self.rounds_failed,
+            frames_rejected=self.frames_rejected,
+            codecs=self.hello().codecs,
+            uptime_s=time.monotonic() - self._started,
+        )
+
+    def link_snapshots(self) -> list[LinkSnapshot]:
+        return [
+            LinkSnapshot(
+                peer=node,
+                rtt_s=link.stats.rtt_s if link.stats.rtt_samples else 0.0,
+                goodput_Bps=link.stats.goodput_Bps if link.stats.samples else 0.0,
+                bytes_sent=link.stats.bytes_sent,
+                bytes_received=link.stats.bytes_received,
+                samples=link.stats.samples,
+                chunk_bytes=link.chunk_bytes,
+            )
+            for node, link in self._links.items()
+        ]
+
+    def link(self, node_id: str) -> Link:
+        return self._links[node_id]
+
+    # ------------------------------------------------------------------ averaging
+
+    async def allreduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group_id: int = 0,
+        codec: str | None = None,
+        plan_version: int = 0,
+        timeout: float | None = None,
+    ) -> RoundResult:
+        """Average ``tensors`` in place across the ring (a collective: every member must call it).
+
+        On failure raises :class:`RoundFailed` and leaves the tensors exactly as they were.
+        """
+        if not self._ring:
+            raise RuntimeError("allreduce before connect(): no ring")
+        t0 = time.perf_counter()
+        world = len(self._ring)
+        rank = [p.node_id for p in self._ring].index(self.config.node_id)
+        round_id = self._next_round.get(group_id, 0) + 1
+        self._next_round[group_id] = round_id
+        key = (group_id, round_id)
+        codec_obj = get_codec(codec or self.config.codec)
+        flat = _flatten(tensors)
+        if not bool(torch.isfinite(flat).all()):
+            self._close_round(key)
+            self.rounds_failed += 1
+            raise RoundFailed(key, "local contribution holds NaN or Inf; refusing to send it")
+        succ = self._ring[(rank + 1) % world]
+        pred = self._ring[(rank - 1) % world]
+        chunk_bytes = 0
+        out = None
+        if world > 1:
+            link = self._links[succ.node_id]
+            seg_elems = max(s.length for s in split_segments(flat.numel(), world, codec_obj.block))
+            t = self.config.transport
+            goodput = link.stats.goodput_Bps if link.stats.samples else math.nan
+            chunk_bytes = choose_chunk_bytes(
+                goodput, seg_elems * 4, world, min_bytes=t.chunk_min_bytes, max_bytes=t.chunk_max_bytes
+            )
+            link.chunk_bytes = chunk_bytes
+            out = link.open_stream(timeout=timeout or t.round_timeout_s)
+        spec = RoundSpec(
+            group_id=group_id,
+            round_id=round_id,
+            plan_version=plan_version,
+            rank=rank,
+            world=world,
+            node_id=self.config.node_id,
+            predecessor=pred.node_id,
+            codec=codec_obj,
+            dtype=_dtype_of(tensors),
+            zstd=self._zstd,
+            chunk_elems=max(1, chunk_bytes // 4),
+            max_payload=self.max_payload,
+        )
+        rnd = RingRound(spec, flat, out)
+        self._rounds[key] = rnd
+        waiter = self._waiters.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(rnd)
+        try:
+            await self._run(rnd, out, timeout or self.config.transport.round_timeout_s)
+        except (PeerError, TimeoutError, _Aborted) as exc:
+            rnd.fail(str(exc))
+            self.rounds_failed += 1
+            raise RoundFailed(key, str(exc) or type(exc).__name__) from None
+        except BaseException:
+            rnd.fail("cancelled")
+            raise
+        finally:
+            self._rounds.pop(key, None)
+            self._close_round(key)
+        _unflatten(flat, tensors)
+        self.rounds_completed += 1
+        return RoundResult(
+            group_id=group_id,
+            round_id=round_id,
+            seconds=time.perf_counter() - t0,
+            bytes_sent=rnd.bytes_sent,
+            bytes_received=rnd.bytes_received,
+            elements=flat.numel(),
+            codec=codec_obj.name,
+            chunk_bytes=chunk_bytes,
+        )
+
+    async def _run(self, rnd: RingRound, out: object, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        starter = asyncio.ensure_future(rnd.start())
+        waiters: list[asyncio.Future[object]] = [rnd.done, starter]  # type: ignore[list-item]
+        failed = None
+        if out is not None:
+            failed = out.failed()  # type: ignore[attr-defined]
+            waiters.append(failed)
+        try:
+            while not (rnd.done.done() and starter.done()):
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError(f"round did not finish within {timeout:.1f} s")
+                done, _ = await asyncio.wait(waiters, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    exc = fut.exception()
+                    if exc is not None:
+                        raise _Aborted(str(exc)) if not isinstance(exc, PeerError) else exc
+                waiters = [w for w in waiters if not w.done()]
+            if out is not None:
+                await asyncio.wait_for(out.close(), max(0.1, deadline - loop.time()))  # type: ignore[attr-defined]
+        finally:
+            if not starter.done():
+                starter.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await starter
+            if failed is not None and not failed.done():
+                failed.cancel()
+            elif failed is not None and not failed.cancelled():
+                failed.exception()
+            if rnd.done.done() and not rnd.done.cancelled():
+                rnd.done.exception()
+
+    def _close_round(self, key: tuple[int, int]) -> None:
+        closed = self._closed_rounds.setdefault(key[0], set())
+        closed.add(key[1])
+        if len(closed) > 1024:
+            # ids at or below our newest round are refused as stale anyway; keep the set small
+            for rid in sorted(closed)[:-512]:
+                closed.discard(rid)
+
+    # ------------------------------------------------------------------ probing
+
+    async def _probe_loop(self) -> None:
+        interval = self.config.transport.probe_interval_s
+        burst = self.config.transport.probe_burst_bytes
+        tick = 0
+        while True:
+            await asyncio.sleep(interval)
+            tick += 1
+            for link in list(self._links.values()):
+                if time.monotonic() - link.stats.last_activity < interval:
+                    continue  # busy links are measured passively
+                try:
+                    await link.probe_rtt()
+                    if link.stats.samples == 0 or tick % 4 == 0:
+                        await link.probe_bandwidth(burst)
+                    link.stats.last_activity = time.monotonic()
+                except PeerError as exc:
+                    log.warning("probe of %s failed: %s", link.dest.node_id, exc)
+
+    async def probe_now(self, burst_bytes: int | None = None) -> list[LinkSnapshot]:
+        """Measure every link once (RTT echo + burst) and return the snapshots."""
+        for link in self._links.values():
+            await link.probe_rtt()
+            await link.probe_bandwidth(burst_bytes or self.config.transport.probe_burst_bytes)
+        return self.link_snapshots()
+
+
+class _Aborted(Exception):
+    pass
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        return torch.empty(0, dtype=torch.float32)
+    for i, t in enumerate(tensors):
+        if not t.is_floating_point():
+            raise TypeError(f"tensor {i} has dtype {t.dtype}; only floating-point tensors can be averaged")
+    return torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view(t.shape))
+            offset += n
+
+
+def _dtype_of(tensors: Sequence[torch.Tensor]) -> DType:
+    dtypes = {t.dtype for t in tensors}
+    if dtypes == {torch.float16}:
+        return DType.FP16
+    if dtypes == {torch.bfloat16}:
+        return DType.BF16
+    return DType.FP32

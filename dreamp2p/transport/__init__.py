@@ -1,0 +1,1 @@
+"""The only package that imports generated gRPC stubs: server, client, auth, options, serde, link probe."""

@@ -1,0 +1,285 @@
+"""Client side of one link: channels to a neighbour, chunk streams with backpressure, probes, stats.
+
+A :class:`Link` owns ``streams_per_link`` channels (separate TCP connections) to one peer. An
+:class:`OutboundStream` spreads a round's frames over them from one queue, paced by the optional
+token bucket (WAN emulation) and metered for goodput. Every call has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc import aio
+
+from dreamp2p.config import PeerInfo, TLSConfig, TransportConfig
+from dreamp2p.errors import PeerError, Status
+from dreamp2p.messages import Frame, Hello, PeerStatus
+from dreamp2p.transport import serde
+from dreamp2p.transport.auth import token_metadata
+from dreamp2p.transport.limiter import TokenBucket
+from dreamp2p.transport.linkstats import BusyMeter, LinkEstimator
+from dreamp2p.transport.options import channel_credentials, channel_options
+from dreamp2p.v1 import peer_pb2 as pb
+from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_nonces = itertools.count(1)
+
+
+def rpc_error(exc: grpc.RpcError) -> PeerError:
+    """Turn a failed call into a PeerError carrying the remote application status when there is one."""
+    code = exc.code() if isinstance(exc, aio.AioRpcError) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if isinstance(exc, aio.AioRpcError) else str(exc)
+    status = serde.status_from_details(details)
+    if status == Status.UNSPECIFIED and code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        status = Status.TIMEOUT
+    return PeerError(status, f"{code.name}: {details}")
+
+
+def open_channel(address: str, cfg: TransportConfig, tls: TLSConfig | None) -> aio.Channel:
+    if tls is not None:
+        return aio.secure_channel(address, channel_credentials(tls), options=channel_options(cfg, tls))
+    return aio.insecure_channel(address, options=channel_options(cfg, tls))
+
+
+class Link:
+    """Everything this peer knows and holds about its connection to one other peer."""
+
+    def __init__(
+        self, me: str, dest: PeerInfo, cfg: TransportConfig, tls: TLSConfig | None, token: str | None
+    ) -> None:
+        self.me = me
+        self.dest = dest
+        self.cfg = cfg
+        self._metadata = token_metadata(token)
+        self._channels = [open_channel(dest.address, cfg, tls) for _ in range(cfg.streams_per_link)]
+        self._stubs = [pb_grpc.PeerStub(ch) for ch in self._channels]
+        self.stats = LinkEstimator()
+        self.meter = BusyMeter()
+        self.bucket = TokenBucket(cfg.rate_limit) if cfg.rate_limit else None
+        self.chunk_bytes = 0
+        self.remote: Hello | None = None
+
+    # ------------------------------------------------------------------ calls
+
+    async def handshake(self, hello: Hello, timeout: float) -> Hello:
+        """Handshake, retrying while the remote is not up yet, until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                reply = await self._stubs[0].Handshake(
+                    serde.hello_to_proto(hello),
+                    timeout=max(0.1, min(self.cfg.rpc_deadline_s, left)),
+                    metadata=self._metadata,
+                    wait_for_ready=True,
+                )
+            except aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and left > delay:
+                    await asyncio.sleep(delay)
+                    delay = min(1.0, delay * 2)
+                    continue
+                raise rpc_error(exc) from None
+            self.remote = serde.hello_from_reply(reply)
+            return self.remote
+
+    async def status(self) -> PeerStatus:
+        try:
+            reply = await self._stubs[0].Status(
+                pb.StatusRequest(), timeout=self.cfg.rpc_deadline_s, metadata=self._metadata
+            )
+        except aio.AioRpcError as exc:
+            raise rpc_error(exc) from None
+        return serde.status_from_proto(reply)
+
+    async def probe_rtt(self) -> float:
+        """One tiny echo; returns and records the round-trip time."""
+        t0 = time.perf_counter()
+        try:
+            await self._stubs[0].Probe(
+                serde.probe_request(next(_nonces), b"", 0, self.me),
+                timeout=self.cfg.rpc_deadline_s,
+                metadata=self._metadata,
+            )
+        except aio.AioRpcError as exc:
+            raise rpc_error(exc) from None
+        rtt = time.perf_counter() - t0
+        self.stats.observe_rtt(rtt)
+        return rtt
+
+    async def probe_bandwidth(self, nbytes: int) -> float:
+        """Send a burst of ``nbytes`` and time it (minus one RTT); returns and records bytes/s."""
+        burst = bytes(nbytes)
+        if self.bucket is not None:
+            await self.bucket.acquire(nbytes)
+        t0 = time.perf_counter()
+        try:
+            await self._stubs[0].Probe(
+                serde.probe_request(next(_nonces), burst, 0, self.me),
+                timeout=self.cfg.rpc_deadline_s,
+                metadata=self._metadata,
+            )
+        except aio.AioRpcError as exc:
+            raise rpc_error(exc) from None
+        elapsed = time.perf_counter() - t0
+        rtt = self.stats.rtt_s if self.stats.rtt_samples else 0.0
+        rate = nbytes / max(elapsed - rtt, elapsed * 0.1)
+        self.stats.observe_transfer(nbytes, nbytes / rate)
+        self.stats.bytes_sent += nbytes
+        return rate
+
+    def open_stream(self, nstreams: int | None = None, timeout: float | None = None) -> OutboundStream:
+        n = max(1, min(nstreams or len(self._stubs), len(self._stubs)))
+        return OutboundStream(
+            self, self._stubs[:n], self._metadata, timeout or self.cfg.round_timeout_s, self.cfg.outbound_queue_bytes
+        )
+
+    async def close(self) -> None:
+        await asyncio.gather(*(ch.close(grace=None) for ch in self._channels), return_exceptions=True)
+
+
+class OutboundStream:
+    """One round's frames to one peer over several Push streams sharing one queue.
+
+    Forwarded frames (produced from received ones) are queued without waiting, so a receiving handler
+    never blocks on a full queue and the ring cannot deadlock; our own frames wait for room
+    (backpressure bounded by ``limit_bytes``). Forwarded frames go first: they are later in the pipeline.
+    """
+
+    def __init__(
+        self,
+        link: Link,
+        stubs: list[pb_grpc.PeerStub],
+        metadata: tuple[tuple[str, str], ...],
+        timeout: float,
+        limit_bytes: int,
+    ) -> None:
+        self._link = link
+        self._fwd: collections.deque[Frame] = collections.deque()
+        self._own: collections.deque[Frame] = collections.deque()
+        self._queued_bytes = 0
+        self._limit = limit_bytes
+        self._closed = False
+        self._failure: PeerError | None = None
+        self._wake = asyncio.Event()
+        self._space = asyncio.Event()
+        self._space.set()
+        self.frames_sent = 0
+        self.bytes_sent = 0
+        self._calls = [stub.Push(self._frames(), timeout=timeout, metadata=metadata) for stub in stubs]
+        self._on_failure: list[asyncio.Future[None]] = []
+        self._tasks = [asyncio.ensure_future(self._await(call)) for call in self._calls]
+        for task in self._tasks:
+            task.add_done_callback(_retrieve)
+
+    async def _await(self, call: aio.StreamUnaryCall) -> pb.PushAck | None:
+        try:
+            return await call
+        except aio.AioRpcError as exc:
+            err = rpc_error(exc)
+            self._fail(err)
+            raise err from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._failure is not None and task is not None and not task.cancelling():
+                return None  # we cancelled the call ourselves in abort(); the failure is recorded
+            raise
+
+    def _fail(self, err: PeerError) -> None:
+        if self._failure is None:
+            self._failure = err
+            for fut in self._on_failure:
+                if not fut.done():
+                    fut.set_exception(err)
+        self._wake.set()
+        self._space.set()
+
+    def failed(self) -> asyncio.Future[None]:
+        """A future that raises as soon as any of this stream's calls fails."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._failure is not None:
+            fut.set_exception(self._failure)
+        else:
+            self._on_failure.append(fut)
+        return fut
+
+    def forward(self, frame: Frame) -> None:
+        self._fwd.append(frame)
+        self._queued_bytes += len(frame.payload)
+        self._wake.set()
+
+    async def put(self, frame: Frame) -> None:
+        while self._queued_bytes >= self._limit and self._failure is None and not self._closed:
+            self._space.clear()
+            await self._space.wait()
+        if self._failure is not None:
+            raise self._failure
+        self._own.append(frame)
+        self._queued_bytes += len(frame.payload)
+        self._wake.set()
+
+    async def _next(self) -> Frame | None:
+        while True:
+            if self._failure is not None:
+                return None
+            if self._fwd:
+                return self._fwd.popleft()
+            if self._own:
+                return self._own.popleft()
+            if self._closed:
+                return None
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _frames(self) -> AsyncIterator[pb.DataFrame]:
+        link = self._link
+        while True:
+            frame = await self._next()
+            if frame is None:
+                # the other generators may be waiting for a frame that will not come
+                self._wake.set()
+                return
+            n = len(frame.payload)
+            self._queued_bytes -= n
+            if self._queued_bytes < self._limit:
+                self._space.set()
+            if link.bucket is not None:
+                await link.bucket.acquire(n)
+            sample = link.meter.on_send(time.perf_counter(), n, bool(self._fwd or self._own))
+            if sample is not None:
+                link.stats.observe_transfer(*sample)
+            link.stats.bytes_sent += n
+            link.stats.last_activity = time.monotonic()
+            self.frames_sent += 1
+            self.bytes_sent += n
+            yield serde.frame_to_proto(frame)
+
+    async def close(self) -> None:
+        """No more frames: flush, then wait for every stream's acknowledgement."""
+        self._closed = True
+        self._wake.set()
+        try:
+            await asyncio.gather(*self._tasks)
+        finally:
+            self._link.meter.idle()
+        if self._failure is not None:
+            raise self._failure
+
+    def abort(self, reason: str) -> None:
+        self._fail(PeerError(Status.UNSPECIFIED, f"aborted: {reason}"))
+        for call in self._calls:
+            call.cancel()
+
+
+def _retrieve(task: asyncio.Future[object]) -> None:
+    """Mark a task's exception as seen: failures are reported through the stream, not the task."""
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,69 @@
+"""Per-link statistics: smoothed RTT and goodput from passive transfer samples and active probes.
+
+Pure bookkeeping (no I/O): the transport feeds it timestamps and byte counts, the planner reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class LinkEstimator:
+    """EWMA of a link's goodput (bytes/s) and RTT (seconds), plus traffic counters."""
+
+    alpha: float = 0.3
+    rtt_s: float = math.nan
+    goodput_Bps: float = math.nan
+    samples: int = 0
+    rtt_samples: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last_activity: float = 0.0
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        """A period during which the link was kept busy moved ``nbytes`` in ``seconds``."""
+        if nbytes <= 0 or seconds <= 0 or not math.isfinite(seconds):
+            return
+        rate = nbytes / seconds
+        self.goodput_Bps = rate if self.samples == 0 else (1 - self.alpha) * self.goodput_Bps + self.alpha * rate
+        self.samples += 1
+
+    def observe_rtt(self, seconds: float) -> None:
+        if seconds <= 0 or not math.isfinite(seconds):
+            return
+        self.rtt_s = seconds if self.rtt_samples == 0 else (1 - self.alpha) * self.rtt_s + self.alpha * seconds
+        self.rtt_samples += 1
+
+
+@dataclass
+class BusyMeter:
+    """Turns a stream of "frame handed to the link" events into goodput samples.
+
+    Only intervals during which more data was already waiting count: then the link, not the producer,
+    set the pace, so bytes / busy time estimates what the link can carry. A sample is emitted once
+    ``window_s`` of busy time has accumulated.
+    """
+
+    window_s: float = 0.05
+    _last_t: float | None = None
+    _last_backlogged: bool = False
+    _busy_bytes: int = 0
+    _busy_s: float = 0.0
+
+    def on_send(self, now: float, nbytes: int, backlogged: bool) -> tuple[int, float] | None:
+        sample = None
+        if self._last_t is not None and self._last_backlogged:
+            self._busy_bytes += nbytes
+            self._busy_s += max(0.0, now - self._last_t)
+            if self._busy_s >= self.window_s:
+                sample = (self._busy_bytes, self._busy_s)
+                self._busy_bytes, self._busy_s = 0, 0.0
+        self._last_t = now
+        self._last_backlogged = backlogged
+        return sample
+
+    def idle(self) -> None:
+        self._last_t = None
+        self._last_backlogged = False

@@ -1,0 +1,214 @@
+"""The single proto boundary: converts between `dreamp2p.messages` and `dreamp2p.v1` protobuf.
+
+Structural checks that need no round context (known enums, non-empty sender, sizes that fit the
+configured limits) happen here, so everything past this module holds well-formed values.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from dreamp2p.errors import PeerError, Status
+from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, Phase
+from dreamp2p.v1 import peer_pb2 as pb
+
+# Application status -> the standard gRPC code a generic client understands.
+GRPC_CODE: dict[Status, grpc.StatusCode] = {
+    Status.OK: grpc.StatusCode.OK,
+    Status.UNSPECIFIED: grpc.StatusCode.UNKNOWN,
+    Status.BAD_FRAME: grpc.StatusCode.INVALID_ARGUMENT,
+    Status.UNKNOWN_CODEC: grpc.StatusCode.INVALID_ARGUMENT,
+    Status.STALE_ROUND: grpc.StatusCode.ABORTED,
+    Status.OVERSIZE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Status.NON_FINITE: grpc.StatusCode.INVALID_ARGUMENT,
+    Status.CHECKSUM_MISMATCH: grpc.StatusCode.DATA_LOSS,
+    Status.BAD_TOKEN: grpc.StatusCode.UNAUTHENTICATED,
+    Status.CLUSTER_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    Status.VERSION_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    Status.MANIFEST_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    Status.UNKNOWN_PEER: grpc.StatusCode.PERMISSION_DENIED,
+    Status.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Status.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
+    Status.DUPLICATE_CHUNK: grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+# Prefix of every error detail string, so clients can recover the application status from it.
+_DETAIL_SEP = ": "
+
+
+def error_details(err: PeerError) -> str:
+    return f"{err.status.name}{_DETAIL_SEP}{err.detail}"
+
+
+def status_from_details(details: str | None) -> Status:
+    """Recover the application status from an error detail written by :func:`error_details`."""
+    name = (details or "").split(_DETAIL_SEP, 1)[0]
+    try:
+        return Status[name]
+    except KeyError:
+        return Status.UNSPECIFIED
+
+
+def frame_to_proto(f: Frame) -> pb.DataFrame:
+    return pb.DataFrame(
+        round_id=f.round_id,
+        plan_version=f.plan_version,
+        group_id=f.group_id,
+        phase=int(f.phase),
+        ring_step=f.ring_step,
+        segment_index=f.segment_index,
+        chunk_offset=f.chunk_offset,
+        chunk_length=f.chunk_length,
+        codec=f.codec,
+        dtype=int(f.dtype),
+        element_count=f.element_count,
+        checksum=f.checksum,
+        zstd=f.zstd,
+        raw_length=f.raw_length,
+        payload=f.payload,
+        sender=f.sender,
+    )
+
+
+def frame_from_proto(m: pb.DataFrame, max_payload: int) -> Frame:
+    """Structural validation of a received frame; raises PeerError with the precise reason."""
+    if len(m.payload) > max_payload:
+        raise PeerError(Status.OVERSIZE, f"payload of {len(m.payload)} bytes exceeds limit {max_payload}")
+    try:
+        phase = Phase(m.phase)
+    except ValueError:
+        raise PeerError(Status.BAD_FRAME, f"unknown phase {m.phase}") from None
+    try:
+        dtype = DType(m.dtype)
+    except ValueError:
+        raise PeerError(Status.BAD_FRAME, f"unknown dtype {m.dtype}") from None
+    if m.codec == 0:
+        raise PeerError(Status.UNKNOWN_CODEC, "codec not set")
+    if not m.sender:
+        raise PeerError(Status.BAD_FRAME, "sender not set")
+    if m.chunk_length == 0 and m.payload:
+        raise PeerError(Status.BAD_FRAME, "empty chunk with a payload")
+    return Frame(
+        round_id=m.round_id,
+        plan_version=m.plan_version,
+        group_id=m.group_id,
+        phase=phase,
+        ring_step=m.ring_step,
+        segment_index=m.segment_index,
+        chunk_offset=m.chunk_offset,
+        chunk_length=m.chunk_length,
+        codec=m.codec,
+        dtype=dtype,
+        element_count=m.element_count,
+        checksum=m.checksum,
+        zstd=m.zstd,
+        raw_length=m.raw_length,
+        payload=m.payload,
+        sender=m.sender,
+    )
+
+
+def hello_to_proto(h: Hello) -> pb.HandshakeRequest:
+    return pb.HandshakeRequest(
+        cluster_id=h.cluster_id,
+        protocol_version=h.protocol_version,
+        node_id=h.node_id,
+        manifest_hash=h.manifest_hash,
+        codecs=list(h.codecs),
+        advertise_address=h.advertise_address,
+    )
+
+
+def hello_from_proto(m: pb.HandshakeRequest) -> Hello:
+    return Hello(
+        cluster_id=m.cluster_id,
+        protocol_version=m.protocol_version,
+        node_id=m.node_id,
+        manifest_hash=bytes(m.manifest_hash),
+        codecs=tuple(int(c) for c in m.codecs),
+        advertise_address=m.advertise_address,
+    )
+
+
+def hello_reply(h: Hello) -> pb.HandshakeResponse:
+    return pb.HandshakeResponse(
+        status=pb.STATUS_OK,
+        node_id=h.node_id,
+        protocol_version=h.protocol_version,
+        codecs=list(h.codecs),
+        manifest_hash=h.manifest_hash,
+    )
+
+
+def hello_from_reply(m: pb.HandshakeResponse) -> Hello:
+    return Hello(
+        cluster_id="",
+        protocol_version=m.protocol_version,
+        node_id=m.node_id,
+        manifest_hash=bytes(m.manifest_hash),
+        codecs=tuple(int(c) for c in m.codecs),
+    )
+
+
+def status_to_proto(s: PeerStatus) -> pb.StatusResponse:
+    return pb.StatusResponse(
+        node_id=s.node_id,
+        cluster_id=s.cluster_id,
+        protocol_version=s.protocol_version,
+        ring=list(s.ring),
+        links=[
+            pb.LinkStats(
+                peer=link.peer,
+                rtt_s=link.rtt_s,
+                goodput_bytes_per_s=link.goodput_Bps,
+                bytes_sent=link.bytes_sent,
+                bytes_received=link.bytes_received,
+                samples=link.samples,
+                chunk_bytes=link.chunk_bytes,
+            )
+            for link in s.links
+        ],
+        rounds_completed=s.rounds_completed,
+        rounds_failed=s.rounds_failed,
+        frames_rejected=s.frames_rejected,
+        codecs=list(s.codecs),
+        uptime_s=s.uptime_s,
+    )
+
+
+def status_from_proto(m: pb.StatusResponse) -> PeerStatus:
+    return PeerStatus(
+        node_id=m.node_id,
+        cluster_id=m.cluster_id,
+        protocol_version=m.protocol_version,
+        ring=tuple(m.ring),
+        links=tuple(
+            LinkSnapshot(
+                peer=link.peer,
+                rtt_s=link.rtt_s,
+                goodput_Bps=link.goodput_bytes_per_s,
+                bytes_sent=link.bytes_sent,
+                bytes_received=link.bytes_received,
+                samples=link.samples,
+                chunk_bytes=link.chunk_bytes,
+            )
+            for link in m.links
+        ),
+        rounds_completed=m.rounds_completed,
+        rounds_failed=m.rounds_failed,
+        frames_rejected=m.frames_rejected,
+        codecs=tuple(int(c) for c in m.codecs),
+        uptime_s=m.uptime_s,
+    )
+
+
+def probe_request(nonce: int, burst: bytes, reply_bytes: int, sender: str) -> pb.ProbeRequest:
+    return pb.ProbeRequest(nonce=nonce, burst=burst, reply_bytes=reply_bytes, sender=sender)
+
+
+def probe_response(nonce: int, received: int, reply_bytes: int) -> pb.ProbeResponse:
+    return pb.ProbeResponse(nonce=nonce, received_bytes=received, burst=bytes(reply_bytes))
+
+
+def push_ack(frames: int, payload_bytes: int) -> pb.PushAck:
+    return pb.PushAck(status=pb.STATUS_OK, frames=frames, payload_bytes=payload_bytes)

@@ -1,0 +1,109 @@
+"""Thin gRPC servicer: decode requests with serde, call the peer, map PeerError to a gRPC status.
+
+No protocol logic lives here; see `dreamp2p.peer` for what each call means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import grpc
+from grpc import aio
+
+from dreamp2p.config import PeerConfig
+from dreamp2p.errors import PeerError, Status
+from dreamp2p.messages import Frame, Hello, PeerStatus
+from dreamp2p.transport import serde
+from dreamp2p.transport.auth import TokenAuthInterceptor
+from dreamp2p.transport.options import server_credentials, server_options
+from dreamp2p.v1 import peer_pb2 as pb
+from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class PeerBackend(Protocol):
+    """What the servicer needs from the peer behind it."""
+
+    max_payload: int
+    max_probe_bytes: int
+
+    def admit(self, hello: Hello) -> Hello: ...
+
+    async def accept_frame(self, frame: Frame) -> None: ...
+
+    def stream_broken(self, sender: str, reason: str) -> None: ...
+
+    def note_probe(self, sender: str, nbytes: int) -> None: ...
+
+    def status(self) -> PeerStatus: ...
+
+
+class PeerServicer(pb_grpc.PeerServicer):
+    def __init__(self, backend: PeerBackend) -> None:
+        self._b = backend
+
+    async def Handshake(self, request: pb.HandshakeRequest, context: aio.ServicerContext) -> pb.HandshakeResponse:
+        try:
+            mine = self._b.admit(serde.hello_from_proto(request))
+        except PeerError as err:
+            await _abort(context, err)
+        return serde.hello_reply(mine)
+
+    async def Push(
+        self, request_iterator: AsyncIterator[pb.DataFrame], context: aio.ServicerContext
+    ) -> pb.PushAck:
+        frames = 0
+        nbytes = 0
+        sender = ""
+        try:
+            async for message in request_iterator:
+                frame = serde.frame_from_proto(message, self._b.max_payload)
+                sender = frame.sender
+                await self._b.accept_frame(frame)
+                frames += 1
+                nbytes += len(frame.payload)
+        except PeerError as err:
+            await _abort(context, err)
+        except asyncio.CancelledError:
+            if sender:
+                self._b.stream_broken(sender, "upstream cancelled its stream")
+            raise
+        return serde.push_ack(frames, nbytes)
+
+    async def Probe(self, request: pb.ProbeRequest, context: aio.ServicerContext) -> pb.ProbeResponse:
+        if request.reply_bytes > self._b.max_probe_bytes or len(request.burst) > self._b.max_probe_bytes:
+            await _abort(
+                context, PeerError(Status.OVERSIZE, f"probe larger than {self._b.max_probe_bytes} bytes")
+            )
+        self._b.note_probe(request.sender, len(request.burst))
+        return serde.probe_response(request.nonce, len(request.burst), request.reply_bytes)
+
+    async def Status(self, request: pb.StatusRequest, context: aio.ServicerContext) -> pb.StatusResponse:
+        return serde.status_to_proto(self._b.status())
+
+
+async def _abort(context: aio.ServicerContext, err: PeerError) -> None:
+    log.info("refusing call: %s", err)
+    await context.abort(serde.GRPC_CODE[err.status], serde.error_details(err))
+
+
+def build_server(config: PeerConfig, backend: PeerBackend) -> tuple[aio.Server, int]:
+    """Create (not start) the aio server bound to ``config.listen``; returns it and the bound port."""
+    interceptors = [TokenAuthInterceptor(config.token)] if config.token else []
+    server = aio.server(
+        options=server_options(config.transport),
+        interceptors=interceptors,
+        maximum_concurrent_rpcs=config.transport.max_concurrent_streams * 4,
+    )
+    pb_grpc.add_PeerServicer_to_server(PeerServicer(backend), server)
+    if config.tls is not None:
+        port = server.add_secure_port(config.listen, server_credentials(config.tls))
+    else:
+        port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"could not bind {config.listen}")
+    return server, port

@@ -1,0 +1,228 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StatusCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATUS_UNSPECIFIED: _ClassVar[StatusCode]
+    STATUS_OK: _ClassVar[StatusCode]
+    STATUS_BAD_FRAME: _ClassVar[StatusCode]
+    STATUS_UNKNOWN_CODEC: _ClassVar[StatusCode]
+    STATUS_STALE_ROUND: _ClassVar[StatusCode]
+    STATUS_OVERSIZE: _ClassVar[StatusCode]
+    STATUS_NON_FINITE: _ClassVar[StatusCode]
+    STATUS_CHECKSUM_MISMATCH: _ClassVar[StatusCode]
+    STATUS_BAD_TOKEN: _ClassVar[StatusCode]
+    STATUS_CLUSTER_MISMATCH: _ClassVar[StatusCode]
+    STATUS_VERSION_MISMATCH: _ClassVar[StatusCode]
+    STATUS_MANIFEST_MISMATCH: _ClassVar[StatusCode]
+    STATUS_UNKNOWN_PEER: _ClassVar[StatusCode]
+    STATUS_TIMEOUT: _ClassVar[StatusCode]
+    STATUS_SHUTTING_DOWN: _ClassVar[StatusCode]
+    STATUS_DUPLICATE_CHUNK: _ClassVar[StatusCode]
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    CODEC_FP32: _ClassVar[Codec]
+    CODEC_FP16: _ClassVar[Codec]
+    CODEC_BF16: _ClassVar[Codec]
+    CODEC_INT8: _ClassVar[Codec]
+    CODEC_INT4: _ClassVar[Codec]
+    CODEC_E3M0: _ClassVar[Codec]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FP32: _ClassVar[DType]
+    DTYPE_FP16: _ClassVar[DType]
+    DTYPE_BF16: _ClassVar[DType]
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    PHASE_REDUCE_SCATTER: _ClassVar[Phase]
+    PHASE_ALL_GATHER: _ClassVar[Phase]
+STATUS_UNSPECIFIED: StatusCode
+STATUS_OK: StatusCode
+STATUS_BAD_FRAME: StatusCode
+STATUS_UNKNOWN_CODEC: StatusCode
+STATUS_STALE_ROUND: StatusCode
+STATUS_OVERSIZE: StatusCode
+STATUS_NON_FINITE: StatusCode
+STATUS_CHECKSUM_MISMATCH: StatusCode
+STATUS_BAD_TOKEN: StatusCode
+STATUS_CLUSTER_MISMATCH: StatusCode
+STATUS_VERSION_MISMATCH: StatusCode
+STATUS_MANIFEST_MISMATCH: StatusCode
+STATUS_UNKNOWN_PEER: StatusCode
+STATUS_TIMEOUT: StatusCode
+STATUS_SHUTTING_DOWN: StatusCode
+STATUS_DUPLICATE_CHUNK: StatusCode
+CODEC_UNSPECIFIED: Codec
+CODEC_FP32: Codec
+CODEC_FP16: Codec
+CODEC_BF16: Codec
+CODEC_INT8: Codec
+CODEC_INT4: Codec
+CODEC_E3M0: Codec
+DTYPE_UNSPECIFIED: DType
+DTYPE_FP32: DType
+DTYPE_FP16: DType
+DTYPE_BF16: DType
+PHASE_UNSPECIFIED: Phase
+PHASE_REDUCE_SCATTER: Phase
+PHASE_ALL_GATHER: Phase
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("cluster_id", "protocol_version", "node_id", "manifest_hash", "codecs", "advertise_address")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    protocol_version: int
+    node_id: str
+    manifest_hash: bytes
+    codecs: _containers.RepeatedScalarFieldContainer[Codec]
+    advertise_address: str
+    def __init__(self, cluster_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., manifest_hash: _Optional[bytes] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., advertise_address: _Optional[str] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("status", "detail", "node_id", "protocol_version", "codecs", "manifest_hash")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    status: StatusCode
+    detail: str
+    node_id: str
+    protocol_version: int
+    codecs: _containers.RepeatedScalarFieldContainer[Codec]
+    manifest_hash: bytes
+    def __init__(self, status: _Optional[_Union[StatusCode, str]] = ..., detail: _Optional[str] = ..., node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., manifest_hash: _Optional[bytes] = ...) -> None: ...
+
+class DataFrame(_message.Message):
+    __slots__ = ("round_id", "plan_version", "group_id", "phase", "ring_step", "segment_index", "chunk_offset", "chunk_length", "codec", "dtype", "element_count", "checksum", "zstd", "raw_length", "payload", "sender")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    RING_STEP_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ELEMENT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ZSTD_FIELD_NUMBER: _ClassVar[int]
+    RAW_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    round_id: int
+    plan_version: int
+    group_id: int
+    phase: Phase
+    ring_step: int
+    segment_index: int
+    chunk_offset: int
+    chunk_length: int
+    codec: Codec
+    dtype: DType
+    element_count: int
+    checksum: int
+    zstd: bool
+    raw_length: int
+    payload: bytes
+    sender: str
+    def __init__(self, round_id: _Optional[int] = ..., plan_version: _Optional[int] = ..., group_id: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., ring_step: _Optional[int] = ..., segment_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., chunk_length: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., element_count: _Optional[int] = ..., checksum: _Optional[int] = ..., zstd: _Optional[bool] = ..., raw_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., sender: _Optional[str] = ...) -> None: ...
+
+class PushAck(_message.Message):
+    __slots__ = ("status", "detail", "frames", "payload_bytes")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    status: StatusCode
+    detail: str
+    frames: int
+    payload_bytes: int
+    def __init__(self, status: _Optional[_Union[StatusCode, str]] = ..., detail: _Optional[str] = ..., frames: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("nonce", "burst", "reply_bytes", "sender")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    BURST_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    nonce: int
+    burst: bytes
+    reply_bytes: int
+    sender: str
+    def __init__(self, nonce: _Optional[int] = ..., burst: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
+
+class ProbeResponse(_message.Message):
+    __slots__ = ("nonce", "received_bytes", "burst")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BURST_FIELD_NUMBER: _ClassVar[int]
+    nonce: int
+    received_bytes: int
+    burst: bytes
+    def __init__(self, nonce: _Optional[int] = ..., received_bytes: _Optional[int] = ..., burst: _Optional[bytes] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LinkStats(_message.Message):
+    __slots__ = ("peer", "rtt_s", "goodput_bytes_per_s", "bytes_sent", "bytes_received", "samples", "chunk_bytes")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    rtt_s: float
+    goodput_bytes_per_s: float
+    bytes_sent: int
+    bytes_received: int
+    samples: int
+    chunk_bytes: int
+    def __init__(self, peer: _Optional[str] = ..., rtt_s: _Optional[float] = ..., goodput_bytes_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., samples: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("node_id", "cluster_id", "protocol_version", "ring", "links", "rounds_completed", "rounds_failed", "frames_rejected", "codecs", "uptime_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    cluster_id: str
+    protocol_version: int
+    ring: _containers.RepeatedScalarFieldContainer[str]
+    links: _containers.RepeatedCompositeFieldContainer[LinkStats]
+    rounds_completed: int
+    rounds_failed: int
+    frames_rejected: int
+    codecs: _containers.RepeatedScalarFieldContainer[Codec]
+    uptime_s: float
+    def __init__(self, node_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., ring: _Optional[_Iterable[str]] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., uptime_s: _Optional[float] = ...) -> None: ...
