@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -58,16 +59,15 @@ def bench_codecs(
         results: dict[str, dict[str, float]] = {}
         for codec in codecs:
             encoded = codec.encode(x)
-            enc_s = _median_seconds(lambda c=codec: c.encode(x), repeats)
-            dec_s = _median_seconds(lambda c=codec, e=encoded: c.decode(e, n, out=decoded), repeats)
+            enc_s = _median_seconds(functools.partial(codec.encode, x), repeats)
+            dec_s = _median_seconds(functools.partial(codec.decode, encoded, n, out=decoded), repeats)
             err = decoded.double().sub_(x.double())
             max_abs = float(err.abs().max())
             rms = float(err.square().mean().sqrt())
             del err
             packed = zstd.compress(encoded, codec.itemsize)
-            zstd_s = _median_seconds(
-                lambda c=codec, e=encoded: zstd.compress(e, c.itemsize), min(repeats, _ZSTD_MAX_REPEATS)
-            )
+            compress = functools.partial(zstd.compress, encoded, codec.itemsize)
+            zstd_s = _median_seconds(compress, min(repeats, _ZSTD_MAX_REPEATS))
             results[codec.name] = {
                 "encode_MBps": _mbps(input_bytes, enc_s),
                 "decode_MBps": _mbps(input_bytes, dec_s),

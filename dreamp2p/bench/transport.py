@@ -1,23 +1,34 @@
-"""`dreamp2p bench transport`: goodput of the real data path between two peer processes.
+"""`dreamp2p bench transport`: goodput of the transport between two processes.
 
-Two peers run back-to-back fp32 ring all-reduces of one buffer, so every round moves the buffer once
-over the link in each direction through the full path (framing, checksums, validation, reduction).
-``goodput_MBps`` is payload bytes one peer sent per second. With ``netns``, the peers run in two
-network namespaces joined by a veth pair shaped with tbf (deploy/netns-wan.sh), and ``link_util`` is
-goodput over the shaped rate.
+A receiver process serves the real servicer (serde, auth, limits) backed by a sink that verifies each
+frame's checksum and size and counts it; a sender process streams fp32 frames over a
+:class:`~dreamp2p.transport.client.Link` with bandwidth-aware chunk size and parallel streams. The
+reduction work of a real round is measured separately by `bench allreduce`. With ``netns`` both
+processes run in two network namespaces joined by a tbf-shaped veth pair (deploy/netns-wan.sh), and
+``link_util`` is goodput over the shaped rate.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dreamp2p.config import parse_rate
-from dreamp2p.launch import run_local
+import xxhash
+
+from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig, parse_rate
+from dreamp2p.errors import PeerError, Status
+from dreamp2p.launch import enter_netns
+from dreamp2p.messages import DType, Frame, Hello, PeerStatus, Phase
+from dreamp2p.schedule.chunking import choose_chunk_bytes
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +52,97 @@ def wan_namespaces(rate: str, prefix: str = "dp2pbench") -> Iterator[list[tuple[
         subprocess.run(["bash", str(SCRIPT), "down", "--prefix", prefix], capture_output=True, timeout=60)
 
 
+class SinkBackend:
+    """Servicer backend that verifies and counts frames instead of reducing them."""
+
+    max_probe_bytes = 4 << 20
+
+    def __init__(self, max_payload: int) -> None:
+        self.max_payload = max_payload
+        self.frames = 0
+        self.bytes = 0
+        self.first = 0.0
+        self.last = 0.0
+
+    def admit(self, hello: Hello) -> Hello:
+        return Hello("bench", hello.protocol_version, "sink", hello.manifest_hash, hello.codecs)
+
+    async def accept_frame(self, frame: Frame) -> None:
+        if xxhash.xxh3_64_intdigest(frame.payload) != frame.checksum:
+            raise PeerError(Status.CHECKSUM_MISMATCH, "payload checksum mismatch")
+        if len(frame.payload) != 4 * frame.chunk_length:
+            raise PeerError(Status.BAD_FRAME, "payload size does not match chunk length")
+        now = time.perf_counter()
+        if not self.frames:
+            self.first = now
+        self.frames += 1
+        self.bytes += len(frame.payload)
+        self.last = now
+
+    def stream_broken(self, sender: str, reason: str) -> None:
+        pass
+
+    def note_probe(self, sender: str, nbytes: int) -> None:
+        pass
+
+    def status(self) -> PeerStatus:
+        return PeerStatus("sink", "bench", 1, (), (), 0, 0, 0)
+
+
+def _receiver(conn: mp.connection.Connection, host: str, netns: str | None, cfg: TransportConfig) -> None:
+    if netns:
+        enter_netns(netns)
+
+    async def main() -> dict[str, Any]:
+        from dreamp2p.transport.server import build_server
+
+        sink = SinkBackend(cfg.max_message_bytes - (64 << 10))
+        server, port = build_server(PeerConfig(node_id="sink", listen=f"{host}:0", transport=cfg), sink)
+        await server.start()
+        conn.send(port)
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        await server.stop(1.0)
+        span = sink.last - sink.first
+        return {"frames": sink.frames, "bytes": sink.bytes, "span_s": span}
+
+    conn.send(asyncio.run(main()))
+
+
+def _sender(conn: mp.connection.Connection, address: str, netns: str | None, cfg: TransportConfig,
+            seconds: float) -> None:
+    if netns:
+        enter_netns(netns)
+
+    async def main() -> dict[str, Any]:
+        from dreamp2p.transport.client import Link
+
+        link = Link("bench-sender", PeerInfo("sink", address), cfg, None, None)
+        try:
+            await link.probe_rtt()
+            for _ in range(3):  # let the estimate settle before sizing chunks from it
+                await link.probe_bandwidth(cfg.probe_burst_bytes)
+            chunk = choose_chunk_bytes(link.stats.goodput_Bps, 1 << 30, 2, min_bytes=cfg.chunk_min_bytes,
+                                       max_bytes=cfg.chunk_max_bytes)
+            elems = chunk // 4
+            payload = os.urandom(elems * 4)
+            frame = Frame(1, 0, 0, Phase.REDUCE_SCATTER, 0, 0, 0, elems, 1, DType.FP32, elems,
+                          xxhash.xxh3_64_intdigest(payload), False, 0, payload, "bench-sender")
+            stream = link.open_stream(timeout=seconds + 60)
+            t0 = time.perf_counter()
+            sent = 0
+            while time.perf_counter() - t0 < seconds:
+                await stream.put(frame)
+                sent += len(payload)
+            await stream.close()
+            elapsed = time.perf_counter() - t0
+            return {"bytes": sent, "seconds": elapsed, "chunk_bytes": chunk,
+                    "probe_goodput_MBps": link.stats.goodput_Bps / 1e6, "rtt_ms": link.stats.rtt_s * 1e3}
+        finally:
+            await link.close()
+
+    conn.send(asyncio.run(main()))
+
+
 def bench_transport(
     mbytes: float = 64.0,
     seconds: float = 6.0,
@@ -48,26 +150,55 @@ def bench_transport(
     netns: bool = False,
     rate: str = "100mbit",
 ) -> dict[str, Any]:
-    config = {"transport": {"streams_per_link": streams, "probe_interval_s": 30.0}}
-    args = {"mbytes": mbytes, "seconds": seconds}
+    """Measure one-way goodput; ``mbytes`` caps the sender's queued bytes (backpressure window)."""
+    cfg = TransportConfig(streams_per_link=streams, outbound_queue_bytes=int(mbytes * 1e6))
     if netns:
         with wan_namespaces(rate) as hosts:
-            results = run_local(2, "dreamp2p.bench.jobs:stream_timing", args, config, hosts=hosts)
-    else:
-        results = run_local(2, "dreamp2p.bench.jobs:stream_timing", args, config)
-    per_peer = [r["bytes_sent"] / r["seconds"] / 1e6 for r in results]
-    out: dict[str, Any] = {
-        "goodput_MBps": round(min(per_peer), 1),
-        "per_peer_MBps": [round(x, 1) for x in per_peer],
-        "duplex": True,
-        "buffer_MB": mbytes,
-        "rounds": results[0]["rounds"],
-        "streams_per_link": streams,
-        "links": [r["links"] for r in results],
-        "netns": netns,
-    }
-    if netns:
+            out = _run_pair(cfg, seconds, hosts)
         rate_MBps = parse_rate(rate) / 1e6
         out["rate"] = rate
-        out["link_util"] = round(min(per_peer) / rate_MBps, 3)
-    return out
+        out["link_util"] = round(out["goodput_MBps"] / rate_MBps, 3)
+        return out
+    return _run_pair(cfg, seconds, [(None, "127.0.0.1"), (None, "127.0.0.1")])
+
+
+def _run_pair(cfg: TransportConfig, seconds: float, hosts: list[tuple[str | None, str]]) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    r_parent, r_child = ctx.Pipe()
+    s_parent, s_child = ctx.Pipe()
+    recv = ctx.Process(target=_receiver, args=(r_child, hosts[1][1], hosts[1][0], cfg), daemon=True)
+    recv.start()
+    try:
+        if not r_parent.poll(60):
+            raise RuntimeError("receiver did not start")
+        port = r_parent.recv()
+        send = ctx.Process(target=_sender, args=(s_child, f"{hosts[1][1]}:{port}", hosts[0][0], cfg, seconds),
+                           daemon=True)
+        send.start()
+        if not s_parent.poll(seconds + 120):
+            raise RuntimeError("sender did not finish")
+        sres = s_parent.recv()
+        r_parent.send("stop")
+        if not r_parent.poll(30):
+            raise RuntimeError("receiver did not report")
+        rres = r_parent.recv()
+        send.join(10)
+    finally:
+        for p in (recv,):
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    if rres["bytes"] != sres["bytes"]:
+        raise RuntimeError(f"receiver counted {rres['bytes']} bytes, sender sent {sres['bytes']}")
+    return {
+        "goodput_MBps": round(sres["bytes"] / sres["seconds"] / 1e6, 1),
+        "receiver_MBps": round(rres["bytes"] / max(rres["span_s"], 1e-9) / 1e6, 1),
+        "bytes": sres["bytes"],
+        "seconds": round(sres["seconds"], 3),
+        "frames": rres["frames"],
+        "chunk_bytes": sres["chunk_bytes"],
+        "streams_per_link": cfg.streams_per_link,
+        "probe_goodput_MBps": round(sres["probe_goodput_MBps"], 1),
+        "rtt_ms": round(sres["rtt_ms"], 3),
+        "netns": hosts[0][0] is not None,
+    }

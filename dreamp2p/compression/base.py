@@ -132,7 +132,9 @@ def as_byte_tensor(data: torch.Tensor | bytes | bytearray | memoryview, who: str
         elif data.format != "B" or data.ndim != 1:
             data = data.cast("B")
     elif not isinstance(data, bytes | bytearray):
-        raise CodecError(f"{who}: encoded data must be a tensor or a bytes-like object, got {type(data).__name__}")
+        raise CodecError(
+            f"{who}: encoded data must be a tensor or a bytes-like object, got {type(data).__name__}"
+        )
     arr = np.frombuffer(data, dtype=np.uint8)
     if arr.flags.writeable:
         return torch.from_numpy(arr)

@@ -72,8 +72,9 @@ def frame_to_proto(f: Frame) -> pb.DataFrame:
 
 def frame_from_proto(m: pb.DataFrame, max_payload: int) -> Frame:
     """Structural validation of a received frame; raises PeerError with the precise reason."""
-    if len(m.payload) > max_payload:
-        raise PeerError(Status.OVERSIZE, f"payload of {len(m.payload)} bytes exceeds limit {max_payload}")
+    payload = m.payload  # each access to a bytes field copies it: read once
+    if len(payload) > max_payload:
+        raise PeerError(Status.OVERSIZE, f"payload of {len(payload)} bytes exceeds limit {max_payload}")
     try:
         phase = Phase(m.phase)
     except ValueError:
@@ -86,7 +87,7 @@ def frame_from_proto(m: pb.DataFrame, max_payload: int) -> Frame:
         raise PeerError(Status.UNKNOWN_CODEC, "codec not set")
     if not m.sender:
         raise PeerError(Status.BAD_FRAME, "sender not set")
-    if m.chunk_length == 0 and m.payload:
+    if m.chunk_length == 0 and payload:
         raise PeerError(Status.BAD_FRAME, "empty chunk with a payload")
     return Frame(
         round_id=m.round_id,
@@ -103,7 +104,7 @@ def frame_from_proto(m: pb.DataFrame, max_payload: int) -> Frame:
         checksum=m.checksum,
         zstd=m.zstd,
         raw_length=m.raw_length,
-        payload=m.payload,
+        payload=payload,
         sender=m.sender,
     )
 

@@ -1,0 +1,90 @@
+"""Configuration parsing: TOML loading, unit parsing, and errors that name the offending key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dreamp2p.config import PeerConfig, TransportConfig, parse_duration, parse_rate
+
+
+@pytest.mark.parametrize(
+    ("text", "bytes_per_s"),
+    [("100mbit", 12.5e6), ("1gbit", 125e6), ("20Mbps", 2.5e6), ("500kbit", 62.5e3), (8e6, 1e6), ("64bit", 8.0)],
+)
+def test_parse_rate(text: str | float, bytes_per_s: float) -> None:
+    assert parse_rate(text) == pytest.approx(bytes_per_s)
+
+
+@pytest.mark.parametrize("text", ["fast", "-3mbit", "0mbit", "mbit", 0, -1])
+def test_parse_rate_rejects(text: str | float) -> None:
+    with pytest.raises(ValueError):
+        parse_rate(text)
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("80ms", 0.08), ("1.5s", 1.5), ("200us", 2e-4), (3, 3.0)])
+def test_parse_duration(text: str | float, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["soon", "-1s", -2])
+def test_parse_duration_rejects(text: str | float) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_from_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DP2P_TEST_TOKEN", "abc")
+    path = tmp_path / "node.toml"
+    path.write_text(
+        """
+node_id = "eu-west"
+cluster_id = "demo"
+listen = "0.0.0.0:7070"
+codec = "int8"
+token_env = "DP2P_TEST_TOKEN"
+ring = [
+  { node_id = "eu-west", address = "eu.example.org:7070" },
+  { node_id = "us-east", address = "us.example.org:7070" },
+]
+[transport]
+rate_limit = "20mbit"
+round_timeout_s = "90s"
+streams_per_link = 4
+"""
+    )
+    cfg = PeerConfig.from_toml(path)
+    assert cfg.token == "abc"
+    assert cfg.transport.rate_limit == pytest.approx(2.5e6)
+    assert cfg.transport.round_timeout_s == 90.0
+    assert [p.node_id for p in cfg.ring] == ["eu-west", "us-east"]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"node_id": "a", "colour": 1}, "unknown key colour"),
+        ({"node_id": "a", "transport": {"streams": 2}}, "unknown key transport.streams"),
+        ({"node_id": "a", "transport": {"streams_per_link": "two"}}, "transport.streams_per_link must be an integer"),
+        ({"node_id": "a", "transport": {"streams_per_link": 0}}, "transport.streams_per_link must be > 0"),
+        ({"node_id": "a", "codec": "int3"}, "codec must be one of"),
+        ({"node_id": ""}, "node_id"),
+        ({"node_id": "a", "ring": [{"node_id": "b", "address": "x:1"}]}, "does not contain this node"),
+        ({"node_id": "a", "ring": "b"}, "ring must be a list"),
+        ({"node_id": "a", "token_env": "DP2P_SURELY_UNSET"}, "DP2P_SURELY_UNSET"),
+        ({"node_id": "a", "tls": {"cert_file": "c", "key_file": "k", "mutual": True}}, "ca_file"),
+        ({"node_id": "a", "transport": {"rate_limit": "fast"}}, "cannot parse link rate"),
+        ({"cluster_id": "x"}, "node_id"),
+    ],
+)
+def test_bad_config_names_the_key(data: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PeerConfig.from_dict(data)
+
+
+def test_transport_limits() -> None:
+    with pytest.raises(ValueError, match="chunk_min_bytes"):
+        TransportConfig(chunk_min_bytes=10 << 20, chunk_max_bytes=1 << 20)
+    with pytest.raises(ValueError, match="headroom"):
+        TransportConfig(max_message_bytes=4 << 20, chunk_max_bytes=4 << 20)

@@ -1,0 +1,201 @@
+"""In-process peers (real gRPC servers on 127.0.0.1) exercising the Peer API end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from dreamp2p.config import PeerConfig, PeerInfo, TLSConfig, TransportConfig
+from dreamp2p.errors import PeerError, RoundFailed, Status
+from dreamp2p.peer import Peer
+from dreamp2p.transport.client import Link
+
+
+async def make_ring(n: int, **kw: object) -> list[Peer]:
+    peers = [Peer(PeerConfig(node_id=f"p{i}", **kw)) for i in range(n)]  # type: ignore[arg-type]
+    for p in peers:
+        await p.start()
+    ring = [PeerInfo(f"p{i}", p.address) for i, p in enumerate(peers)]
+    await asyncio.gather(*(p.connect(ring) for p in peers))
+    return peers
+
+
+@pytest.fixture
+async def ring3() -> AsyncIterator[list[Peer]]:
+    peers = await make_ring(3)
+    yield peers
+    await asyncio.gather(*(p.close() for p in peers))
+
+
+async def average(peers: Sequence[Peer], data: Sequence[list[torch.Tensor]], **kw: object) -> None:
+    await asyncio.gather(*(p.allreduce(d, **kw) for p, d in zip(peers, data, strict=True)))  # type: ignore[arg-type]
+
+
+def seeded(rank: int, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randn(*s, generator=g).to(dtype) for s in shapes]
+
+
+async def test_mean_of_shaped_tensors(ring3: list[Peer]) -> None:
+    shapes = [(3, 5), (7,), (2, 2, 2), (1,)]
+    data = [seeded(r, shapes) for r in range(3)]
+    expect = [sum(d[i].double() for d in data) / 3 for i in range(len(shapes))]
+    await average(ring3, data)
+    for d in data:
+        for t, e, s in zip(d, expect, shapes, strict=True):
+            assert t.shape == s
+            assert torch.allclose(t.double(), e, atol=1e-6)
+
+
+async def test_mixed_dtypes_cast_back(ring3: list[Peer]) -> None:
+    data = [[torch.full((4,), float(r), dtype=torch.float16), torch.full((3,), 10.0 * r)] for r in range(3)]
+    await average(ring3, data)
+    for d in data:
+        assert d[0].dtype == torch.float16 and torch.all(d[0] == 1.0)
+        assert torch.all(d[1] == 10.0)
+
+
+async def test_empty_inputs(ring3: list[Peer]) -> None:
+    await average(ring3, [[] for _ in range(3)])
+    data = [[torch.empty(0)] for _ in range(3)]
+    await average(ring3, data)
+    assert all(d[0].numel() == 0 for d in data)
+
+
+async def test_rounds_and_groups_run_concurrently(ring3: list[Peer]) -> None:
+    a = [[torch.full((1000,), float(r))] for r in range(3)]
+    b = [[torch.full((10,), float(r * r))] for r in range(3)]
+    await asyncio.gather(average(ring3, a, group_id=1), average(ring3, b, group_id=2, codec="int8"))
+    assert all(torch.all(d[0] == 1.0) for d in a)
+    assert all(torch.allclose(d[0], torch.full((10,), 5 / 3), rtol=1e-2) for d in b)
+
+
+async def test_non_finite_local_contribution_is_refused(ring3: list[Peer]) -> None:
+    bad = torch.tensor([1.0, float("nan"), 2.0])
+    before = bad.clone()
+    with pytest.raises(RoundFailed, match="NaN or Inf"):
+        await ring3[0].allreduce([bad], timeout=2.0)
+    assert torch.equal(bad.isnan(), before.isnan()) and bad[0] == 1.0 and bad[2] == 2.0
+    assert ring3[0].rounds_failed == 1
+
+
+async def test_missing_partner_times_out_and_leaves_tensors(ring3: list[Peer]) -> None:
+    t = torch.arange(100, dtype=torch.float32)
+    before = t.clone()
+    t0 = time.monotonic()
+    with pytest.raises(RoundFailed):
+        await ring3[0].allreduce([t], timeout=1.0)
+    assert time.monotonic() - t0 < 5.0
+    assert torch.equal(t, before)
+
+
+async def test_zstd_stage_shrinks_sparse_buffers() -> None:
+    peers = await make_ring(2, transport=TransportConfig(zstd=True))
+    try:
+        data = [[torch.zeros(1 << 18)] for _ in range(2)]
+        data[0][0][::97] = 1.0
+        results = await asyncio.gather(*(p.allreduce(d) for p, d in zip(peers, data, strict=True)))
+        assert results[0].bytes_sent < (1 << 18) * 4 / 10
+        expect = torch.zeros(1 << 18)
+        expect[::97] = 0.5
+        assert all(torch.equal(d[0], expect) for d in data)
+    finally:
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_rate_limit_paces_the_link() -> None:
+    rate = 4e6  # bytes/s
+    peers = await make_ring(2, transport=TransportConfig(rate_limit=rate, probe_interval_s=60))
+    try:
+        data = [[torch.ones(1 << 20)] for _ in range(2)]  # 4 MB: each peer sends 4 MB
+        res = await asyncio.gather(*(p.allreduce(d) for p, d in zip(peers, data, strict=True)))
+        # a token bucket can only ever slow a sender down to its rate, minus one burst
+        floor = (res[0].bytes_sent - peers[0].link("p1").bucket.burst) / rate  # type: ignore[union-attr]
+        assert res[0].seconds >= floor * 0.95
+    finally:
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_status_and_probe(ring3: list[Peer]) -> None:
+    snaps = await ring3[0].probe_now(burst_bytes=1 << 16)
+    assert {s.peer for s in snaps} == {"p1", "p2"}
+    assert all(s.rtt_s > 0 and s.goodput_Bps > 0 for s in snaps)
+    link = Link("observer", PeerInfo("p0", ring3[0].address), TransportConfig(), None, None)
+    try:
+        st = await link.status()
+    finally:
+        await link.close()
+    assert st.node_id == "p0" and st.ring == ("p0", "p1", "p2")
+    assert {lk.peer for lk in st.links} == {"p1", "p2"}
+
+
+async def test_token_auth_between_members() -> None:
+    peers = await make_ring(2, token="s3cret")
+    try:
+        data = [[torch.full((5,), float(r))] for r in range(2)]
+        await average(peers, data)
+        assert torch.all(data[0][0] == 0.5)
+    finally:
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_connect_refuses_other_cluster() -> None:
+    a = Peer(PeerConfig(node_id="a", cluster_id="one"))
+    b = Peer(PeerConfig(node_id="b", cluster_id="two"))
+    await a.start()
+    await b.start()
+    try:
+        ring = [PeerInfo("a", a.address), PeerInfo("b", b.address)]
+        with pytest.raises(PeerError) as err:
+            await a.connect(ring, timeout=5)
+        assert err.value.status == Status.CLUSTER_MISMATCH
+    finally:
+        await a.close()
+        await b.close()
+
+
+def _make_certs(tmp: Path) -> dict[str, str]:
+    """A CA and one leaf certificate for 'localhost', made with the openssl CLI."""
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+        "-subj", "/CN=dreamp2p-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
+    (tmp / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+        "node.pem", "-days", "1", "-extfile", "ext.cnf")
+    return {"cert_file": str(tmp / "node.pem"), "key_file": str(tmp / "node.key"), "ca_file": str(tmp / "ca.pem")}
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+async def test_tls_ring(tmp_path: Path, mutual: bool) -> None:
+    files = _make_certs(tmp_path)
+    tls = TLSConfig(**files, mutual=mutual, server_name_override="localhost")
+    peers = await make_ring(2, tls=tls, token="t")
+    try:
+        data = [[torch.full((1000,), float(r))] for r in range(2)]
+        await average(peers, data, codec="int8")
+        assert torch.allclose(data[1][0], torch.full((1000,), 0.5), atol=1e-2)
+    finally:
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_plain_client_cannot_talk_to_tls_peer(tmp_path: Path) -> None:
+    files = _make_certs(tmp_path)
+    peer = Peer(PeerConfig(node_id="p0", tls=TLSConfig(**files, mutual=True)))
+    await peer.start()
+    try:
+        link = Link("x", PeerInfo("p0", peer.address), TransportConfig(rpc_deadline_s=2.0), None, None)
+        with pytest.raises(PeerError):
+            await link.status()
+        await link.close()
+    finally:
+        await peer.close()
