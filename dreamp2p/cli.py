@@ -98,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="start local peers over rate-limited links and average a real model")
     d.add_argument("--nodes", type=int, default=3)
-    d.add_argument("--link", default="200mbit", help="emulated link rate per peer")
+    d.add_argument("--link", default="50mbit", help="emulated link rate per peer")
     d.add_argument("--codec", default="int8")
-    d.add_argument("--rounds", type=int, default=5)
+    d.add_argument("--rounds", type=int, default=10)
     d.set_defaults(func=_demo)
     return p
 

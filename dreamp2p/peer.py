@@ -401,13 +401,13 @@ class Peer:
             await asyncio.sleep(interval)
             tick += 1
             for link in list(self._links.values()):
-                if time.monotonic() - link.stats.last_activity < interval:
-                    continue  # busy links are measured passively
+                idle = time.monotonic() - link.stats.last_activity >= interval
                 try:
-                    await link.probe_rtt()
-                    if link.stats.samples == 0 or tick % 4 == 0:
+                    await link.probe_rtt()  # a tiny echo costs nothing even on a busy link
+                    if idle and (link.stats.samples == 0 or tick % 4 == 0):
+                        # busy links are measured passively from real transfers
                         await link.probe_bandwidth(burst)
-                    link.stats.last_activity = time.monotonic()
+                        link.stats.last_activity = time.monotonic()
                 except PeerError as exc:
                     log.warning("probe of %s failed: %s", link.dest.node_id, exc)
 

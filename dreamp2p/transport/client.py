@@ -118,9 +118,9 @@ class Link:
     async def probe_bandwidth(self, nbytes: int) -> float:
         """Send a burst of ``nbytes`` and time it (minus one RTT); returns and records bytes/s."""
         burst = bytes(nbytes)
-        if self.bucket is not None:
-            await self.bucket.acquire(nbytes)
         t0 = time.perf_counter()
+        if self.bucket is not None:  # the emulated link's pacing is part of what we measure
+            await self.bucket.acquire(nbytes)
         try:
             await self._stubs[0].Probe(
                 serde.probe_request(next(_nonces), burst, 0, self.me),
@@ -130,8 +130,8 @@ class Link:
         except aio.AioRpcError as exc:
             raise rpc_error(exc) from None
         elapsed = time.perf_counter() - t0
-        rtt = self.stats.rtt_s if self.stats.rtt_samples else 0.0
-        rate = nbytes / max(elapsed - rtt, elapsed * 0.1)
+        rtt = self.stats.min_rtt_s if self.stats.rtt_samples else 0.0
+        rate = nbytes / max(elapsed - rtt, elapsed * 0.5)
         self.stats.observe_transfer(nbytes, nbytes / rate)
         self.stats.bytes_sent += nbytes
         return rate

@@ -18,6 +18,7 @@ class LinkEstimator:
     goodput_Bps: float = math.nan
     samples: int = 0
     rtt_samples: int = 0
+    min_rtt_s: float = math.inf  # propagation estimate, free of queueing and scheduling delay
     bytes_sent: int = 0
     bytes_received: int = 0
     last_activity: float = 0.0
@@ -34,6 +35,7 @@ class LinkEstimator:
         if seconds <= 0 or not math.isfinite(seconds):
             return
         self.rtt_s = seconds if self.rtt_samples == 0 else (1 - self.alpha) * self.rtt_s + self.alpha * seconds
+        self.min_rtt_s = min(self.min_rtt_s, seconds)
         self.rtt_samples += 1
 
 
