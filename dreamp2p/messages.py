@@ -39,7 +39,7 @@ class Frame:
     checksum: int
     zstd: bool
     raw_length: int
-    payload: bytes
+    payload: bytes | memoryview  # a received payload is a view into the message buffer
     sender: str
 
 

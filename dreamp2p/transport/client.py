@@ -61,6 +61,15 @@ class Link:
         self._metadata = token_metadata(token)
         self._channels = [open_channel(dest.address, cfg, tls) for _ in range(cfg.streams_per_link)]
         self._stubs = [pb_grpc.PeerStub(ch) for ch in self._channels]
+        # Push bypasses the generated serializer: frames are written with one payload copy (serde)
+        self._push = [
+            ch.stream_unary(
+                serde.PUSH_METHOD,
+                request_serializer=serde.frame_to_wire,
+                response_deserializer=pb.PushAck.FromString,
+            )
+            for ch in self._channels
+        ]
         self.stats = LinkEstimator()
         self.meter = BusyMeter()
         self.bucket = TokenBucket(cfg.rate_limit) if cfg.rate_limit else None
@@ -137,9 +146,9 @@ class Link:
         return rate
 
     def open_stream(self, nstreams: int | None = None, timeout: float | None = None) -> OutboundStream:
-        n = max(1, min(nstreams or len(self._stubs), len(self._stubs)))
+        n = max(1, min(nstreams or len(self._push), len(self._push)))
         return OutboundStream(
-            self, self._stubs[:n], self._metadata, timeout or self.cfg.round_timeout_s, self.cfg.outbound_queue_bytes
+            self, self._push[:n], self._metadata, timeout or self.cfg.round_timeout_s, self.cfg.outbound_queue_bytes
         )
 
     async def close(self) -> None:
@@ -157,7 +166,7 @@ class OutboundStream:
     def __init__(
         self,
         link: Link,
-        stubs: list[pb_grpc.PeerStub],
+        pushes: list[aio.StreamUnaryMultiCallable],
         metadata: tuple[tuple[str, str], ...],
         timeout: float,
         limit_bytes: int,
@@ -174,7 +183,7 @@ class OutboundStream:
         self._space.set()
         self.frames_sent = 0
         self.bytes_sent = 0
-        self._calls = [stub.Push(self._frames(), timeout=timeout, metadata=metadata) for stub in stubs]
+        self._calls = [push(self._frames(), timeout=timeout, metadata=metadata) for push in pushes]
         self._on_failure: list[asyncio.Future[None]] = []
         self._tasks = [asyncio.ensure_future(self._await(call)) for call in self._calls]
         for task in self._tasks:
@@ -239,7 +248,7 @@ class OutboundStream:
             self._wake.clear()
             await self._wake.wait()
 
-    async def _frames(self) -> AsyncIterator[pb.DataFrame]:
+    async def _frames(self) -> AsyncIterator[Frame]:
         link = self._link
         while True:
             frame = await self._next()
@@ -260,7 +269,7 @@ class OutboundStream:
             link.stats.last_activity = time.monotonic()
             self.frames_sent += 1
             self.bytes_sent += n
-            yield serde.frame_to_proto(frame)
+            yield frame
 
     async def close(self) -> None:
         """No more frames: flush, then wait for every stream's acknowledgement."""

@@ -70,9 +70,122 @@ def frame_to_proto(f: Frame) -> pb.DataFrame:
     )
 
 
+# DataFrame.payload is field 15, length-delimited: tag byte (15 << 3) | 2.
+_PAYLOAD_FIELD = 15
+_PAYLOAD_TAG = bytes([(_PAYLOAD_FIELD << 3) | 2])
+PUSH_METHOD = "/dreamp2p.v1.Peer/Push"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def frame_to_wire(f: Frame) -> bytes:
+    """Serialize a frame as a standard ``DataFrame`` message, copying the payload only once.
+
+    Protobuf messages are concatenations of fields, so the header fields serialized by protobuf
+    followed by field 15 written by hand is exactly what ``DataFrame.SerializeToString`` would emit.
+    """
+    header = pb.DataFrame(
+        round_id=f.round_id,
+        plan_version=f.plan_version,
+        group_id=f.group_id,
+        phase=int(f.phase),
+        ring_step=f.ring_step,
+        segment_index=f.segment_index,
+        chunk_offset=f.chunk_offset,
+        chunk_length=f.chunk_length,
+        codec=f.codec,
+        dtype=int(f.dtype),
+        element_count=f.element_count,
+        checksum=f.checksum,
+        zstd=f.zstd,
+        raw_length=f.raw_length,
+        sender=f.sender,
+    ).SerializeToString()
+    return b"".join((header, _PAYLOAD_TAG, _varint(len(f.payload)), f.payload))
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= len(buf):
+            raise PeerError(Status.BAD_FRAME, "truncated message: varint runs past the end")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift >= 64:
+            raise PeerError(Status.BAD_FRAME, "malformed message: varint longer than 10 bytes")
+
+
+def split_payload(data: bytes) -> tuple[bytes, memoryview]:
+    """Split a serialized ``DataFrame`` into (header fields, payload view) without copying the payload.
+
+    Accepts any valid field order (as any protobuf library may emit); a repeated payload field keeps
+    the last one, as protobuf parsing does. Malformed input raises PeerError(BAD_FRAME).
+    """
+    mv = memoryview(data)
+    end = len(mv)
+    pos = 0
+    spans: list[memoryview] = []
+    payload = mv[0:0]
+    while pos < end:
+        start = pos
+        key, pos = _read_varint(mv, pos)
+        field, wire_type = key >> 3, key & 7
+        if field == 0:
+            raise PeerError(Status.BAD_FRAME, "malformed message: field number 0")
+        if wire_type == 0:
+            _, pos = _read_varint(mv, pos)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length, pos = _read_varint(mv, pos)
+            if pos + length > end:
+                raise PeerError(Status.BAD_FRAME, f"truncated message: field {field} needs {length} bytes")
+            if field == _PAYLOAD_FIELD:
+                payload = mv[pos : pos + length]
+                pos += length
+                continue
+            pos += length
+        else:
+            raise PeerError(Status.BAD_FRAME, f"malformed message: wire type {wire_type} of field {field}")
+        if pos > end:
+            raise PeerError(Status.BAD_FRAME, f"truncated message in field {field}")
+        spans.append(mv[start:pos])
+    return b"".join(spans), payload
+
+
+def frame_from_wire(data: bytes, max_payload: int) -> Frame:
+    """Parse and structurally validate a received ``DataFrame``; the payload stays a view of ``data``."""
+    header, payload = split_payload(data)
+    try:
+        m = pb.DataFrame.FromString(header)
+    except Exception as exc:  # protobuf raises DecodeError; any failure here is a malformed frame
+        raise PeerError(Status.BAD_FRAME, f"malformed DataFrame: {exc}") from None
+    return _frame_fields(m, payload, max_payload)
+
+
 def frame_from_proto(m: pb.DataFrame, max_payload: int) -> Frame:
+    return _frame_fields(m, m.payload, max_payload)
+
+
+def _frame_fields(m: pb.DataFrame, payload: bytes | memoryview, max_payload: int) -> Frame:
     """Structural validation of a received frame; raises PeerError with the precise reason."""
-    payload = m.payload  # each access to a bytes field copies it: read once
     if len(payload) > max_payload:
         raise PeerError(Status.OVERSIZE, f"payload of {len(payload)} bytes exceeds limit {max_payload}")
     try:

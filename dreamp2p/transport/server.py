@@ -53,15 +53,14 @@ class PeerServicer(pb_grpc.PeerServicer):
             await _abort(context, err)
         return serde.hello_reply(mine)
 
-    async def Push(
-        self, request_iterator: AsyncIterator[pb.DataFrame], context: aio.ServicerContext
-    ) -> pb.PushAck:
+    async def Push(self, request_iterator: AsyncIterator[bytes], context: aio.ServicerContext) -> pb.PushAck:
+        """Frames arrive as raw serialized DataFrames (see `add_to_server`) and are parsed without copying."""
         frames = 0
         nbytes = 0
         sender = ""
         try:
             async for message in request_iterator:
-                frame = serde.frame_from_proto(message, self._b.max_payload)
+                frame = serde.frame_from_wire(message, self._b.max_payload)
                 sender = frame.sender
                 await self._b.accept_frame(frame)
                 frames += 1
@@ -91,6 +90,31 @@ async def _abort(context: aio.ServicerContext, err: PeerError) -> None:
     await context.abort(serde.GRPC_CODE[err.status], serde.error_details(err))
 
 
+def add_to_server(servicer: PeerServicer, server: aio.Server) -> None:
+    """Register the Peer service like the generated helper, but hand Push its request bytes unparsed."""
+    handlers = {
+        "Handshake": grpc.unary_unary_rpc_method_handler(
+            servicer.Handshake,
+            request_deserializer=pb.HandshakeRequest.FromString,
+            response_serializer=pb.HandshakeResponse.SerializeToString,
+        ),
+        "Push": grpc.stream_unary_rpc_method_handler(
+            servicer.Push, request_deserializer=None, response_serializer=pb.PushAck.SerializeToString
+        ),
+        "Probe": grpc.unary_unary_rpc_method_handler(
+            servicer.Probe,
+            request_deserializer=pb.ProbeRequest.FromString,
+            response_serializer=pb.ProbeResponse.SerializeToString,
+        ),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            servicer.Status,
+            request_deserializer=pb.StatusRequest.FromString,
+            response_serializer=pb.StatusResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("dreamp2p.v1.Peer", handlers),))
+
+
 def build_server(config: PeerConfig, backend: PeerBackend) -> tuple[aio.Server, int]:
     """Create (not start) the aio server bound to ``config.listen``; returns it and the bound port."""
     interceptors = [TokenAuthInterceptor(config.token)] if config.token else []
@@ -99,7 +123,7 @@ def build_server(config: PeerConfig, backend: PeerBackend) -> tuple[aio.Server, 
         interceptors=interceptors,
         maximum_concurrent_rpcs=config.transport.max_concurrent_streams * 4,
     )
-    pb_grpc.add_PeerServicer_to_server(PeerServicer(backend), server)
+    add_to_server(PeerServicer(backend), server)
     if config.tls is not None:
         port = server.add_secure_port(config.listen, server_credentials(config.tls))
     else:
