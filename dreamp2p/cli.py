@@ -30,13 +30,21 @@ def _bench(args: argparse.Namespace) -> int:
         from dreamp2p.bench.transport import bench_transport
 
         result = bench_transport(
-            mbytes=args.mbytes or 64.0, seconds=args.seconds, streams=args.streams, netns=args.netns, rate=args.rate
+            mbytes=args.mbytes or 64.0,
+            seconds=args.seconds,
+            streams=args.streams,
+            netns=args.netns,
+            rate=args.rate,
         )
     elif args.what == "allreduce":
         from dreamp2p.bench.allreduce import bench_allreduce
 
         result = bench_allreduce(
-            peers=args.peers, mbytes=args.mbytes or 64.0, codecs=args.codecs, rounds=args.repeats, streams=args.streams
+            peers=args.peers,
+            mbytes=args.mbytes or 64.0,
+            codecs=args.codecs,
+            rounds=args.repeats,
+            streams=args.streams,
         )
     else:  # argparse restricts choices
         raise AssertionError(args.what)
@@ -61,8 +69,10 @@ def _status(args: argparse.Namespace) -> int:
     print(f"rounds: {st.rounds_completed} completed, {st.rounds_failed} failed; frames rejected: {st.frames_rejected}")
     for link in st.links:
         print(
-            f"  link -> {link.peer:<12} rtt {link.rtt_s * 1e3:7.2f} ms  goodput {link.goodput_Bps * 8 / 1e6:9.1f} Mbit/s"
-            f"  sent {link.bytes_sent / 1e6:9.1f} MB  recv {link.bytes_received / 1e6:9.1f} MB  chunk {link.chunk_bytes}"
+            f"  link -> {link.peer:<12} rtt {link.rtt_s * 1e3:7.2f} ms"
+            f"  goodput {link.goodput_Bps * 8 / 1e6:9.1f} Mbit/s"
+            f"  sent {link.bytes_sent / 1e6:9.1f} MB  recv {link.bytes_received / 1e6:9.1f} MB"
+            f"  chunk {link.chunk_bytes}"
         )
     return 0
 

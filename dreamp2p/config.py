@@ -27,7 +27,16 @@ def parse_rate(text: str | float | int) -> float:
             raise ValueError(f"rate must be > 0 bits/s, got {text}")
         return float(text) / 8.0
     s = text.strip().lower().replace(" ", "")
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "bit": 1.0, "bps": 1.0}
+    units = {
+        "kbit": 1e3,
+        "mbit": 1e6,
+        "gbit": 1e9,
+        "kbps": 1e3,
+        "mbps": 1e6,
+        "gbps": 1e9,
+        "bit": 1.0,
+        "bps": 1.0,
+    }
     for unit, mult in units.items():
         if s.endswith(unit):
             num = s[: -len(unit)]
@@ -97,10 +106,22 @@ class TransportConfig:
     probe_burst_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
-        _positive(self, "max_message_bytes", "keepalive_time_s", "keepalive_timeout_s", "streams_per_link",
-                  "rpc_deadline_s", "connect_timeout_s", "round_timeout_s", "chunk_min_bytes",
-                  "chunk_max_bytes", "outbound_queue_bytes", "max_concurrent_streams", "probe_interval_s",
-                  "probe_burst_bytes")
+        _positive(
+            self,
+            "max_message_bytes",
+            "keepalive_time_s",
+            "keepalive_timeout_s",
+            "streams_per_link",
+            "rpc_deadline_s",
+            "connect_timeout_s",
+            "round_timeout_s",
+            "chunk_min_bytes",
+            "chunk_max_bytes",
+            "outbound_queue_bytes",
+            "max_concurrent_streams",
+            "probe_interval_s",
+            "probe_burst_bytes",
+        )
         if self.chunk_min_bytes > self.chunk_max_bytes:
             raise ValueError(
                 f"transport.chunk_min_bytes ({self.chunk_min_bytes}) > chunk_max_bytes ({self.chunk_max_bytes})"

@@ -43,9 +43,7 @@ def stdlib_shard(rank: int, world: int, max_bytes: int = 4 << 20) -> torch.Tenso
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
 
 
-async def demo_job(
-    peer: Peer, rank: int, world: int, rounds: int, codec: str, local_steps: int = 8
-) -> dict[str, Any]:
+async def demo_job(peer: Peer, rank: int, world: int, rounds: int, codec: str, local_steps: int = 8) -> dict[str, Any]:
     model = tiny_lm(seed=rank)
     params = list(model.parameters())
     opt = torch.optim.Adam(params, lr=2e-3)
@@ -84,34 +82,44 @@ async def demo_job(
             }
         )
     links = [
-        {"peer": s.peer, "goodput_Mbit": s.goodput_Bps * 8 / 1e6, "rtt_ms": s.rtt_s * 1e3} for s in peer.link_snapshots()
+        {"peer": s.peer, "goodput_Mbit": s.goodput_Bps * 8 / 1e6, "rtt_ms": s.rtt_s * 1e3}
+        for s in peer.link_snapshots()
     ]
     return {"params": sum(p.numel() for p in params), "rounds": log, "links": links}
 
 
 def run_demo(nodes: int = 3, link: str = "50mbit", codec: str = "int8", rounds: int = 10) -> int:
     rate = parse_rate(link)
-    print(f"dreamp2p demo: {nodes} peer processes on 127.0.0.1, links paced to {link} ({rate / 1e6:.1f} MB/s), "
-          f"codec {codec}, {rounds} rounds")
+    print(
+        f"dreamp2p demo: {nodes} peer processes on 127.0.0.1, links paced to {link} ({rate / 1e6:.1f} MB/s), "
+        f"codec {codec}, {rounds} rounds"
+    )
     t0 = time.perf_counter()
     config = {"transport": {"rate_limit": rate, "probe_interval_s": 1.0}, "codec": codec}
     results = run_local(nodes, "dreamp2p.demo:demo_job", {"rounds": rounds, "codec": codec}, config)
     n = results[0]["params"]
     print(f"model: byte-level transformer, {n:,} parameters ({n * 4 / 1e6:.1f} MB fp32)")
-    print(f"{'round':>5} {'node':>5} {'loss':>7} {'compute s':>9} {'sync s':>7} {'wire MB':>8} {'Mbit/s':>7} "
-          f"{'moved':>7}  digest")
+    print(
+        f"{'round':>5} {'node':>5} {'loss':>7} {'compute s':>9} {'sync s':>7} {'wire MB':>8} {'Mbit/s':>7} "
+        f"{'moved':>7}  digest"
+    )
     for r in range(rounds):
         for rank, res in enumerate(results):
             row = res["rounds"][r]
             mbit = row["wire_bytes"] * 8 / row["sync_s"] / 1e6 if row["sync_s"] > 0 else 0.0
-            print(f"{row['round']:>5} {'p' + str(rank):>5} {row['loss']:7.3f} {row['compute_s']:9.3f} "
-                  f"{row['sync_s']:7.3f} {row['wire_bytes'] / 1e6:8.2f} {mbit:7.1f} {row['moved']:7.4f}  {row['digest']}")
+            print(
+                f"{row['round']:>5} {'p' + str(rank):>5} {row['loss']:7.3f} {row['compute_s']:9.3f} "
+                f"{row['sync_s']:7.3f} {row['wire_bytes'] / 1e6:8.2f} {mbit:7.1f} {row['moved']:7.4f}  {row['digest']}"
+            )
     same = all(len({res["rounds"][r]["digest"] for res in results}) == 1 for r in range(rounds))
     print("after every round all peers hold identical parameters:", "yes" if same else "NO")
     for rank, res in enumerate(results):
         for ln in res["links"]:
             rtt = f"{ln['rtt_ms']:.2f} ms" if ln["rtt_ms"] > 0 else "n/a (link never idle)"
-            print(f"  p{rank} -> {ln['peer']}: measured goodput {ln['goodput_Mbit']:.1f} Mbit/s (limit {rate * 8 / 1e6:.0f}),"
-                  f" rtt {rtt}")
+            print(
+                f"  p{rank} -> {ln['peer']}: measured goodput {ln['goodput_Mbit']:.1f} Mbit/s"
+                f" (limit {rate * 8 / 1e6:.0f}),"
+                f" rtt {rtt}"
+            )
     print(f"done in {time.perf_counter() - t0:.1f} s")
     return 0 if same else 1

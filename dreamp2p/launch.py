@@ -31,7 +31,7 @@ def resolve(spec: str) -> Job:
     fn = getattr(importlib.import_module(module), name, None)
     if fn is None:
         raise ValueError(f"{module} has no attribute {name!r}")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def node_config(rank: int, base: Mapping[str, Any] | None = None) -> PeerConfig:
@@ -58,8 +58,15 @@ def enter_netns(name: str) -> None:
         os.close(fd)
 
 
-def _child(rank: int, conn: mp.connection.Connection, config: dict[str, Any], job: str, args: dict[str, Any],
-           log_level: int, netns: str | None) -> None:
+def _child(
+    rank: int,
+    conn: mp.connection.Connection,
+    config: dict[str, Any],
+    job: str,
+    args: dict[str, Any],
+    log_level: int,
+    netns: str | None,
+) -> None:
     if netns:
         enter_netns(netns)
     logging.basicConfig(level=log_level, format=f"%(asctime)s p{rank} %(name)s %(levelname)s %(message)s")
@@ -76,8 +83,9 @@ def _child(rank: int, conn: mp.connection.Connection, config: dict[str, Any], jo
         conn.close()
 
 
-async def _child_main(rank: int, conn: mp.connection.Connection, config: dict[str, Any], job: str,
-                      args: dict[str, Any]) -> Any:
+async def _child_main(
+    rank: int, conn: mp.connection.Connection, config: dict[str, Any], job: str, args: dict[str, Any]
+) -> Any:
     from dreamp2p.peer import Peer
 
     loop = asyncio.get_running_loop()

@@ -124,7 +124,8 @@ class Peer:
         for link, reply in zip(self._links.values(), replies, strict=True):
             if reply.node_id != link.dest.node_id:
                 raise PeerError(
-                    Status.UNKNOWN_PEER, f"{link.dest.address} answered as {reply.node_id!r}, not {link.dest.node_id!r}"
+                    Status.UNKNOWN_PEER,
+                    f"{link.dest.address} answered as {reply.node_id!r}, not {link.dest.node_id!r}",
                 )
         if self._prober is None and cfg.transport.probe_interval_s > 0:
             self._prober = asyncio.create_task(self._probe_loop(), name=f"probe-{cfg.node_id}")
@@ -201,8 +202,10 @@ class Peer:
     async def _wait_round(self, frame: Frame) -> RingRound:
         key = (frame.group_id, frame.round_id)
         newest = self._next_round.get(frame.group_id, 0)
-        if frame.round_id == 0 or frame.round_id in self._closed_rounds.get(frame.group_id, ()) or (
-            frame.round_id <= newest
+        if (
+            frame.round_id == 0
+            or frame.round_id in self._closed_rounds.get(frame.group_id, ())
+            or (frame.round_id <= newest)
         ):
             raise PeerError(Status.STALE_ROUND, f"round {frame.round_id} of group {frame.group_id} is not open here")
         if frame.round_id > newest + MAX_ROUNDS_AHEAD:

@@ -44,7 +44,10 @@ def test_ring_mean_every_codec(world: int) -> None:
     codecs = codec_names()
     assert set(codecs) == set(QUANT_STEP)
     results = run_local(
-        world, "dreamp2p.bench.jobs:allreduce_check", {"sizes": SIZES, "codecs": codecs, "seed": world}, timeout=220
+        world,
+        "dreamp2p.bench.jobs:allreduce_check",
+        {"sizes": SIZES, "codecs": codecs, "seed": world},
+        timeout=220,
     )
     assert len(results) == world
     for codec in codecs:

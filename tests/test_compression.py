@@ -391,9 +391,7 @@ def test_extremes_and_denormals(name: str) -> None:
 # ---------------------------------------------------------------- property tests
 
 FINITE32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
-SPECIAL = st.sampled_from(
-    [0.0, -0.0, 3e38, -3e38, FLT_MAX, -FLT_MAX, 1e-42, -1e-42, 1e-45, 1.0, -1.0, 65504.0]
-)
+SPECIAL = st.sampled_from([0.0, -0.0, 3e38, -3e38, FLT_MAX, -FLT_MAX, 1e-42, -1e-42, 1e-45, 1.0, -1.0, 65504.0])
 ELEMENTS = st.one_of(FINITE32, SPECIAL, st.floats(-10, 10, width=32))
 
 

@@ -11,7 +11,14 @@ from dreamp2p.config import PeerConfig, TransportConfig, parse_duration, parse_r
 
 @pytest.mark.parametrize(
     ("text", "bytes_per_s"),
-    [("100mbit", 12.5e6), ("1gbit", 125e6), ("20Mbps", 2.5e6), ("500kbit", 62.5e3), (8e6, 1e6), ("64bit", 8.0)],
+    [
+        ("100mbit", 12.5e6),
+        ("1gbit", 125e6),
+        ("20Mbps", 2.5e6),
+        ("500kbit", 62.5e3),
+        (8e6, 1e6),
+        ("64bit", 8.0),
+    ],
 )
 def test_parse_rate(text: str | float, bytes_per_s: float) -> None:
     assert parse_rate(text) == pytest.approx(bytes_per_s)
@@ -66,7 +73,10 @@ streams_per_link = 4
     [
         ({"node_id": "a", "colour": 1}, "unknown key colour"),
         ({"node_id": "a", "transport": {"streams": 2}}, "unknown key transport.streams"),
-        ({"node_id": "a", "transport": {"streams_per_link": "two"}}, "transport.streams_per_link must be an integer"),
+        (
+            {"node_id": "a", "transport": {"streams_per_link": "two"}},
+            "transport.streams_per_link must be an integer",
+        ),
         ({"node_id": "a", "transport": {"streams_per_link": 0}}, "transport.streams_per_link must be > 0"),
         ({"node_id": "a", "codec": "int3"}, "codec must be one of"),
         ({"node_id": ""}, "node_id"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -46,7 +48,7 @@ def test_segments_cover_exactly(n: int, parts: int, align: int) -> None:
     segs = split_segments(n, parts, align)
     assert len(segs) == parts
     assert segs[0].start == 0 and segs[-1].stop == n
-    for a, b in zip(segs, segs[1:], strict=False):
+    for a, b in itertools.pairwise(segs):
         assert a.stop == b.start
     for s in segs:
         if s.start < n:

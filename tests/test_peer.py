@@ -166,13 +166,56 @@ def _make_certs(tmp: Path) -> dict[str, str]:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-        "-subj", "/CN=dreamp2p-test-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=dreamp2p-test-ca",
+    )
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "node.key",
+        "-out",
+        "node.csr",
+        "-subj",
+        "/CN=localhost",
+    )
     (tmp / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
-    run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
-        "node.pem", "-days", "1", "-extfile", "ext.cnf")
-    return {"cert_file": str(tmp / "node.pem"), "key_file": str(tmp / "node.key"), "ca_file": str(tmp / "ca.pem")}
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "node.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "node.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "ext.cnf",
+    )
+    return {
+        "cert_file": str(tmp / "node.pem"),
+        "key_file": str(tmp / "node.key"),
+        "ca_file": str(tmp / "ca.pem"),
+    }
 
 
 @pytest.mark.parametrize("mutual", [False, True])

@@ -16,8 +16,16 @@ STUBS = ["peer_pb2.py", "peer_pb2.pyi", "peer_pb2_grpc.py"]
 
 def test_stubs_match_proto(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto'}", f"--python_out={tmp_path}",
-         f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", str(ROOT / "proto/dreamp2p/v1/peer.proto")],
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{ROOT / 'proto'}",
+            f"--python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            str(ROOT / "proto/dreamp2p/v1/peer.proto"),
+        ],
         check=True,
     )
     for name in STUBS:

@@ -14,7 +14,10 @@ def bench_allreduce(
     names = codecs or codec_names()
     config = {"transport": {"streams_per_link": streams, "probe_interval_s": 30.0}}
     results = run_local(
-        peers, "dreamp2p.bench.jobs:allreduce_timing", {"mbytes": mbytes, "codecs": names, "rounds": rounds}, config
+        peers,
+        "dreamp2p.bench.jobs:allreduce_timing",
+        {"mbytes": mbytes, "codecs": names, "rounds": rounds},
+        config,
     )
     nbytes = int(mbytes * 1e6 // 4) * 4
     factor = 2 * (peers - 1) / peers

@@ -26,8 +26,8 @@ def make_tensors(rank: int, sizes: list[int], seed: int) -> list[torch.Tensor]:
 def exact_mean(world: int, sizes: list[int], seed: int) -> list[torch.Tensor]:
     sums = [torch.zeros(n, dtype=torch.float64) for n in sizes]
     for r in range(world):
-        for s, t in zip(sums, make_tensors(r, sizes, seed), strict=True):
-            s += t.double()
+        for acc, t in zip(sums, make_tensors(r, sizes, seed), strict=True):
+            acc.add_(t.double())
     return [s / world for s in sums]
 
 
@@ -45,8 +45,10 @@ async def allreduce_check(
     for codec in codecs:
         tensors = make_tensors(rank, sizes, seed)
         res = await peer.allreduce(tensors, group_id=0, codec=codec)
-        err = max((float((t.double() - e).abs().max()) for t, e in zip(tensors, expect, strict=True) if t.numel()),
-                  default=0.0)
+        err = max(
+            (float((t.double() - e).abs().max()) for t, e in zip(tensors, expect, strict=True) if t.numel()),
+            default=0.0,
+        )
         digest = xxhash.xxh3_64()
         for t in tensors:
             digest.update(t.numpy().tobytes())
@@ -78,8 +80,11 @@ async def allreduce_timing(
                 times.append(res.seconds)
                 sent += res.bytes_sent
         times.sort()
-        out[codec] = {"seconds": times[len(times) // 2], "bytes_sent_per_round": sent / rounds,
-                      "chunk_bytes": res.chunk_bytes}
+        out[codec] = {
+            "seconds": times[len(times) // 2],
+            "bytes_sent_per_round": sent / rounds,
+            "chunk_bytes": res.chunk_bytes,
+        }
     return out
 
 
@@ -101,6 +106,8 @@ async def stream_timing(peer: Peer, rank: int, world: int, mbytes: float, second
         if float(flag) < 1.0 - 0.5 / world:
             break
     elapsed = time.perf_counter() - t0
-    links = {s.peer: {"goodput_MBps": s.goodput_Bps / 1e6, "rtt_ms": s.rtt_s * 1e3, "chunk_bytes": s.chunk_bytes}
-             for s in peer.link_snapshots()}
+    links = {
+        s.peer: {"goodput_MBps": s.goodput_Bps / 1e6, "rtt_ms": s.rtt_s * 1e3, "chunk_bytes": s.chunk_bytes}
+        for s in peer.link_snapshots()
+    }
     return {"bytes_sent": sent, "seconds": elapsed, "rounds": rounds, "links": links}

@@ -43,13 +43,16 @@ def wan_namespaces(rate: str, prefix: str = "dp2pbench") -> Iterator[list[tuple[
     try:
         out = subprocess.run(
             ["bash", str(SCRIPT), "up", "--prefix", prefix, "--rate", rate],
-            check=True, capture_output=True, text=True, timeout=60,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
         ).stdout.split()
         yield [(out[0], out[1]), (out[2], out[3])]
     except subprocess.CalledProcessError as exc:
         raise RuntimeError(f"netns-wan.sh up failed: {exc.stderr.strip()}") from None
     finally:
-        subprocess.run(["bash", str(SCRIPT), "down", "--prefix", prefix], capture_output=True, timeout=60)
+        subprocess.run(["bash", str(SCRIPT), "down", "--prefix", prefix], capture_output=True, timeout=60, check=False)
 
 
 class SinkBackend:
@@ -108,8 +111,9 @@ def _receiver(conn: mp.connection.Connection, host: str, netns: str | None, cfg:
     conn.send(asyncio.run(main()))
 
 
-def _sender(conn: mp.connection.Connection, address: str, netns: str | None, cfg: TransportConfig,
-            seconds: float) -> None:
+def _sender(
+    conn: mp.connection.Connection, address: str, netns: str | None, cfg: TransportConfig, seconds: float
+) -> None:
     if netns:
         enter_netns(netns)
 
@@ -121,12 +125,33 @@ def _sender(conn: mp.connection.Connection, address: str, netns: str | None, cfg
             await link.probe_rtt()
             for _ in range(3):  # let the estimate settle before sizing chunks from it
                 await link.probe_bandwidth(cfg.probe_burst_bytes)
-            chunk = choose_chunk_bytes(link.stats.goodput_Bps, 1 << 30, 2, min_bytes=cfg.chunk_min_bytes,
-                                       max_bytes=cfg.chunk_max_bytes)
+            chunk = choose_chunk_bytes(
+                link.stats.goodput_Bps,
+                1 << 30,
+                2,
+                min_bytes=cfg.chunk_min_bytes,
+                max_bytes=cfg.chunk_max_bytes,
+            )
             elems = chunk // 4
             payload = os.urandom(elems * 4)
-            frame = Frame(1, 0, 0, Phase.REDUCE_SCATTER, 0, 0, 0, elems, 1, DType.FP32, elems,
-                          xxhash.xxh3_64_intdigest(payload), False, 0, payload, "bench-sender")
+            frame = Frame(
+                1,
+                0,
+                0,
+                Phase.REDUCE_SCATTER,
+                0,
+                0,
+                0,
+                elems,
+                1,
+                DType.FP32,
+                elems,
+                xxhash.xxh3_64_intdigest(payload),
+                False,
+                0,
+                payload,
+                "bench-sender",
+            )
             stream = link.open_stream(timeout=seconds + 60)
             t0 = time.perf_counter()
             sent = 0
@@ -135,8 +160,13 @@ def _sender(conn: mp.connection.Connection, address: str, netns: str | None, cfg
                 sent += len(payload)
             await stream.close()
             elapsed = time.perf_counter() - t0
-            return {"bytes": sent, "seconds": elapsed, "chunk_bytes": chunk,
-                    "probe_goodput_MBps": link.stats.goodput_Bps / 1e6, "rtt_ms": link.stats.rtt_s * 1e3}
+            return {
+                "bytes": sent,
+                "seconds": elapsed,
+                "chunk_bytes": chunk,
+                "probe_goodput_MBps": link.stats.goodput_Bps / 1e6,
+                "rtt_ms": link.stats.rtt_s * 1e3,
+            }
         finally:
             await link.close()
 
@@ -175,8 +205,9 @@ def _run_pair(cfg: TransportConfig, seconds: float, hosts: list[tuple[str | None
         if not r_parent.poll(60):
             raise RuntimeError("receiver did not start")
         port = r_parent.recv()
-        send = ctx.Process(target=_sender, args=(s_child, f"{hosts[1][1]}:{port}", hosts[0][0], cfg, seconds),
-                           daemon=True)
+        send = ctx.Process(
+            target=_sender, args=(s_child, f"{hosts[1][1]}:{port}", hosts[0][0], cfg, seconds), daemon=True
+        )
         send.start()
         if not s_parent.poll(seconds + 120):
             raise RuntimeError("sender did not finish")

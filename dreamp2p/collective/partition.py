@@ -61,9 +61,7 @@ def split_chunks(segment: Segment, chunk_elems: int, align: int = 1) -> list[Chu
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")
     step = max(align, (chunk_elems // align) * align)
-    return [
-        Chunk(segment.index, s, min(step, segment.stop - s)) for s in range(segment.start, segment.stop, step)
-    ]
+    return [Chunk(segment.index, s, min(step, segment.stop - s)) for s in range(segment.start, segment.stop, step)]
 
 
 @dataclass(frozen=True)

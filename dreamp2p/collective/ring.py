@@ -28,7 +28,6 @@ from dreamp2p.collective.partition import (
     Segment,
     all_gather_recv,
     all_gather_send,
-    owned_segment,
     reduce_scatter_recv,
     reduce_scatter_send,
     split_chunks,
@@ -42,7 +41,7 @@ from dreamp2p.messages import DType, Frame, Phase
 log = logging.getLogger(__name__)
 
 
-def checksum(payload: bytes) -> int:
+def checksum(payload: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
@@ -212,7 +211,7 @@ class RingRound:
         assert self.out is not None
         self.out.forward(frame)
 
-    def _validate(self, f: Frame) -> tuple[bytes, int, int]:
+    def _validate(self, f: Frame) -> tuple[bytes | memoryview, int, int]:
         spec = self.spec
         if f.sender != spec.predecessor:
             raise PeerError(
@@ -259,6 +258,7 @@ class RingRound:
         if checksum(f.payload) != f.checksum:
             raise PeerError(Status.CHECKSUM_MISMATCH, f"payload checksum mismatch ({len(f.payload)} bytes)")
         need = spec.codec.encoded_nbytes(f.chunk_length)
+        raw: bytes | memoryview
         if f.zstd:
             if spec.zstd is None:
                 raise PeerError(Status.BAD_FRAME, "zstd payload but this round does not use zstd")
@@ -278,7 +278,7 @@ class RingRound:
             raw = f.payload
         return raw, f.chunk_offset, f.chunk_length
 
-    def _decode(self, raw: bytes, length: int) -> torch.Tensor:
+    def _decode(self, raw: bytes | memoryview, length: int) -> torch.Tensor:
         if self._scratch.numel() < length:
             self._scratch = torch.empty(length, dtype=torch.float32)
         out = self._scratch[:length]

@@ -132,9 +132,7 @@ def as_byte_tensor(data: torch.Tensor | bytes | bytearray | memoryview, who: str
         elif data.format != "B" or data.ndim != 1:
             data = data.cast("B")
     elif not isinstance(data, bytes | bytearray):
-        raise CodecError(
-            f"{who}: encoded data must be a tensor or a bytes-like object, got {type(data).__name__}"
-        )
+        raise CodecError(f"{who}: encoded data must be a tensor or a bytes-like object, got {type(data).__name__}")
     arr = np.frombuffer(data, dtype=np.uint8)
     if arr.flags.writeable:
         return torch.from_numpy(arr)
@@ -159,9 +157,7 @@ def register_codec(codec: Codec) -> None:
         if key in _by_name:
             raise ValueError(f"codec name {codec.name!r} is already registered")
         if codec.wire_id in _by_id:
-            raise ValueError(
-                f"codec wire id {codec.wire_id} is already registered to {_by_id[codec.wire_id].name!r}"
-            )
+            raise ValueError(f"codec wire id {codec.wire_id} is already registered to {_by_id[codec.wire_id].name!r}")
         _by_name[key] = codec
         _by_id[codec.wire_id] = codec
 

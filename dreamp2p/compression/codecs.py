@@ -250,9 +250,7 @@ class _Blockwise(Codec):
         inv = torch.reciprocal(absmax).nan_to_num_(nan=0.0, posinf=0.0)
         self._quantize(rows, mag, inv.unsqueeze(1), codes)
 
-    def _quantize(
-        self, rows: torch.Tensor, mag: torch.Tensor, inv: torch.Tensor, codes: torch.Tensor
-    ) -> None:
+    def _quantize(self, rows: torch.Tensor, mag: torch.Tensor, inv: torch.Tensor, codes: torch.Tensor) -> None:
         """Write the codes of ``rows``; ``mag`` holds ``|rows|`` and may be overwritten."""
         raise NotImplementedError
 
@@ -334,9 +332,7 @@ class _INT8(_Blockwise):
     _max_scale = _largest_safe_scale(127)
     _overflow_scale = _FLT_MAX / 128.0
 
-    def _quantize(
-        self, rows: torch.Tensor, mag: torch.Tensor, inv: torch.Tensor, codes: torch.Tensor
-    ) -> None:
+    def _quantize(self, rows: torch.Tensor, mag: torch.Tensor, inv: torch.Tensor, codes: torch.Tensor) -> None:
         t = torch.mul(rows, inv, out=mag)
         # Scale to +-127 after normalizing (not before): 127 / absmax overflows for tiny blocks.
         # Adding 128.5 makes the truncating float->uint8 cast round half up onto codes 1..255.
@@ -358,9 +354,7 @@ class _INT4(_Blockwise):
     _max_scale = _largest_safe_scale(7)
     _overflow_scale = _FLT_MAX / 8.0
 
-    def _quantize(
-        self, rows: torch.Tensor, mag: torch.Tensor, inv: torch.Tensor, codes: torch.Tensor
-    ) -> None:
+    def _quantize(self, rows: torch.Tensor, mag: torch.Tensor, inv: torch.Tensor, codes: torch.Tensor) -> None:
         m, w = rows.shape
         t = torch.mul(rows, inv, out=mag)
         t.mul_(7.0).add_(8.5)
@@ -399,9 +393,7 @@ class _E3M0(_Blockwise):
     # Decoded magnitudes never exceed the scale, so a finite scale cannot overflow.
     _overflow_scale = math.inf
 
-    def _quantize(
-        self, rows: torch.Tensor, mag: torch.Tensor, inv: torch.Tensor, codes: torch.Tensor
-    ) -> None:
+    def _quantize(self, rows: torch.Tensor, mag: torch.Tensor, inv: torch.Tensor, codes: torch.Tensor) -> None:
         m, w = rows.shape
         y = mag.mul_(inv)  # |x| / absmax, in [0, 1]
         bits = y.view(torch.int32)

@@ -77,9 +77,7 @@ class ZstdStage:
         result: bytes = self._compressor().compress(arr.data)
         return result
 
-    def decompress(
-        self, data: bytes | bytearray | memoryview, raw_length: int, itemsize: int, max_bytes: int
-    ) -> bytes:
+    def decompress(self, data: bytes | bytearray | memoryview, raw_length: int, itemsize: int, max_bytes: int) -> bytes:
         """Decompress one frame of exactly ``raw_length`` bytes and undo the shuffle.
 
         Never allocates more than ``max_bytes`` for the output: the declared size is checked against
@@ -89,9 +87,7 @@ class ZstdStage:
         if isinstance(raw_length, bool) or not isinstance(raw_length, int) or raw_length < 0:
             raise CodecError(f"zstd: raw_length must be an int >= 0, got {raw_length!r}")
         if raw_length > max_bytes:
-            raise CodecError(
-                f"zstd: OVERSIZE: raw_length {raw_length} exceeds the limit of {max_bytes} bytes"
-            )
+            raise CodecError(f"zstd: OVERSIZE: raw_length {raw_length} exceeds the limit of {max_bytes} bytes")
         if raw_length % itemsize:
             raise CodecError(f"zstd: raw_length {raw_length} is not a multiple of itemsize {itemsize}")
         if isinstance(data, memoryview) and not data.c_contiguous:

@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc import aio
@@ -52,9 +53,7 @@ def open_channel(address: str, cfg: TransportConfig, tls: TLSConfig | None) -> a
 class Link:
     """Everything this peer knows and holds about its connection to one other peer."""
 
-    def __init__(
-        self, me: str, dest: PeerInfo, cfg: TransportConfig, tls: TLSConfig | None, token: str | None
-    ) -> None:
+    def __init__(self, me: str, dest: PeerInfo, cfg: TransportConfig, tls: TLSConfig | None, token: str | None) -> None:
         self.me = me
         self.dest = dest
         self.cfg = cfg
@@ -148,7 +147,11 @@ class Link:
     def open_stream(self, nstreams: int | None = None, timeout: float | None = None) -> OutboundStream:
         n = max(1, min(nstreams or len(self._push), len(self._push)))
         return OutboundStream(
-            self, self._push[:n], self._metadata, timeout or self.cfg.round_timeout_s, self.cfg.outbound_queue_bytes
+            self,
+            self._push[:n],
+            self._metadata,
+            timeout or self.cfg.round_timeout_s,
+            self.cfg.outbound_queue_bytes,
         )
 
     async def close(self) -> None:
@@ -288,7 +291,7 @@ class OutboundStream:
             call.cancel()
 
 
-def _retrieve(task: asyncio.Future[object]) -> None:
+def _retrieve(task: asyncio.Future[Any]) -> None:
     """Mark a task's exception as seen: failures are reported through the stream, not the task."""
     if not task.cancelled():
         task.exception()

@@ -6,6 +6,8 @@ configured limits) happen here, so everything past this module holds well-formed
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from dreamp2p.errors import PeerError, Status
@@ -36,6 +38,11 @@ GRPC_CODE: dict[Status, grpc.StatusCode] = {
 _DETAIL_SEP = ": "
 
 
+def _enum(value: Any) -> Any:
+    """Generated stubs type enum fields as wrapper classes; our ints are valid values of them."""
+    return value
+
+
 def error_details(err: PeerError) -> str:
     return f"{err.status.name}{_DETAIL_SEP}{err.detail}"
 
@@ -54,18 +61,18 @@ def frame_to_proto(f: Frame) -> pb.DataFrame:
         round_id=f.round_id,
         plan_version=f.plan_version,
         group_id=f.group_id,
-        phase=int(f.phase),
+        phase=_enum(int(f.phase)),
         ring_step=f.ring_step,
         segment_index=f.segment_index,
         chunk_offset=f.chunk_offset,
         chunk_length=f.chunk_length,
-        codec=f.codec,
-        dtype=int(f.dtype),
+        codec=_enum(f.codec),
+        dtype=_enum(int(f.dtype)),
         element_count=f.element_count,
         checksum=f.checksum,
         zstd=f.zstd,
         raw_length=f.raw_length,
-        payload=f.payload,
+        payload=bytes(f.payload),
         sender=f.sender,
     )
 
@@ -98,13 +105,13 @@ def frame_to_wire(f: Frame) -> bytes:
         round_id=f.round_id,
         plan_version=f.plan_version,
         group_id=f.group_id,
-        phase=int(f.phase),
+        phase=_enum(int(f.phase)),
         ring_step=f.ring_step,
         segment_index=f.segment_index,
         chunk_offset=f.chunk_offset,
         chunk_length=f.chunk_length,
-        codec=f.codec,
-        dtype=int(f.dtype),
+        codec=_enum(f.codec),
+        dtype=_enum(int(f.dtype)),
         element_count=f.element_count,
         checksum=f.checksum,
         zstd=f.zstd,
@@ -228,7 +235,7 @@ def hello_to_proto(h: Hello) -> pb.HandshakeRequest:
         protocol_version=h.protocol_version,
         node_id=h.node_id,
         manifest_hash=h.manifest_hash,
-        codecs=list(h.codecs),
+        codecs=_enum(list(h.codecs)),
         advertise_address=h.advertise_address,
     )
 
@@ -249,7 +256,7 @@ def hello_reply(h: Hello) -> pb.HandshakeResponse:
         status=pb.STATUS_OK,
         node_id=h.node_id,
         protocol_version=h.protocol_version,
-        codecs=list(h.codecs),
+        codecs=_enum(list(h.codecs)),
         manifest_hash=h.manifest_hash,
     )
 
@@ -285,7 +292,7 @@ def status_to_proto(s: PeerStatus) -> pb.StatusResponse:
         rounds_completed=s.rounds_completed,
         rounds_failed=s.rounds_failed,
         frames_rejected=s.frames_rejected,
-        codecs=list(s.codecs),
+        codecs=_enum(list(s.codecs)),
         uptime_s=s.uptime_s,
     )
 

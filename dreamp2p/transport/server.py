@@ -75,9 +75,7 @@ class PeerServicer(pb_grpc.PeerServicer):
 
     async def Probe(self, request: pb.ProbeRequest, context: aio.ServicerContext) -> pb.ProbeResponse:
         if request.reply_bytes > self._b.max_probe_bytes or len(request.burst) > self._b.max_probe_bytes:
-            await _abort(
-                context, PeerError(Status.OVERSIZE, f"probe larger than {self._b.max_probe_bytes} bytes")
-            )
+            await _abort(context, PeerError(Status.OVERSIZE, f"probe larger than {self._b.max_probe_bytes} bytes"))
         self._b.note_probe(request.sender, len(request.burst))
         return serde.probe_response(request.nonce, len(request.burst), request.reply_bytes)
 
