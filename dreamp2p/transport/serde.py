@@ -99,7 +99,7 @@ def frame_to_wire(f: Frame) -> bytes:
     """Serialize a frame as a standard ``DataFrame`` message, copying the payload only once.
 
     Protobuf messages are concatenations of fields, so the header fields serialized by protobuf
-    followed by field 15 written by hand is exactly what ``DataFrame.SerializeToString`` would emit.
+    followed by field 15 written by hand is a valid ``DataFrame`` that any protobuf library parses.
     """
     header = pb.DataFrame(
         round_id=f.round_id,
@@ -118,6 +118,8 @@ def frame_to_wire(f: Frame) -> bytes:
         raw_length=f.raw_length,
         sender=f.sender,
     ).SerializeToString()
+    if not len(f.payload):
+        return header  # proto3 leaves empty fields out
     return b"".join((header, _PAYLOAD_TAG, _varint(len(f.payload)), f.payload))
 
 

@@ -1,0 +1,103 @@
+"""The proto boundary: hand-framed DataFrames are valid protobuf, and parsing arbitrary bytes is safe."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dreamp2p.errors import PeerError, Status
+from dreamp2p.messages import DType, Frame, Phase
+from dreamp2p.transport import serde
+from dreamp2p.v1 import peer_pb2 as pb
+
+u64 = st.integers(0, 2**64 - 1)
+u32 = st.integers(0, 2**32 - 1)
+
+frames = st.builds(
+    Frame,
+    round_id=u64,
+    plan_version=u32,
+    group_id=u32,
+    phase=st.sampled_from(list(Phase)),
+    ring_step=u32,
+    segment_index=u32,
+    chunk_offset=u64,
+    chunk_length=st.integers(1, 2**64 - 1),
+    codec=st.integers(1, 6),
+    dtype=st.sampled_from(list(DType)),
+    element_count=u64,
+    checksum=u64,
+    zstd=st.booleans(),
+    raw_length=u64,
+    payload=st.binary(max_size=3000),
+    sender=st.text(min_size=1, max_size=20),
+)
+
+
+@given(frames)
+@settings(max_examples=300, deadline=None)
+def test_wire_framing_is_the_protobuf_encoding(f: Frame) -> None:
+    wire = serde.frame_to_wire(f)
+    # payload is written last (after field 16): same message, so any protobuf parser reads it back
+    assert pb.DataFrame.FromString(wire) == serde.frame_to_proto(f)
+    back = serde.frame_from_wire(wire, 1 << 20)
+    assert back == serde.frame_from_proto(pb.DataFrame.FromString(wire), 1 << 20)
+    assert bytes(back.payload) == f.payload
+
+
+@given(frames, st.randoms())
+@settings(max_examples=200, deadline=None)
+def test_any_field_order_parses(f: Frame, rnd: object) -> None:
+    """Another protobuf library may order fields differently; the scanner must not care."""
+    m = serde.frame_to_proto(f)
+    parts = []
+    for field, _ in m.ListFields():
+        single = pb.DataFrame()
+        setattr(single, field.name, getattr(m, field.name))
+        parts.append(single.SerializeToString())
+    rnd.shuffle(parts)  # type: ignore[attr-defined]
+    back = serde.frame_from_wire(b"".join(parts), 1 << 20)
+    assert back == serde.frame_from_proto(m, 1 << 20)
+
+
+@given(st.binary(max_size=400))
+@settings(max_examples=2000, deadline=None)
+def test_random_bytes_give_peer_error_or_frame(data: bytes) -> None:
+    try:
+        frame = serde.frame_from_wire(data, 1 << 20)
+    except PeerError as err:
+        assert err.status in {Status.BAD_FRAME, Status.UNKNOWN_CODEC, Status.OVERSIZE}
+    else:
+        assert isinstance(frame, Frame)
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"\x08", "varint runs past the end"),
+        (b"\x08" + b"\xff" * 11, "varint longer than 10 bytes"),
+        (b"\x7a\x05abc", "field 15 needs 5 bytes"),
+        (b"\x0b", "wire type 3"),
+        (b"\x00\x01", "field number 0"),
+        (b"\x09\x01\x02", "truncated message"),
+    ],
+)
+def test_malformed_wire_reasons(data: bytes, reason: str) -> None:
+    with pytest.raises(PeerError, match=reason) as err:
+        serde.frame_from_wire(data, 1 << 20)
+    assert err.value.status == Status.BAD_FRAME
+
+
+def test_oversize_payload_refused() -> None:
+    f = Frame(1, 0, 0, Phase.REDUCE_SCATTER, 0, 0, 0, 10, 1, DType.FP32, 10, 0, False, 0, bytes(41), "p0")
+    with pytest.raises(PeerError) as err:
+        serde.frame_from_wire(serde.frame_to_wire(f), 40)
+    assert err.value.status == Status.OVERSIZE
+
+
+def test_status_names_round_trip() -> None:
+    for status in Status:
+        assert serde.status_from_details(serde.error_details(PeerError(status, "x"))) == status
+    assert serde.status_from_details("garbage") == Status.UNSPECIFIED
+    assert serde.status_from_details(None) == Status.UNSPECIFIED
