@@ -121,6 +121,7 @@ class RingRound:
             if self.done.done():
                 return
             frame = self._encode_frame(Phase.REDUCE_SCATTER, 0, seg.index, chunk.start, chunk.length)
+            self.bytes_sent += len(frame.payload)
             await self.out.put(frame)
         self._maybe_finish()
 
@@ -139,7 +140,6 @@ class RingRound:
                 payload = raw
         else:
             payload, use_zstd = raw, False
-        self.bytes_sent += len(payload)
         return Frame(
             round_id=spec.round_id,
             plan_version=spec.plan_version,
@@ -209,6 +209,7 @@ class RingRound:
 
     def _forward(self, frame: Frame) -> None:
         assert self.out is not None
+        self.bytes_sent += len(frame.payload)
         self.out.forward(frame)
 
     def _validate(self, f: Frame) -> tuple[bytes | memoryview, int, int]:
