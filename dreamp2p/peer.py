@@ -266,6 +266,11 @@ class Peer:
     def link(self, node_id: str) -> Link:
         return self._links[node_id]
 
+    def set_rate_limit(self, rate_Bps: float | None) -> None:
+        """Re-pace every outgoing link (WAN emulation); None removes the limit."""
+        for link in self._links.values():
+            link.set_rate_limit(rate_Bps)
+
     # ------------------------------------------------------------------ averaging
 
     async def allreduce(
@@ -275,10 +280,12 @@ class Peer:
         codec: str | None = None,
         plan_version: int = 0,
         timeout: float | None = None,
+        out: Sequence[torch.Tensor] | None = None,
     ) -> RoundResult:
-        """Average ``tensors`` in place across the ring (a collective: every member must call it).
+        """Average ``tensors`` across the ring (a collective: every member must call it).
 
-        On failure raises :class:`RoundFailed` and leaves the tensors exactly as they were.
+        The mean is written into ``out`` (same shapes) when given, else into ``tensors`` in place.
+        On failure raises :class:`RoundFailed` and leaves every tensor exactly as it was.
         """
         if not self._ring:
             raise RuntimeError("allreduce before connect(): no ring")
@@ -339,7 +346,7 @@ class Peer:
         finally:
             self._rounds.pop(key, None)
             self._close_round(key)
-        _unflatten(flat, tensors)
+        _unflatten(flat, out if out is not None else tensors)
         self.rounds_completed += 1
         return RoundResult(
             group_id=group_id,

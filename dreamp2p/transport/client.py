@@ -75,6 +75,9 @@ class Link:
         self.chunk_bytes = 0
         self.remote: Hello | None = None
 
+    def set_rate_limit(self, rate_Bps: float | None) -> None:
+        self.bucket = TokenBucket(rate_Bps) if rate_Bps else None
+
     # ------------------------------------------------------------------ calls
 
     async def handshake(self, hello: Hello, timeout: float) -> Hello:

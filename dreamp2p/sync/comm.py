@@ -1,0 +1,120 @@
+"""The peer's event loop on its own thread, so communication runs while the trainer computes.
+
+The training thread submits collectives and gets :class:`concurrent.futures.Future` objects back; it
+only blocks where a strategy decides to wait. One loop, one Peer, one thread per node: torch kernels
+and gRPC's C core release the GIL, so the two threads overlap for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.messages import LinkSnapshot, PeerStatus
+from dreamp2p.peer import Peer, RoundResult
+from dreamp2p.sync.layers import FlatGroup
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class CommThread:
+    """A started :class:`Peer` living on a private event loop thread."""
+
+    def __init__(self, config: PeerConfig) -> None:
+        self.config = config
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=f"dreamp2p-{config.node_id}", daemon=True)
+        self._thread.start()
+        self.peer = Peer(config)
+        self.port = self.call(self.peer.start())
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return self.submit(coro).result(timeout)
+
+    @property
+    def address(self) -> str:
+        return self.peer.address
+
+    def connect(self, ring: Sequence[PeerInfo] | None = None, timeout: float | None = None) -> None:
+        self.call(self.peer.connect(ring, timeout))
+
+    @property
+    def rank(self) -> int:
+        return [p.node_id for p in self.peer.ring].index(self.config.node_id)
+
+    @property
+    def world(self) -> int:
+        return len(self.peer.ring)
+
+    def allreduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group_id: int,
+        codec: str | None = None,
+        plan_version: int = 0,
+        timeout: float | None = None,
+    ) -> concurrent.futures.Future[RoundResult]:
+        """Start averaging ``tensors`` in place; they must not be touched until the future is done."""
+        return self.submit(self.peer.allreduce(tensors, group_id, codec, plan_version, timeout))
+
+    def allreduce_group(
+        self, group: FlatGroup, group_id: int, codec: str | None = None, plan_version: int = 0
+    ) -> concurrent.futures.Future[RoundResult]:
+        """Average a group's snapshot into its ``work`` buffer; ``snap`` stays for the delta merge."""
+        return self.submit(_allreduce_group(self.peer, group, group_id, codec, plan_version))
+
+    def links(self) -> list[LinkSnapshot]:
+        return self.call(_snapshots(self.peer))
+
+    def status(self) -> PeerStatus:
+        return self.call(_status(self.peer))
+
+    def set_rate_limit(self, rate_Bps: float | None) -> None:
+        """Change the emulated rate of every outgoing link (WAN emulation; None removes the limit)."""
+        self.call(_set_rate(self.peer, rate_Bps))
+
+    def close(self, grace: float = 2.0) -> None:
+        if not self._thread.is_alive():
+            return
+        try:
+            self.call(self.peer.close(grace), timeout=grace + 30)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+async def _allreduce_group(
+    peer: Peer, group: FlatGroup, group_id: int, codec: str | None, plan_version: int
+) -> RoundResult:
+    if group.device.type == "cuda":
+        await asyncio.to_thread(group.ready)
+    return await peer.allreduce([group.snap], group_id, codec, plan_version, out=[group.work])
+
+
+async def _snapshots(peer: Peer) -> list[LinkSnapshot]:
+    return peer.link_snapshots()
+
+
+async def _status(peer: Peer) -> PeerStatus:
+    return peer.status()
+
+
+async def _set_rate(peer: Peer, rate: float | None) -> None:
+    peer.set_rate_limit(rate)

@@ -1,0 +1,111 @@
+"""Layers of a model as the unit of scheduling, and flat host buffers for snapshotting and merging them.
+
+A "layer" is a module that owns parameters directly (Linear, Embedding, LayerNorm, ...), in the order the
+model registers them, which is the order forward uses them for ordinary models. Buffers live in host
+memory (pinned when the model is on CUDA), so syncing costs no extra accelerator memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Layer:
+    index: int
+    name: str
+    module: nn.Module
+    params: tuple[nn.Parameter, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.numel
+
+
+def discover_layers(model: nn.Module) -> list[Layer]:
+    """Modules owning trainable parameters, in registration order; each parameter belongs to one layer."""
+    seen: set[int] = set()
+    layers: list[Layer] = []
+    for name, module in model.named_modules():
+        params = tuple(p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen)
+        if not params:
+            continue
+        seen.update(id(p) for p in params)
+        layers.append(Layer(len(layers), name or type(module).__name__, module, params))
+    if not layers:
+        raise ValueError("model has no trainable parameters")
+    return layers
+
+
+class FlatGroup:
+    """Parameters of several layers viewed as one flat fp32 host buffer.
+
+    ``snapshot()`` copies the live parameters into ``snap`` (host); ``merge()`` adds ``avg - snap`` to the
+    live parameters, which keeps any local progress made since the snapshot (DESIGN.md: merge deltas,
+    not overwrite). For a merge right after the snapshot this is exactly ``params <- avg``.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], pin: bool = False) -> None:
+        self.params = list(params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        pin = pin and self.device.type == "cuda"
+        self.snap = torch.empty(self.numel, dtype=torch.float32, pin_memory=pin)
+        self.work = torch.empty(self.numel, dtype=torch.float32, pin_memory=pin)
+        self._event: torch.cuda.Event | None = None
+
+    def snapshot(self, source: Sequence[torch.Tensor] | None = None) -> None:
+        """Copy ``source`` (default: the parameters) into ``snap``; on CUDA the copy is asynchronous."""
+        offset = 0
+        with torch.no_grad():
+            for p in source if source is not None else self.params:
+                n = p.numel()
+                self.snap[offset : offset + n].copy_(p.detach().reshape(-1), non_blocking=True)
+                offset += n
+            if self.device.type == "cuda":
+                self._event = torch.cuda.Event()
+                self._event.record()
+
+    def ready(self) -> None:
+        """Wait until an asynchronous device-to-host snapshot has landed (call off the training thread)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+
+    def merge(self, scale: float = 1.0) -> None:
+        """params += scale * (work - snap): apply the averaged delta on top of local progress."""
+        delta = self.work.sub(self.snap)
+        if scale != 1.0:
+            delta.mul_(scale)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                p.add_(delta[offset : offset + n].view(p.shape).to(p.device, p.dtype, non_blocking=True))
+                offset += n
+
+    def read(self, target: torch.Tensor) -> None:
+        """Copy the parameters into a flat host tensor."""
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                target[offset : offset + n].copy_(p.detach().reshape(-1))
+                offset += n
+
+    def write(self, source: torch.Tensor) -> None:
+        """Overwrite the parameters from a flat host tensor."""
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                p.copy_(source[offset : offset + n].view(p.shape))
+                offset += n
