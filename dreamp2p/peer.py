@@ -66,6 +66,7 @@ class Peer:
         self._admitted: dict[str, Hello] = {}
         self._rounds: dict[tuple[int, int], RingRound] = {}
         self._waiters: dict[tuple[int, int], asyncio.Future[RingRound]] = {}
+        self._waiter_refs: dict[tuple[int, int], int] = {}
         self._next_round: dict[int, int] = {}
         self._closed_rounds: dict[int, set[int]] = {}
         self._zstd = ZstdStage(config.transport.zstd_level) if config.transport.zstd else None
@@ -185,16 +186,12 @@ class Peer:
         return mine
 
     async def accept_frame(self, frame: Frame) -> None:
-        try:
-            if self._closing:
-                raise PeerError(Status.SHUTTING_DOWN, "peer shutting down")
-            if frame.sender not in self._admitted:
-                raise PeerError(Status.UNKNOWN_PEER, f"sender {frame.sender!r} has not completed a handshake")
-            rnd = self._rounds.get((frame.group_id, frame.round_id)) or await self._wait_round(frame)
-            rnd.deliver(frame)
-        except PeerError:
-            self.frames_rejected += 1
-            raise
+        if self._closing:
+            raise PeerError(Status.SHUTTING_DOWN, "peer shutting down")
+        if frame.sender not in self._admitted:
+            raise PeerError(Status.UNKNOWN_PEER, f"sender {frame.sender!r} has not completed a handshake")
+        rnd = self._rounds.get((frame.group_id, frame.round_id)) or await self._wait_round(frame)
+        rnd.deliver(frame)
         link = self._links.get(frame.sender)
         if link is not None:
             link.stats.bytes_received += len(frame.payload)
@@ -217,18 +214,27 @@ class Peer:
             if len(self._waiters) >= MAX_PENDING_ROUNDS:
                 raise PeerError(Status.OVERSIZE, "too many rounds pending")
             fut = self._waiters[key] = asyncio.get_running_loop().create_future()
+        self._waiter_refs[key] = self._waiter_refs.get(key, 0) + 1
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.config.transport.round_timeout_s)
         except TimeoutError:
             raise PeerError(Status.TIMEOUT, f"round {key} did not open here in time") from None
         finally:
-            if fut.done() and self._waiters.get(key) is fut:
-                del self._waiters[key]
+            # the last stream to give up on a round that never opened forgets it
+            self._waiter_refs[key] -= 1
+            if not self._waiter_refs[key]:
+                del self._waiter_refs[key]
+                if self._waiters.get(key) is fut:
+                    del self._waiters[key]
 
-    def stream_broken(self, sender: str, reason: str) -> None:
-        for rnd in list(self._rounds.values()):
-            if rnd.spec.predecessor == sender:
+    def stream_broken(self, sender: str, keys: set[tuple[int, int]], reason: str) -> None:
+        for key in keys:
+            rnd = self._rounds.get(key)
+            if rnd is not None and rnd.spec.predecessor == sender:
                 rnd.fail(f"{sender}: {reason}")
+
+    def note_rejected(self, err: PeerError) -> None:
+        self.frames_rejected += 1
 
     def note_probe(self, sender: str, nbytes: int) -> None:
         link = self._links.get(sender)
@@ -304,7 +310,7 @@ class Peer:
         succ = self._ring[(rank + 1) % world]
         pred = self._ring[(rank - 1) % world]
         chunk_bytes = 0
-        out = None
+        stream = None
         if world > 1:
             link = self._links[succ.node_id]
             seg_elems = max(s.length for s in split_segments(flat.numel(), world, codec_obj.block))
@@ -314,7 +320,7 @@ class Peer:
                 goodput, seg_elems * 4, world, min_bytes=t.chunk_min_bytes, max_bytes=t.chunk_max_bytes
             )
             link.chunk_bytes = chunk_bytes
-            out = link.open_stream(timeout=timeout or t.round_timeout_s)
+            stream = link.open_stream(timeout=timeout or t.round_timeout_s)
         spec = RoundSpec(
             group_id=group_id,
             round_id=round_id,
@@ -329,13 +335,13 @@ class Peer:
             chunk_elems=max(1, chunk_bytes // 4),
             max_payload=self.max_payload,
         )
-        rnd = RingRound(spec, flat, out)
+        rnd = RingRound(spec, flat, stream)
         self._rounds[key] = rnd
         waiter = self._waiters.pop(key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(rnd)
         try:
-            await self._run(rnd, out, timeout or self.config.transport.round_timeout_s)
+            await self._run(rnd, stream, timeout or self.config.transport.round_timeout_s)
         except (PeerError, TimeoutError, _Aborted) as exc:
             rnd.fail(str(exc))
             self.rounds_failed += 1
@@ -394,6 +400,9 @@ class Peer:
                 rnd.done.exception()
 
     def _close_round(self, key: tuple[int, int]) -> None:
+        waiter = self._waiters.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(PeerError(Status.STALE_ROUND, f"round {key} was abandoned here"))
         closed = self._closed_rounds.setdefault(key[0], set())
         closed.add(key[1])
         if len(closed) > 1024:

@@ -82,7 +82,10 @@ class SinkBackend:
         self.bytes += len(frame.payload)
         self.last = now
 
-    def stream_broken(self, sender: str, reason: str) -> None:
+    def stream_broken(self, sender: str, keys: set[tuple[int, int]], reason: str) -> None:
+        pass
+
+    def note_rejected(self, err: PeerError) -> None:
         pass
 
     def note_probe(self, sender: str, nbytes: int) -> None:

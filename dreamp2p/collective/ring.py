@@ -313,6 +313,7 @@ class RingRound:
     def fail(self, reason: str) -> None:
         if not self.done.done():
             self.done.set_exception(_RoundAborted(reason))
+            self.done.exception()  # the caller learns of it through RoundFailed; mark it seen
         if self.out is not None:
             self.out.abort(reason)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 import grpc
 from grpc import aio
@@ -35,7 +35,9 @@ class PeerBackend(Protocol):
 
     async def accept_frame(self, frame: Frame) -> None: ...
 
-    def stream_broken(self, sender: str, reason: str) -> None: ...
+    def stream_broken(self, sender: str, keys: set[tuple[int, int]], reason: str) -> None: ...
+
+    def note_rejected(self, err: PeerError) -> None: ...
 
     def note_probe(self, sender: str, nbytes: int) -> None: ...
 
@@ -47,6 +49,7 @@ class PeerServicer(pb_grpc.PeerServicer):
         self._b = backend
 
     async def Handshake(self, request: pb.HandshakeRequest, context: aio.ServicerContext) -> pb.HandshakeResponse:
+        await _refuse_undecodable(request, context)
         try:
             mine = self._b.admit(serde.hello_from_proto(request))
         except PeerError as err:
@@ -58,29 +61,56 @@ class PeerServicer(pb_grpc.PeerServicer):
         frames = 0
         nbytes = 0
         sender = ""
+        keys: set[tuple[int, int]] = set()  # rounds this stream carried: only they fail if it breaks
         try:
             async for message in request_iterator:
                 frame = serde.frame_from_wire(message, self._b.max_payload)
                 sender = frame.sender
                 await self._b.accept_frame(frame)
+                keys.add((frame.group_id, frame.round_id))
                 frames += 1
                 nbytes += len(frame.payload)
         except PeerError as err:
+            self._b.note_rejected(err)
             await _abort(context, err)
         except asyncio.CancelledError:
             if sender:
-                self._b.stream_broken(sender, "upstream cancelled its stream")
+                self._b.stream_broken(sender, keys, "upstream cancelled its stream")
             raise
         return serde.push_ack(frames, nbytes)
 
     async def Probe(self, request: pb.ProbeRequest, context: aio.ServicerContext) -> pb.ProbeResponse:
+        await _refuse_undecodable(request, context)
         if request.reply_bytes > self._b.max_probe_bytes or len(request.burst) > self._b.max_probe_bytes:
             await _abort(context, PeerError(Status.OVERSIZE, f"probe larger than {self._b.max_probe_bytes} bytes"))
         self._b.note_probe(request.sender, len(request.burst))
         return serde.probe_response(request.nonce, len(request.burst), request.reply_bytes)
 
     async def Status(self, request: pb.StatusRequest, context: aio.ServicerContext) -> pb.StatusResponse:
+        await _refuse_undecodable(request, context)
         return serde.status_to_proto(self._b.status())
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes protobuf could not parse (gRPC would answer a vague UNKNOWN)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _decoder(cls: Any) -> Callable[[bytes], Any]:
+    def decode(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except Exception as exc:  # protobuf's DecodeError and friends: any failure means malformed input
+            return _Undecodable(f"malformed {cls.__name__}: {exc}")
+
+    return decode
+
+
+async def _refuse_undecodable(request: Any, context: aio.ServicerContext) -> None:
+    if isinstance(request, _Undecodable):
+        await _abort(context, PeerError(Status.BAD_FRAME, request.reason))
 
 
 async def _abort(context: aio.ServicerContext, err: PeerError) -> None:
@@ -93,7 +123,7 @@ def add_to_server(servicer: PeerServicer, server: aio.Server) -> None:
     handlers = {
         "Handshake": grpc.unary_unary_rpc_method_handler(
             servicer.Handshake,
-            request_deserializer=pb.HandshakeRequest.FromString,
+            request_deserializer=_decoder(pb.HandshakeRequest),
             response_serializer=pb.HandshakeResponse.SerializeToString,
         ),
         "Push": grpc.stream_unary_rpc_method_handler(
@@ -101,12 +131,12 @@ def add_to_server(servicer: PeerServicer, server: aio.Server) -> None:
         ),
         "Probe": grpc.unary_unary_rpc_method_handler(
             servicer.Probe,
-            request_deserializer=pb.ProbeRequest.FromString,
+            request_deserializer=_decoder(pb.ProbeRequest),
             response_serializer=pb.ProbeResponse.SerializeToString,
         ),
         "Status": grpc.unary_unary_rpc_method_handler(
             servicer.Status,
-            request_deserializer=pb.StatusRequest.FromString,
+            request_deserializer=_decoder(pb.StatusRequest),
             response_serializer=pb.StatusResponse.SerializeToString,
         ),
     }
