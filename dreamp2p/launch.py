@@ -74,13 +74,35 @@ def _child(
 
     torch.set_num_threads(1)
     try:
-        result = asyncio.run(_child_main(rank, conn, config, job, args))
+        if config.pop("node_job", False):
+            result = _child_node(rank, conn, config, job, args)
+        else:
+            result = asyncio.run(_child_main(rank, conn, config, job, args))
         conn.send(("ok", result))
     except BaseException as exc:  # report every failure to the parent, then exit non-zero
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         raise
     finally:
         conn.close()
+
+
+def _child_node(
+    rank: int, conn: mp.connection.Connection, config: dict[str, Any], job: str, args: dict[str, Any]
+) -> Any:
+    """Run a synchronous training job against a Node (peer on its comm thread)."""
+    from dreamp2p.node import Node
+
+    node = Node(node_config(rank, config))
+    conn.send(("port", node.comm.port))
+    ring = conn.recv()
+    try:
+        node.connect([PeerInfo(n, a) for n, a in ring])
+        result = resolve(job)(node, rank, len(ring), **args)
+        conn.send(("done", None))
+        conn.recv()
+        return result
+    finally:
+        node.close()
 
 
 async def _child_main(
@@ -112,8 +134,11 @@ def run_local(
     timeout: float = 600.0,
     log_level: int = logging.WARNING,
     hosts: list[tuple[str | None, str]] | None = None,
+    node_job: bool = False,
 ) -> list[Any]:
     """Run ``job(peer, rank, world, **args)`` on ``n`` peer processes; return the results in rank order.
+
+    With ``node_job`` the job is synchronous and gets a :class:`~dreamp2p.node.Node` instead of a Peer.
 
     ``hosts`` optionally gives each rank a (network namespace, IP address) to run in and listen on.
     Raises RuntimeError naming the rank and its error if any child fails or the deadline passes.
@@ -125,7 +150,7 @@ def run_local(
     for rank in range(n):
         parent, child = ctx.Pipe()
         netns, host = hosts[rank]
-        cfg = {**dict(config or {}), "listen": f"{host}:0"}
+        cfg = {**dict(config or {}), "listen": f"{host}:0", "node_job": node_job}
         p = ctx.Process(target=_child, args=(rank, child, cfg, job, dict(args or {}), log_level, netns), daemon=True)
         p.start()
         child.close()

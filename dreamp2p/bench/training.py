@@ -1,0 +1,131 @@
+"""A small, learnable training task shared by the strategy tests and `bench strategies`.
+
+A fixed random "teacher" network labels Gaussian inputs; a student MLP learns it by regression. Batches
+are a deterministic function of (rank, step), so any process can rebuild the union batch of all ranks
+for the single-process reference run.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import xxhash
+from torch import nn
+
+from dreamp2p.node import Node
+
+
+def student(width: int = 64, depth: int = 3, dim: int = 16, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    d = dim
+    for _ in range(depth):
+        layers += [nn.Linear(d, width), nn.Tanh()]
+        d = width
+    layers.append(nn.Linear(d, 1))
+    return nn.Sequential(*layers)
+
+
+_TEACHERS: dict[int, nn.Module] = {}
+
+
+def teacher(dim: int = 16) -> nn.Module:
+    if dim not in _TEACHERS:
+        g = torch.Generator().manual_seed(1234)
+        net = nn.Sequential(nn.Linear(dim, 32), nn.Tanh(), nn.Linear(32, 1))
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        _TEACHERS[dim] = net
+    return _TEACHERS[dim]
+
+
+def batch(rank: int, step: int, size: int = 32, dim: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    x = torch.randn(size, dim, generator=g)
+    with torch.no_grad():
+        y = teacher(dim)(x)
+    return x, y
+
+
+def param_digest(model: nn.Module) -> str:
+    h = xxhash.xxh3_64()
+    for p in model.parameters():
+        h.update(p.detach().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_job(
+    node: Node,
+    rank: int,
+    world: int,
+    strategy: str,
+    steps: int = 60,
+    lr: float = 0.05,
+    optimizer: str = "sgd",
+    width: int = 64,
+    depth: int = 3,
+    batch_size: int = 32,
+    sync: dict[str, Any] | None = None,
+    slow_at: int | None = None,
+    slow_rate: float | None = None,
+    flush: bool = False,
+    step_sleep: float = 0.0,
+) -> dict[str, Any]:
+    """Train the student with ``strategy``; report losses, stats, plans and a parameter digest."""
+    model = student(width, depth, seed=rank)  # different inits on purpose: attach broadcasts rank 0's
+    opt: torch.optim.Optimizer
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    s = node.attach(model, opt, strategy=strategy, **(sync or {}))
+    init_digest = param_digest(model)
+    losses = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        if slow_at is not None and step == slow_at:
+            node.comm.set_rate_limit(slow_rate)
+        x, y = batch(rank, step, batch_size)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if step_sleep:
+            time.sleep(step_sleep)  # stands in for a heavier model's compute
+        s.step()
+        s.zero_grad()
+        losses.append(loss.item())
+    s.close()
+    wall = time.perf_counter() - t0
+    if flush:
+        s.flush()
+    tot = s.totals
+    return {
+        "losses": losses,
+        "wall_s": wall,
+        "init_digest": init_digest,
+        "digest": param_digest(model),
+        "params": [p.detach().cpu().numpy().copy() for p in model.parameters()],
+        "compute_s": tot.compute_s,
+        "exposed_s": tot.exposed_s,
+        "comm_s": tot.comm_s,
+        "bytes_sent": tot.bytes_sent,
+        "hidden_fraction": tot.hidden_fraction,
+        "plan_history": list(getattr(s, "plan_history", [])),
+    }
+
+
+def reference_ssgd(
+    world: int, steps: int, lr: float, width: int = 64, depth: int = 3, batch_size: int = 32
+) -> nn.Module:
+    """Single-process SGD on the union of every rank's batch, from rank 0's initialization."""
+    model = student(width, depth, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        xs, ys = zip(*(batch(r, step, batch_size) for r in range(world)), strict=True)
+        loss = nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model

@@ -1,0 +1,181 @@
+"""The strategy interface every synchronization method implements, and per-step accounting.
+
+The user's loop stays theirs: forward, ``loss.backward()``, then ``sync.step()`` in place of
+``optimizer.step()``. A strategy decides what is averaged when, launches it on the comm thread, and
+blocks only where its method requires; time spent blocked is the step's exposed wait.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dreamp2p.errors import RoundFailed
+from dreamp2p.peer import RoundResult
+from dreamp2p.sync.comm import CommThread
+from dreamp2p.sync.config import SyncConfig
+from dreamp2p.sync.layers import FlatGroup, Layer, discover_layers
+
+log = logging.getLogger(__name__)
+
+# Group ids: each strategy's collectives use their own ids (round counters are per group id).
+GROUP_INIT = 1
+GROUP_GRADS = 2
+GROUP_PARAMS = 3
+GROUP_CONTROL = 9
+GROUP_FRAGMENT_BASE = 100
+GROUP_PLAN_BASE = 1_000_000
+
+
+@dataclass
+class StepStats:
+    step: int
+    compute_s: float = 0.0  # forward + backward + optimizer time of this step
+    exposed_s: float = 0.0  # time the training thread waited on communication
+    comm_s: float = 0.0  # duration of the collectives that landed this step
+    bytes_sent: int = 0
+    syncs: int = 0
+    plan_version: int = 0
+
+    @property
+    def hidden_fraction(self) -> float:
+        """1 - exposed / comm: how much of the communication overlapped computation (1 when none)."""
+        if self.comm_s <= 0:
+            return 1.0
+        return max(0.0, 1.0 - self.exposed_s / self.comm_s)
+
+
+@dataclass
+class Totals:
+    steps: int = 0
+    compute_s: float = 0.0
+    exposed_s: float = 0.0
+    comm_s: float = 0.0
+    bytes_sent: int = 0
+    history: list[StepStats] = field(default_factory=list)
+
+    def add(self, s: StepStats) -> None:
+        self.steps += 1
+        self.compute_s += s.compute_s
+        self.exposed_s += s.exposed_s
+        self.comm_s += s.comm_s
+        self.bytes_sent += s.bytes_sent
+        self.history.append(s)
+        if len(self.history) > 10_000:
+            del self.history[: len(self.history) - 10_000]
+
+    @property
+    def hidden_fraction(self) -> float:
+        return 1.0 if self.comm_s <= 0 else max(0.0, 1.0 - self.exposed_s / self.comm_s)
+
+
+class Strategy(abc.ABC):
+    """Base of every synchronization strategy; subclasses implement :meth:`_step`."""
+
+    name = "base"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.comm = comm
+        self.cfg = cfg
+        self.layers: list[Layer] = discover_layers(model)
+        self.params: list[nn.Parameter] = [p for layer in self.layers for p in layer.params]
+        self.step_count = 0
+        self.totals = Totals()
+        self._last_end = time.perf_counter()
+        self._stats = StepStats(0)
+        self.pin = any(p.device.type == "cuda" for p in self.params)
+
+    # ------------------------------------------------------------------ user API
+
+    def step(self) -> StepStats:
+        """Apply this step's local update and whatever synchronization the strategy schedules now."""
+        t0 = time.perf_counter()
+        self._stats = StepStats(self.step_count, compute_s=t0 - self._last_end)
+        self._step()
+        end = time.perf_counter()
+        stats = self._stats
+        # time inside step() that was not waiting on the network is local work (optimizer, merges)
+        stats.compute_s += max(0.0, (end - t0) - stats.exposed_s)
+        self.totals.add(stats)
+        self.step_count += 1
+        self._last_end = end
+        return stats
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.name,
+            "step": self.step_count,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "extra": self._extra_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("strategy") != self.name:
+            raise ValueError(f"state is for strategy {state.get('strategy')!r}, this is {self.name!r}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step"])
+        self._load_extra_state(state.get("extra", {}))
+
+    def close(self) -> None:  # noqa: B027 - strategies without rounds in flight have nothing to wait for
+        """Wait for collectives still in flight (they are collective: peers expect us to finish them)."""
+
+    def flush(self) -> None:
+        """Average every parameter once now, blocking: all peers end with identical parameters."""
+        self.close()
+        group = FlatGroup(self.params, pin=self.pin)
+        group.snapshot()
+        self._wait(self.comm.allreduce_group(group, GROUP_PARAMS, self.cfg.codec))
+        group.merge()
+
+    # ------------------------------------------------------------------ for subclasses
+
+    @abc.abstractmethod
+    def _step(self) -> None: ...
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        return None
+
+    def _wait(self, fut: concurrent.futures.Future[RoundResult]) -> RoundResult:
+        """Block on a collective, charging the blocked time to exposed wait."""
+        t0 = time.perf_counter()
+        try:
+            res = fut.result(timeout=self.cfg.round_timeout_s + 30)
+        except concurrent.futures.TimeoutError:
+            raise RoundFailed((0, 0), "no result from the comm thread in time") from None
+        self._stats.exposed_s += time.perf_counter() - t0
+        self._landed(res)
+        return res
+
+    def _landed(self, res: RoundResult) -> None:
+        self._stats.comm_s += res.seconds
+        self._stats.bytes_sent += res.bytes_sent
+        self._stats.syncs += 1
+
+
+def broadcast_parameters(comm: CommThread, params: list[nn.Parameter], timeout: float) -> None:
+    """Make every replica hold rank 0's parameters (bit-identical on all peers afterwards)."""
+    if comm.world == 1 or not params:
+        return
+    group = FlatGroup(params)
+    group.snapshot()
+    # rank 0 contributes N x its values, the others zero: the mean is rank 0's values on every peer
+    group.snap.mul_(float(comm.world) if comm.rank == 0 else 0.0)
+    comm.allreduce_group(group, GROUP_INIT, "fp32").result(timeout)
+    group.write(group.work)

@@ -1,0 +1,229 @@
+"""The baseline strategies, all on the same transport so benchmarks compare like with like.
+
+- ``ssgd``: data-parallel S-SGD, gradients averaged every step (blocking).
+- ``localsgd``: local SGD, whole model averaged every H steps (blocking).
+- ``diloco``: DiLoCo (Douillard et al., arXiv 2311.08455): H inner steps, then the mean pseudo-gradient
+  (global - local) drives an outer Nesterov SGD step (lr 0.7, momentum 0.9).
+- ``streaming``: Streaming DiLoCo (arXiv 2501.18512): P strided fragments, each synced once per H steps
+  at staggered offsets; its 4-bit outer gradient travels while training goes on for tau steps, then
+  theta <- alpha * local + (1 - alpha) * outer.
+- ``co2``: CO2 (Sun et al., arXiv 2401.16265): every tau steps an asynchronous all-reduce of the
+  parameters is launched; the next boundary applies the outer step with that one-step-stale average,
+  scaled down by a staleness-gap penalty, with outer momentum clipped element-wise (really applied).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import torch
+from torch import nn
+
+from dreamp2p.peer import RoundResult
+from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided_fragments
+from dreamp2p.sync.base import GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, Strategy
+from dreamp2p.sync.comm import CommThread
+from dreamp2p.sync.config import SyncConfig
+from dreamp2p.sync.layers import FlatGroup
+
+
+class SSGD(Strategy):
+    name = "ssgd"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
+        super().__init__(model, optimizer, comm, cfg)
+        self._grads = FlatGroup(self.params, pin=self.pin)
+
+    def _step(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self._grads.snapshot(grads)
+        self._wait(self.comm.allreduce_group(self._grads, GROUP_GRADS, self.cfg.codec))
+        with torch.no_grad():
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                avg = self._grads.work[offset : offset + n].view(p.shape).to(p.device, p.dtype)
+                if p.grad is None:
+                    p.grad = avg.clone()
+                else:
+                    p.grad.copy_(avg)
+                offset += n
+        self.optimizer.step()
+
+
+class LocalSGD(Strategy):
+    name = "localsgd"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
+        super().__init__(model, optimizer, comm, cfg)
+        self._group = FlatGroup(self.params, pin=self.pin)
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        if (self.step_count + 1) % self.cfg.period == 0:
+            self._group.snapshot()
+            self._wait(self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec))
+            self._group.merge()
+
+
+class DiLoCo(Strategy):
+    name = "diloco"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
+        super().__init__(model, optimizer, comm, cfg)
+        self._group = FlatGroup(self.params, pin=self.pin)
+        self._global = torch.empty(self._group.numel)
+        self._group.read(self._global)
+        self._shadow = nn.Parameter(self._global.clone())
+        self._outer = torch.optim.SGD(
+            [self._shadow], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0
+        )
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        if (self.step_count + 1) % self.cfg.period:
+            return
+        local = torch.empty_like(self._global)
+        self._group.read(local)
+        # pseudo-gradient: how far this replica moved away from the global parameters
+        self._group.snapshot([self._global - local])
+        self._wait(self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec))
+        self._shadow.grad = self._group.work.clone()
+        self._outer.step()
+        with torch.no_grad():
+            self._global.copy_(self._shadow)
+        self._group.write(self._global)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"global": self._global.clone(), "outer": self._outer.state_dict()}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if "global" in state:
+            self._global.copy_(state["global"])
+            with torch.no_grad():
+                self._shadow.copy_(self._global)
+            self._outer.load_state_dict(state["outer"])
+
+
+class StreamingDiLoCo(Strategy):
+    name = "streaming"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
+        super().__init__(model, optimizer, comm, cfg)
+        nfrag = min(cfg.fragments, len(self.layers))
+        self.fragments = strided_fragments(len(self.layers), nfrag)
+        self.offsets = fragment_offsets(nfrag, cfg.period)
+        self._groups = [
+            FlatGroup([p for i in frag for p in self.layers[i].params], pin=self.pin) for frag in self.fragments
+        ]
+        self._global = []
+        self._shadow = []
+        self._outer = []
+        for g in self._groups:
+            glob = torch.empty(g.numel)
+            g.read(glob)
+            shadow = nn.Parameter(glob.clone())
+            self._global.append(glob)
+            self._shadow.append(shadow)
+            self._outer.append(
+                torch.optim.SGD([shadow], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
+            )
+        self._inflight: dict[int, tuple[int, concurrent.futures.Future[RoundResult]]] = {}
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        t = self.step_count
+        for p, (land, fut) in sorted(self._inflight.items()):
+            if land == t:
+                del self._inflight[p]
+                self._wait(fut)
+                self._apply(p)
+        # fragments become due only after a full period of local steps
+        if t + 1 >= self.cfg.period:
+            for p in fragments_due(t + 1, self.offsets, self.cfg.period):
+                if p in self._inflight:  # its previous sync has not landed: finish it first
+                    self._wait(self._inflight.pop(p)[1])
+                    self._apply(p)
+                g = self._groups[p]
+                local = torch.empty_like(self._global[p])
+                g.read(local)
+                g.snapshot([self._global[p] - local])
+                fut = self.comm.allreduce_group(g, GROUP_FRAGMENT_BASE + p, self.cfg.stream_codec)
+                if self.cfg.stream_delay == 0:
+                    self._wait(fut)
+                    self._apply(p)
+                else:
+                    self._inflight[p] = (t + self.cfg.stream_delay, fut)
+
+    def _apply(self, p: int) -> None:
+        g = self._groups[p]
+        self._shadow[p].grad = g.work.clone()
+        self._outer[p].step()
+        with torch.no_grad():
+            self._global[p].copy_(self._shadow[p])
+        local = torch.empty_like(self._global[p])
+        g.read(local)
+        a = self.cfg.mix_alpha
+        g.write(local.mul_(a).add_(self._global[p], alpha=1 - a))
+
+    def close(self) -> None:
+        for p in sorted(self._inflight):
+            self._wait(self._inflight[p][1])
+            self._apply(p)
+        self._inflight.clear()
+
+
+class CO2(Strategy):
+    name = "co2"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
+        super().__init__(model, optimizer, comm, cfg)
+        self._group = FlatGroup(self.params, pin=self.pin)
+        self._outer_params = torch.empty(self._group.numel)
+        self._group.read(self._outer_params)
+        self._momentum = torch.zeros_like(self._outer_params)
+        self._launched: torch.Tensor | None = None  # local parameters sent in the round in flight
+        self._fut: concurrent.futures.Future[RoundResult] | None = None
+        self.last_penalty = 1.0
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        if (self.step_count + 1) % self.cfg.period:
+            return
+        self._land()
+        self._group.snapshot()
+        self._launched = self._group.snap.clone()
+        self._fut = self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec)
+
+    def _land(self) -> None:
+        if self._fut is None or self._launched is None:
+            return
+        self._wait(self._fut)
+        self._fut = None
+        avg = self._group.work
+        local = torch.empty_like(avg)
+        self._group.read(local)
+        progress = local - self._launched  # local work done while the average travelled
+        outer_grad = self._outer_params - avg
+        # staleness gap: the more the replica moved meanwhile, the smaller the stale outer step
+        gap = float(progress.norm()) / (float(outer_grad.norm()) + 1e-12)
+        penalty = 1.0 + self.cfg.co2_gap_penalty * gap
+        self.last_penalty = penalty
+        self._momentum.mul_(self.cfg.co2_momentum).add_(outer_grad, alpha=1.0 / penalty)
+        if self.cfg.co2_clip > 0:
+            self._momentum.clamp_(-self.cfg.co2_clip, self.cfg.co2_clip)
+        self._outer_params.sub_(self._momentum, alpha=self.cfg.co2_lr)
+        self._group.write(self._outer_params + progress)
+        self._launched = None
+
+    def close(self) -> None:
+        self._land()
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"outer": self._outer_params.clone(), "momentum": self._momentum.clone()}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if "outer" in state:
+            self._outer_params.copy_(state["outer"])
+            self._momentum.copy_(state["momentum"])

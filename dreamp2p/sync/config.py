@@ -1,0 +1,69 @@
+"""Knobs of the synchronization strategies, one frozen dataclass with validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+STRATEGIES = ("ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    strategy: str = "dreamddp"
+    period: int = 10  # H: every layer (or the whole model) is averaged once per H steps
+    codec: str = "fp32"  # wire codec for parameter averaging
+    round_timeout_s: float = 300.0
+    # DiLoCo / Streaming DiLoCo outer optimizer (Nesterov SGD)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    # Streaming DiLoCo
+    fragments: int = 2  # P strided fragments
+    stream_delay: int = 1  # tau: steps the fragment's outer gradient travels while training goes on
+    mix_alpha: float = 0.5  # theta <- alpha * local + (1 - alpha) * outer
+    stream_codec: str = "e3m0"  # 4-bit outer gradients, as in the paper
+    # CO2
+    co2_momentum: float = 0.5
+    co2_lr: float = 1.0
+    co2_clip: float = 1.0  # element-wise clip of the outer momentum (0 disables)
+    co2_gap_penalty: float = 1.0  # lambda of the staleness-gap penalty
+    # DreamDDP
+    warmup_steps: int = 5  # profiled steps before the first measured plan (the even plan runs meanwhile)
+    max_delay: int = 0  # d: a group's sync may land up to d steps after launch (WAN extension); < period
+    control_every: int = 10  # steps between control rounds (gather link stats and profiles)
+    control_lead: int = 2  # steps a control round may travel before its result is used
+    replan_threshold: float = 0.25  # relative change of the slowest link that counts as a change
+    replan_sustain: int = 2  # consecutive control rounds that must see the change
+    bubble_fill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {self.strategy!r}")
+        for name in ("period", "fragments", "control_every", "control_lead", "replan_sustain"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"sync.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("stream_delay", "warmup_steps", "max_delay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"sync.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_delay >= self.period:
+            raise ValueError(f"sync.max_delay ({self.max_delay}) must be < sync.period ({self.period})")
+        if self.stream_delay >= self.period:
+            raise ValueError(f"sync.stream_delay ({self.stream_delay}) must be < sync.period ({self.period})")
+        if self.control_lead >= self.control_every:
+            raise ValueError("sync.control_lead must be < sync.control_every")
+        if not 0.0 <= self.mix_alpha <= 1.0:
+            raise ValueError(f"sync.mix_alpha must be in [0, 1], got {self.mix_alpha}")
+        if self.round_timeout_s <= 0 or self.outer_lr <= 0 or self.co2_lr <= 0:
+            raise ValueError("sync.round_timeout_s, outer_lr and co2_lr must be > 0")
+        if not 0.0 <= self.outer_momentum < 1.0 or not 0.0 <= self.co2_momentum < 1.0:
+            raise ValueError("momentum values must be in [0, 1)")
+        if self.replan_threshold <= 0:
+            raise ValueError("sync.replan_threshold must be > 0")
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> SyncConfig:
+        known = {f.name for f in fields(SyncConfig)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown key sync.{unknown[0]}; allowed keys: {', '.join(sorted(known))}")
+        return SyncConfig(**data)

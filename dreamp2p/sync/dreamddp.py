@@ -1,0 +1,261 @@
+"""DreamDDP at run time: planned layer-wise partial synchronization, overlapped with backward.
+
+DreamDDP (Tang et al., arXiv 2502.11058) averages, at iteration h of a period of H, only the layers the
+plan assigns to h. A sync is launched from gradient hooks as soon as its layers' gradients are ready
+(backward no longer needs those weights), runs on the comm thread while backward continues, and is
+merged before the optimizer step. WAN extension (DESIGN.md): a sync may land d steps later; merging
+adds ``avg - snapshot`` so the local progress made meanwhile is kept.
+
+One plan for all: plans are computed only from inputs every peer holds bit-identically, gathered by a
+small control all-reduce every ``control_every`` steps (each peer's link measurements and layer
+profile). Every peer runs the same deterministic planner on them at the same step and adopts the
+result at the next step. Until the first measured plan, the even PLSGD split runs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dreamp2p.compression import get_codec
+from dreamp2p.peer import RoundResult
+from dreamp2p.schedule.cost import LayerCost, LinkModel
+from dreamp2p.schedule.dreamddp import GroupSync, Plan, even_plan, plan_dreamddp
+from dreamp2p.sync.base import GROUP_CONTROL, GROUP_PLAN_BASE, Strategy
+from dreamp2p.sync.comm import CommThread
+from dreamp2p.sync.config import SyncConfig
+from dreamp2p.sync.layers import FlatGroup
+from dreamp2p.sync.profiler import LayerProfiler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    land_step: int
+    key: tuple[int, int]  # (plan version, sync index)
+    group: FlatGroup
+    fut: concurrent.futures.Future[RoundResult]
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What one control round told every peer: per-rank link stats and the mean layer profile."""
+
+    bandwidth_Bps: float  # slowest measured link (inf if none measured yet)
+    rtt_s: float  # largest measured RTT
+    costs: tuple[LayerCost, ...]
+
+
+def pack_control(rank: int, world: int, bw: float, rtt: float, costs: list[LayerCost]) -> torch.Tensor:
+    slot = 2 + 2 * len(costs)
+    vec = torch.zeros(world * slot, dtype=torch.float32)
+    base = rank * slot
+    vec[base] = bw if math.isfinite(bw) else 0.0
+    vec[base + 1] = rtt if math.isfinite(rtt) else 0.0
+    for i, c in enumerate(costs):
+        vec[base + 2 + i] = c.fwd_s
+        vec[base + 2 + len(costs) + i] = c.bwd_s
+    return vec
+
+
+def unpack_control(mean: torch.Tensor, world: int, template: list[LayerCost]) -> Gathered:
+    """Turn the averaged control vector (each rank filled only its slot) back into the gathered view."""
+    n = len(template)
+    slots = (mean.double() * world).view(world, 2 + 2 * n)
+    bws = [float(b) for b in slots[:, 0] if float(b) > 0]
+    rtts = [float(r) for r in slots[:, 1] if float(r) > 0]
+    fwd = slots[:, 2 : 2 + n].mean(0)
+    bwd = slots[:, 2 + n :].mean(0)
+    costs = tuple(
+        LayerCost(c.name, max(0.0, float(fwd[i])), max(0.0, float(bwd[i])), c.nbytes) for i, c in enumerate(template)
+    )
+    return Gathered(min(bws) if bws else math.inf, max(rtts) if rtts else 0.0, costs)
+
+
+class DreamDDP(Strategy):
+    name = "dreamddp"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
+        super().__init__(model, optimizer, comm, cfg)
+        self.profiler = LayerProfiler(self.layers)
+        self._blank = [LayerCost(layer.name, 0.0, 0.0, layer.nbytes) for layer in self.layers]
+        self.plan: Plan = even_plan(self._blank, cfg.period, version=0, effective_step=0)
+        self._next_plan: Plan | None = None
+        self.plan_history: list[tuple[int, int]] = [(0, 0)]
+        self._groups: dict[tuple[int, int], FlatGroup] = {}
+        self._inflight: list[_InFlight] = []
+        self._layer_of = {id(p): layer.index for layer in self.layers for p in layer.params}
+        self._armed: dict[int, set[int]] = {}
+        self._pending: dict[int, int] = {}
+        self._control: tuple[int, concurrent.futures.Future[RoundResult], FlatGroup] | None = None
+        self._basis_bw = math.nan
+        self._changed = 0
+        self.last_gathered: Gathered | None = None
+        self._ratio = get_codec(cfg.codec).encoded_nbytes(1 << 20) / float(4 << 20)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        if cfg.warmup_steps > 0:
+            self.profiler.start()
+        self._arm(0)
+
+    # ------------------------------------------------------------------ backward hooks
+
+    def _iteration(self, step: int) -> int:
+        return (step - self.plan.effective_step) % self.plan.period
+
+    def _arm(self, step: int) -> None:
+        """Prepare the syncs of ``step``: they launch as their layers' gradients become ready."""
+        if self._next_plan is not None and step >= self._next_plan.effective_step:
+            self.plan = self._next_plan
+            self._next_plan = None
+            self.plan_history.append((self.plan.version, self.plan.effective_step))
+            log.info("adopted plan v%d at step %d", self.plan.version, step)
+        h = self._iteration(step)
+        self._armed = {i: set(s.layers) for i, s in enumerate(self.plan.syncs) if s.iteration == h}
+        self._pending = {}
+        for layers in self._armed.values():
+            for li in layers:
+                self._pending[li] = len(self.layers[li].params)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        li = self._layer_of.get(id(p))
+        if li is None or li not in self._pending:
+            return
+        self._pending[li] -= 1
+        if self._pending[li]:
+            return
+        for idx in [i for i, rem in self._armed.items() if li in rem]:
+            rem = self._armed[idx]
+            rem.discard(li)
+            if not rem:
+                del self._armed[idx]
+                self._launch(idx)
+
+    def _launch(self, idx: int) -> None:
+        sync: GroupSync = self.plan.syncs[idx]
+        key = (self.plan.version, idx)
+        for inf in [f for f in self._inflight if f.key == key]:
+            # still travelling from the previous period: it must land before its buffers are reused
+            self._inflight.remove(inf)
+            self._wait(inf.fut)
+            inf.group.merge()
+        group = self._groups.get(key)
+        if group is None:
+            group = FlatGroup([p for li in sync.layers for p in self.layers[li].params], pin=self.pin)
+            self._groups[key] = group
+        group.snapshot()
+        gid = GROUP_PLAN_BASE + self.plan.version * 1000 + idx
+        fut = self.comm.allreduce_group(group, gid, self.cfg.codec, plan_version=self.plan.version)
+        self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, fut))
+
+    # ------------------------------------------------------------------ step
+
+    def _step(self) -> None:
+        t = self.step_count
+        for idx in sorted(self._armed):  # layers that produced no gradient this step
+            self._launch(idx)
+        self._armed.clear()
+        for inf in [f for f in self._inflight if f.land_step <= t]:
+            self._inflight.remove(inf)
+            self._wait(inf.fut)
+            inf.group.merge()
+        self.optimizer.step()
+        self._stats.plan_version = self.plan.version
+        if self.profiler.active:
+            if t == 0:
+                self.profiler._begin_step()  # the first step pays one-time costs: not representative
+            else:
+                self.profiler.end_step()
+            if self.profiler.steps >= self.cfg.warmup_steps:
+                self.profiler.stop()
+        self._control_round(t)
+        self._forget_old_groups()
+        self._arm(t + 1)
+
+    def _control_round(self, t: int) -> None:
+        cfg = self.cfg
+        if self._control is not None and self._control[0] <= t:
+            _, fut, gathered = self._control
+            self._control = None
+            self._wait(fut)
+            self._on_gathered(unpack_control(gathered.work, self.comm.world, self._blank), t)
+        start = max(cfg.warmup_steps, 1)
+        if self._control is None and t >= start and (t - start) % cfg.control_every == 0:
+            links = {s.peer: s for s in self.comm.links()}
+            ring = [p.node_id for p in self.comm.peer.ring]
+            succ = ring[(self.comm.rank + 1) % len(ring)] if len(ring) > 1 else None
+            snap = links.get(succ) if succ else None
+            bw = snap.goodput_Bps if snap is not None and snap.goodput_Bps > 0 else math.nan
+            rtt = snap.rtt_s if snap is not None and snap.rtt_s > 0 else math.nan
+            costs = self.profiler.costs() if self.profiler.steps else self._blank
+            group = FlatGroup([pack_control(self.comm.rank, self.comm.world, bw, rtt, costs)])
+            group.snapshot()
+            fut = self.comm.allreduce_group(group, GROUP_CONTROL, "fp32")
+            self._control = (t + cfg.control_lead, fut, group)
+
+    def _on_gathered(self, g: Gathered, t: int) -> None:
+        """Same inputs on every peer at the same step: the same decision everywhere."""
+        self.last_gathered = g
+        replan = self.plan.version == 0 and self._next_plan is None
+        if not replan and math.isfinite(g.bandwidth_Bps):
+            basis = self._basis_bw
+            changed = not math.isfinite(basis) or abs(g.bandwidth_Bps / basis - 1.0) > self.cfg.replan_threshold
+            self._changed = self._changed + 1 if changed else 0
+            replan = self._changed >= self.cfg.replan_sustain
+        if not replan:
+            return
+        link = LinkModel(
+            bandwidth_Bps=g.bandwidth_Bps if math.isfinite(g.bandwidth_Bps) else 1e12,
+            rtt_s=g.rtt_s,
+            world=self.comm.world,
+            codec_ratio=self._ratio,
+        )
+        version = max(self.plan.version, self._next_plan.version if self._next_plan else 0) + 1
+        self._next_plan = plan_dreamddp(
+            list(g.costs),
+            link,
+            self.cfg.period,
+            version=version,
+            effective_step=t + 1,
+            max_delay=self.cfg.max_delay,
+            bubble_fill=self.cfg.bubble_fill,
+        )
+        self._basis_bw = g.bandwidth_Bps
+        self._changed = 0
+        log.info("plan v%d computed at step %d from bw %.3g B/s rtt %.3g s", version, t, g.bandwidth_Bps, g.rtt_s)
+
+    def _forget_old_groups(self) -> None:
+        live = {f.key for f in self._inflight}
+        for key in [k for k in self._groups if k[0] != self.plan.version and k not in live]:
+            del self._groups[key]
+
+    def close(self) -> None:
+        for inf in list(self._inflight):
+            self._wait(inf.fut)
+            inf.group.merge()
+        self._inflight.clear()
+        if self._control is not None:
+            self._control[1].result(self.cfg.round_timeout_s)
+            self._control = None
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.profiler.stop()
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_dict(), "basis_bw": self._basis_bw, "history": list(self.plan_history)}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if "plan" in state:
+            self.plan = Plan.from_dict(state["plan"])
+            self._basis_bw = float(state.get("basis_bw", math.nan))
+            self.plan_history = [(int(v), int(e)) for v, e in state.get("history", [])]
+            self._arm(self.step_count)
