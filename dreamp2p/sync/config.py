@@ -26,7 +26,7 @@ class SyncConfig:
     co2_momentum: float = 0.5
     co2_lr: float = 1.0
     co2_clip: float = 1.0  # element-wise clip of the outer momentum (0 disables)
-    co2_gap_penalty: float = 1.0  # lambda of the staleness-gap penalty
+    co2_gap_penalty: float = 0.1  # lambda of the staleness-gap penalty
     # DreamDDP
     warmup_steps: int = 5  # profiled steps before the first measured plan (the even plan runs meanwhile)
     max_delay: int = 0  # d: a group's sync may land up to d steps after launch (WAN extension); < period

@@ -48,9 +48,9 @@ def discover_layers(model: nn.Module) -> list[Layer]:
 class FlatGroup:
     """Parameters of several layers viewed as one flat fp32 host buffer.
 
-    ``snapshot()`` copies the live parameters into ``snap`` (host); ``merge()`` adds ``avg - snap`` to the
-    live parameters, which keeps any local progress made since the snapshot (DESIGN.md: merge deltas,
-    not overwrite). For a merge right after the snapshot this is exactly ``params <- avg``.
+    ``snapshot()`` copies the live parameters into ``snap`` (host); ``merge()`` sets them to
+    ``avg + (params - snap)``, which keeps any local progress made since the snapshot (DESIGN.md: merge
+    deltas, not overwrite). For a merge right after the snapshot this is exactly ``params <- avg``.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], pin: bool = False) -> None:
@@ -80,16 +80,20 @@ class FlatGroup:
             self._event.synchronize()
             self._event = None
 
-    def merge(self, scale: float = 1.0) -> None:
-        """params += scale * (work - snap): apply the averaged delta on top of local progress."""
-        delta = self.work.sub(self.snap)
-        if scale != 1.0:
-            delta.mul_(scale)
+    def merge(self) -> None:
+        """params <- avg + (params - snap): the average plus whatever local progress was made meanwhile.
+
+        Written this way round so that with no progress (params == snap) the result is exactly ``avg``
+        on every peer; ``params + (avg - snap)`` would differ between peers in the last bit.
+        """
         offset = 0
         with torch.no_grad():
             for p in self.params:
                 n = p.numel()
-                p.add_(delta[offset : offset + n].view(p.shape).to(p.device, p.dtype, non_blocking=True))
+                avg = self.work[offset : offset + n].view(p.shape)
+                snap = self.snap[offset : offset + n].view(p.shape)
+                local = p.detach().to("cpu", torch.float32) - snap
+                p.copy_((avg + local).to(p.device, p.dtype, non_blocking=True))
                 offset += n
 
     def read(self, target: torch.Tensor) -> None:
