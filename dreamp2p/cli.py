@@ -46,6 +46,21 @@ def _bench(args: argparse.Namespace) -> int:
             rounds=args.repeats,
             streams=args.streams,
         )
+    elif args.what == "strategies":
+        from dreamp2p.bench.strategies import bench_strategies
+
+        result = bench_strategies(
+            strategies=args.strategies,
+            steps=args.steps,
+            period=args.period,
+            width=args.width,
+            depth=args.depth,
+            batch=args.batch,
+            rate=args.link_rate,
+            rtt=args.rtt,
+            max_delay=args.max_delay,
+            codec=args.codecs[0] if args.codecs else "fp32",
+        )
     else:  # argparse restricts choices
         raise AssertionError(args.what)
     _emit(result, args.json)
@@ -89,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
-    b.add_argument("what", choices=["codec", "transport", "allreduce"])
+    b.add_argument("what", choices=["codec", "transport", "allreduce", "strategies"])
     b.add_argument("--json", action="store_true", help="print only the JSON result line")
     b.add_argument("--mbytes", type=float, default=None, help="buffer size in MB (default 64)")
     b.add_argument("--repeats", type=int, default=3, help="measured repetitions (median)")
@@ -99,6 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--streams", type=int, default=2, help="parallel streams (TCP connections) per link")
     b.add_argument("--netns", action="store_true", help="transport: run across two tbf-shaped namespaces (root)")
     b.add_argument("--rate", default="100mbit", help="transport --netns: link rate, e.g. 100mbit")
+    b.add_argument("--strategies", nargs="+", default=None, help="strategies: which to run (default: all)")
+    b.add_argument("--steps", type=int, default=150, help="strategies: training steps per run")
+    b.add_argument("--period", type=int, default=10, help="strategies: period H")
+    b.add_argument("--width", type=int, default=512, help="strategies: model width (MLP)")
+    b.add_argument("--depth", type=int, default=4, help="strategies: hidden layers")
+    b.add_argument("--batch", type=int, default=256, help="strategies: batch size per peer")
+    b.add_argument("--link-rate", default=None, help="strategies: link rate (default: full sync = H/2 steps)")
+    b.add_argument("--rtt", default="20ms", help="strategies: emulated round-trip time per hop")
+    b.add_argument("--max-delay", type=int, default=2, help="strategies: DreamDDP max landing delay d")
     b.set_defaults(func=_bench)
 
     s = sub.add_parser("status", help="live status of a peer: ring, links, counters")

@@ -102,6 +102,7 @@ class TransportConfig:
     zstd: bool = False
     zstd_level: int = 1
     rate_limit: float | None = None  # emulated link rate in bytes/s (token bucket at the sender)
+    delay_s: float = 0.0  # emulated one-way delay per hop (netem is absent here; see client.OutboundStream)
     probe_interval_s: float = 5.0
     probe_burst_bytes: int = 256 << 10
 
@@ -128,6 +129,8 @@ class TransportConfig:
             )
         if self.chunk_max_bytes + (1 << 16) > self.max_message_bytes:
             raise ValueError("transport.chunk_max_bytes must leave 64 KiB of headroom below max_message_bytes")
+        if self.delay_s < 0:
+            raise ValueError(f"transport.delay_s must be >= 0, got {self.delay_s}")
         if self.rate_limit is not None and self.rate_limit <= 0:
             raise ValueError(f"transport.rate_limit must be > 0 bytes/s, got {self.rate_limit}")
         if not 1 <= self.zstd_level <= 22:

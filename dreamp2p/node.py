@@ -21,13 +21,13 @@ from torch import nn
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.manifest import manifest_hash
 from dreamp2p.sync.base import Strategy, broadcast_parameters
-from dreamp2p.sync.baselines import CO2, SSGD, DiLoCo, LocalSGD, StreamingDiLoCo
+from dreamp2p.sync.baselines import CO2, SSGD, DiLoCo, LocalSGD, NoSync, StreamingDiLoCo
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.dreamddp import DreamDDP
 
 STRATEGY_CLASSES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (SSGD, LocalSGD, DiLoCo, StreamingDiLoCo, CO2, DreamDDP)
+    cls.name: cls for cls in (NoSync, SSGD, LocalSGD, DiLoCo, StreamingDiLoCo, CO2, DreamDDP)
 }
 
 

@@ -242,3 +242,17 @@ async def test_plain_client_cannot_talk_to_tls_peer(tmp_path: Path) -> None:
         await link.close()
     finally:
         await peer.close()
+
+
+async def test_emulated_delay_adds_latency_not_throughput_loss() -> None:
+    """A 50 ms one-way delay costs about 2(N-1) x 50 ms per round, not 50 ms per frame."""
+    cfg = TransportConfig(delay_s=0.05, chunk_min_bytes=4096, chunk_max_bytes=65536, probe_interval_s=60)
+    peers = await make_ring(2, transport=cfg)
+    try:
+        data = [[torch.full((1 << 18,), float(r))] for r in range(2)]  # 1 MB: 16+ frames per direction
+        res = await asyncio.gather(*(p.allreduce(d) for p, d in zip(peers, data, strict=True)))
+        assert all(torch.all(d[0] == 0.5) for d in data)
+        assert res[0].seconds >= 2 * 0.05 * 0.9  # two one-way hops at least
+        assert res[0].seconds < 1.0  # frames overlap in the delay line
+    finally:
+        await asyncio.gather(*(p.close() for p in peers))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import random
 from typing import Any
 
 import pytest
@@ -198,7 +199,8 @@ def test_dfs_properties(costs: list[LayerCost], link: LinkModel, data: st.DataOb
     flat = [x for seg in segs for x in sorted(seg, reverse=True)]
     assert flat == list(range(len(costs) - 1, -1, -1))
     for seg in segs:
-        assert seg == list(range(seg[0], seg[-1] + 1)) if seg else True
+        if seg:
+            assert seg == list(range(seg[0], seg[-1] + 1))
     # (2) at-least-one: the non-empty iterations form a prefix of the period
     nonempty = [bool(seg) for seg in segs]
     assert nonempty == sorted(nonempty, reverse=True)
@@ -250,13 +252,13 @@ def test_degenerate_inputs_give_valid_plans(
     plan = plan_dreamddp(costs, link, H, max_delay=max_delay, bubble_fill=bubble_fill)
     _assert_valid(plan, costs, H)
     assert Plan.from_dict(plan.to_dict()) == plan
-    if name == "world 1" or name == "zero costs":
+    if name in ("world 1", "zero costs"):
         assert plan.exposed_s == (0.0,) * H
         assert all(s.comm_s == 0.0 for s in plan.syncs)
         assert not any(s.repeat for s in plan.syncs)
     if name == "H = 1":
         assert [s.iteration for s in plan.syncs] == [0] * len(plan.syncs)
-    if name == "H > L":
+    if name == "H > L" and max_delay == 0:  # at-least-one packs the layers into the first iterations
         assert all(not plan.syncs_at(h) for h in range(len(costs), H))
     if name == "enormous comm" and max_delay == 0:
         assert total_exposed(plan) > 1e6
@@ -359,7 +361,7 @@ def test_delays_never_hurt(costs: list[LayerCost], link: LinkModel, data: st.Dat
     delayed = plan_dreamddp(costs, link, H, max_delay=max_delay, bubble_fill=False)
     assert total_exposed(delayed) <= total_exposed(base)
     assert all(s.delay <= min(max_delay, H - 1) for s in delayed.syncs)
-    assert _base_segments(delayed) == _base_segments(base)
+    _assert_valid(delayed, costs, H)
     assert tuple(it.exposed_s for it in simulate(delayed, costs, link)) == delayed.exposed_s
 
 
@@ -382,6 +384,35 @@ def test_delays_hide_wan_sync_longer_than_backward() -> None:
     assert total_exposed(base) > 0
     assert total_exposed(delayed) == 0.0
     assert delayed.step_time_s() == delayed.compute_s
+
+
+def test_delays_reach_design_target_on_wan() -> None:
+    # DESIGN.md target: a full-model sync costing H/2 compute steps over an 80 ms RTT ring still leaves >= 95%
+    # of the compute-only step rate once syncs may land later in the period
+    L, H, step_s = 24, 10, 0.1
+    costs = _table([step_s / 3 / L] * L, [2 * step_s / 3 / L] * L, [4 * 10**6] * L)
+    wire = ring_wire_bytes(sum(c.nbytes for c in costs), LinkModel(1.0, 0.08, 4))
+    link = LinkModel(wire / (H / 2 * step_s), 0.08, 4)
+    plan = plan_dreamddp(costs, link, H, max_delay=H - 1)
+    assert plan.compute_s / plan.step_time_s() >= 0.95
+    assert plan.compute_s / plan_dreamddp(costs, link, H).step_time_s() < 0.95
+
+
+def test_seeded_sweep_matches_brute_force() -> None:
+    # a dense deterministic sweep next to the hypothesis test: rarely hit ties and boundaries show up here
+    rng = random.Random(20250216)
+    for _ in range(1500):
+        L = rng.randint(1, 7)
+        H = rng.randint(1, L + 1)
+        costs = _table(
+            [rng.uniform(0, 0.1) for _ in range(L)],
+            [rng.uniform(0, 0.1) for _ in range(L)],
+            [rng.choice([0, rng.randint(1, 2 * 10**7)]) for _ in range(L)],
+        )
+        link = LinkModel(rng.choice([1e6, 1.25e7, 1e8, 1e9]), rng.choice([0.0, 0.001, 0.02, 0.08]), rng.randint(1, 8))
+        got = total_exposed(plan_dreamddp(costs, link, H, bubble_fill=False))
+        best, _ = brute_force(costs, link, H)
+        assert _close(got, best), (costs, link, H, got, best)
 
 
 # ------------------------------------------------------------------------------------- determinism and serde
@@ -491,11 +522,8 @@ def test_simulate_timeline_shape() -> None:
     t = 0.0
     for it in timeline:
         assert it.start_s == pytest.approx(t)
-        assert [(b.layer, b.phase) for b in it.compute] == [(0, "fwd"), (1, "fwd"), (2, "fwd")] + [
-            (2, "bwd"),
-            (1, "bwd"),
-            (0, "bwd"),
-        ]
+        phases = [(b.layer, b.phase) for b in it.compute]
+        assert phases == [(0, "fwd"), (1, "fwd"), (2, "fwd"), (2, "bwd"), (1, "bwd"), (0, "bwd")]
         assert it.backward_start_s == pytest.approx(t + 0.06)
         assert it.backward_end_s == pytest.approx(t + 0.18)
         assert it.end_s == pytest.approx(it.backward_end_s + it.exposed_s)

@@ -14,8 +14,8 @@ Timing model of one iteration (times relative to the start of its backward pass)
   plan order: ``start = max(ready, previous finish)``, ``finish = start + ring_comm_time(bucket bytes)``.
   Merging layers saves the ``2(N-1)`` latency hops of an all-reduce but waits for the later layer; on a WAN
   link with 80 ms RTT the hops dominate small layers, so per-layer all-reduces (the authors' code) would be
-  far too slow. For every segment the bucketing that finishes first is found exactly by an O(n^2) dynamic
-  program (ties: fewer, larger buckets).
+  far too slow. For every segment the bucketing that finishes first is found by a dynamic program over the
+  start of the last bucket, O(1) amortized per added layer (see ``_Bucketing``).
 * Base DreamDDP (delay 0): averaged weights are needed by the optimizer step, so an iteration's exposed wait
   is ``max(0, finish of its last bucket - B)``. Every iteration runs the same backward; only which layers sync
   differs, so iterations do not interact (the link is idle again when the next backward begins).
@@ -33,9 +33,9 @@ segments, one per iteration, walking layer by layer:
 
 The best completion from (first layer of a segment, iteration) does not depend on how earlier iterations were
 cut, so the search is memoised on those states and evaluated bottom-up (no deep recursion); within a state a
-branch is cut off as soon as its wait reaches the best found. This makes the search exact for the model above
-(``brute_force`` checks it) in O(min(H, L) * L^2) steps plus O(L^3) for the bucketing tables. Ties keep the
-first branch found, i.e. close iterations as early as possible (spreads traffic over more iterations).
+branch is cut off as soon as its wait reaches the best found. This makes the search exact for the model above,
+up to float rounding (``brute_force`` checks it), in O(min(H, L) * L^2) steps. Ties keep the first branch
+found, i.e. close iterations as early as possible (spreads traffic over more iterations).
 
 WAN extension (``max_delay > 0``; see DESIGN.md, "overlap beyond one iteration"): a group launched in
 iteration ``h`` with delay ``d`` must land before the optimizer step of iteration ``h + d``, i.e. within
@@ -46,11 +46,15 @@ the last sync due at ``k`` finishes past ``k``'s backward end, and a wait stretc
 every later iteration. This is simulated period after period from an idle link until the state at a period
 boundary repeats (steady state; a max-plus system becomes periodic after a finite transient; with a cycle of
 several periods the per-iteration waits are averaged over it). Delays are at most ``H - 1`` so that a group
-lands before the same layers are launched again one period later. They are chosen by coordinate descent over
-the groups of the delay-0 plan, starting from all zero and accepting a change only if it lowers the total
-exposed wait (ties: smaller delay), so ``max_delay > 0`` is never worse than ``max_delay = 0``. Limits: the
-segmentation and bucketing are the delay-0 optimum and are not re-optimised for delays; descent finds a local
-optimum.
+lands before the same layers are launched again one period later. Delays are chosen per group by coordinate
+descent from all zero, taking a change only if it lowers the total exposed wait (ties: smaller delay). It
+starts from several groupings: first the delay-0 optimum (so ``max_delay > 0`` is never worse than
+``max_delay = 0``), then k byte-balanced contiguous groups, one all-reduce each, launched at evenly spread
+iterations (k = 1, 2, 3, 4, 6, 8, 12, ... up to min(H, L)): once syncs may overlap later iterations, few large
+all-reduces (few latency chains) spread over the period usually beat layers packed to hide in one backward.
+The best total wins (ties: fewer delay steps, then the earlier starting point). Limits: a heuristic, not an
+exhaustive search over groupings and delays; descent finds a local optimum; the delay-0 search properties
+(at-least-one in particular) need not hold for a delayed plan.
 
 Bubble filling: after the plan is fixed, idle stretches of the link inside an iteration's backward window (in
 the steady state) get ``repeat=True`` single-layer syncs of layers that fit there entirely, most stale first
@@ -59,7 +63,7 @@ layer is ready and ends before the next sync starts and before the backward ends
 no wait changes; a layer is never repeated while its own base sync is in flight. The result is re-simulated
 and all repeats are dropped if any wait would grow (a guard for periodic steady states).
 
-Determinism: plain float arithmetic in a fixed order, lists only (no dict or set iteration), no randomness, and
+Determinism: plain float arithmetic in a fixed order, no iteration over dicts or sets, no randomness, and
 every tie broken by a fixed rule, so peers computing from agreed inputs get identical plans.
 """
 
@@ -353,7 +357,8 @@ class _Bucketing:
     * ``f[i] > r`` with only zero-byte layers in the bucket (no all-reduce at all): the least i.
 
     Finishes are then computed with ``ring_comm_time`` exactly as the simulator does, so the linear key only
-    selects (it may pick a candidate a few ulps from the true optimum, never more). Ties go to the smaller i.
+    selects (it may pick a candidate a few ulps from the true optimum, never more). Ties between the runs go to
+    the smaller i, i.e. the larger last bucket.
     """
 
     def __init__(self, s: int, ready_b: Sequence[float], prefix: Sequence[int], link: LinkModel) -> None:
@@ -553,13 +558,16 @@ def _cycle(jobs: Sequence[_Job], H: int, B: float, F: float) -> _Cycle:
     return _Cycle(final, tuple(starts), tuple(finishes), tuple(carry))
 
 
-def _choose_delays(jobs: list[_Job], H: int, B: float, F: float, max_delay: int) -> list[_Job]:
-    """Coordinate descent on per-group delays; only strict improvements (or equal totals, smaller d) are taken."""
-    dmax = min(max_delay, H - 1)
-    if dmax == 0 or not jobs:
-        return jobs
+def _choose_delays(jobs: list[_Job], H: int, B: float, F: float, max_delay: int) -> tuple[list[_Job], float]:
+    """Coordinate descent on per-group delays; only strict improvements (or equal totals, smaller d) are taken.
+
+    Returns the jobs with their delays and the steady-state total exposed wait of one period.
+    """
     current = list(jobs)
     total = math.fsum(_cycle(current, H, B, F).exposed)
+    dmax = min(max_delay, H - 1)
+    if dmax == 0 or not jobs:
+        return current, total
     for _ in range(_MAX_DESCENT_PASSES):
         changed = False
         for g in range(len(current)):
@@ -578,7 +586,41 @@ def _choose_delays(jobs: list[_Job], H: int, B: float, F: float, max_delay: int)
                 changed = True
         if not changed:
             break
-    return current
+    return current, total
+
+
+def _spread_candidates(prof: _Profile, seg: _Segments, H: int) -> list[list[_Job]]:
+    """Delay-friendly starting points: k byte-balanced contiguous groups, one all-reduce each, spread evenly.
+
+    The delay-0 optimum packs layers to hide inside one backward pass; once syncs may overlap later iterations,
+    fewer and larger all-reduces (fewer latency chains) spread over the period usually do better. k runs over
+    1, 2, 3, 4, 6, 8, 12, ... up to min(H, L) to keep the search small.
+    """
+    L = prof.L
+    kmax = min(H, L)
+    ks: list[int] = []
+    k = 1
+    while k <= kmax:
+        ks.extend(x for x in (k, k + k // 2) if x <= kmax and x not in ks)
+        k *= 2
+    if kmax not in ks:
+        ks.append(kmax)
+    total = seg.prefix[L]
+    out = []
+    for k in ks:
+        bounds = [0]
+        for i in range(1, k):
+            p = bounds[-1] + 1
+            while p < L - (k - i) and seg.prefix[p] * k < i * total:
+                p += 1
+            bounds.append(p)
+        bounds.append(L)
+        jobs = []
+        for g, (i, j) in enumerate(itertools.pairwise(bounds)):
+            layers = _layers_of(L, i, j)
+            jobs.append(_Job(g * H // k, layers, 0, False, prof.ready[layers[0]], seg.comm(i, j)))
+        out.append(jobs)
+    return out
 
 
 def _bubble_fill(jobs: list[_Job], prof: _Profile, link: LinkModel, H: int) -> list[tuple[_Job, float]]:
@@ -690,7 +732,14 @@ def plan_dreamddp(
         for i, j in seg.buckets(s, e):
             layers = _layers_of(L, i, j)
             jobs.append(_Job(h, layers, 0, False, prof.ready[layers[0]], seg.comm(i, j)))
-    jobs = _choose_delays(jobs, H, prof.B, prof.F, max_delay)
+    if max_delay > 0 and H > 1:
+        # the delay-0 optimum goes first so that ties keep it: max_delay > 0 is never worse than 0
+        best: tuple[float, int] | None = None
+        for cand in [jobs, *_spread_candidates(prof, seg, H)]:
+            chosen, total = _choose_delays(cand, H, prof.B, prof.F, max_delay)
+            key = (total, sum(job.delay for job in chosen))
+            if best is None or key < best:
+                best, jobs = key, chosen
     plan, cyc = _plan_from_jobs(jobs, prof, H, version, effective_step)
     if not bubble_fill:
         return plan

@@ -1,5 +1,6 @@
 """The baseline strategies, all on the same transport so benchmarks compare like with like.
 
+- ``none``: local training only, the compute-only reference.
 - ``ssgd``: data-parallel S-SGD, gradients averaged every step (blocking).
 - ``localsgd``: local SGD, whole model averaged every H steps (blocking).
 - ``diloco``: DiLoCo (Douillard et al., arXiv 2311.08455): H inner steps, then the mean pseudo-gradient
@@ -26,6 +27,15 @@ from dreamp2p.sync.base import GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, S
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.layers import FlatGroup
+
+
+class NoSync(Strategy):
+    """No communication at all: the compute-only reference that utilization is measured against."""
+
+    name = "none"
+
+    def _step(self) -> None:
+        self.optimizer.step()
 
 
 class SSGD(Strategy):

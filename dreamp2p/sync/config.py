@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-STRATEGIES = ("ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp")
+STRATEGIES = ("none", "ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class SyncConfig:
     control_lead: int = 2  # steps a control round may travel before its result is used
     replan_threshold: float = 0.25  # relative change of the slowest link that counts as a change
     replan_sustain: int = 2  # consecutive control rounds that must see the change
-    bubble_fill: bool = True
+    bubble_fill: bool = False  # extra syncs in idle link time; costs CPU, so off unless cores are spare
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

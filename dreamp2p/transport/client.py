@@ -72,6 +72,7 @@ class Link:
         self.stats = LinkEstimator()
         self.meter = BusyMeter()
         self.bucket = TokenBucket(cfg.rate_limit) if cfg.rate_limit else None
+        self.delay_s = cfg.delay_s
         self.chunk_bytes = 0
         self.remote: Hello | None = None
 
@@ -189,8 +190,14 @@ class OutboundStream:
         self._space.set()
         self.frames_sent = 0
         self.bytes_sent = 0
-        self._calls = [push(self._frames(), timeout=timeout, metadata=metadata) for push in pushes]
         self._on_failure: list[asyncio.Future[None]] = []
+        self._timed: collections.deque[tuple[float, Frame]] = collections.deque()
+        self._timed_wake = asyncio.Event()
+        self._timed_done = False
+        self._pump = asyncio.ensure_future(self._delay_line()) if link.delay_s > 0 else None
+        if self._pump is not None:
+            self._pump.add_done_callback(_retrieve)
+        self._calls = [push(self._frames(), timeout=timeout, metadata=metadata) for push in pushes]
         self._tasks = [asyncio.ensure_future(self._await(call)) for call in self._calls]
         for task in self._tasks:
             task.add_done_callback(_retrieve)
@@ -254,21 +261,53 @@ class OutboundStream:
             self._wake.clear()
             await self._wake.wait()
 
+    async def _paced(self) -> Frame | None:
+        """Next frame, paced by the emulated link rate (token bucket), or None when done."""
+        frame = await self._next()
+        if frame is None:
+            self._wake.set()  # the other generators may be waiting for a frame that will not come
+            return None
+        n = len(frame.payload)
+        self._queued_bytes -= n
+        if self._queued_bytes < self._limit:
+            self._space.set()
+        if self._link.bucket is not None:
+            await self._link.bucket.acquire(n)
+        return frame
+
+    async def _delay_line(self) -> None:
+        """Emulated one-way delay: frames leave ``delay_s`` after the rate limiter released them.
+
+        A separate pump keeps pacing while earlier frames are still in the delay line, so the delay
+        adds latency without cutting throughput, as on a real long link.
+        """
+        try:
+            while (frame := await self._paced()) is not None:
+                self._timed.append((time.monotonic() + self._link.delay_s, frame))
+                self._timed_wake.set()
+        finally:
+            self._timed_done = True
+            self._timed_wake.set()
+
+    async def _next_due(self) -> Frame | None:
+        while not self._timed:
+            if self._timed_done or self._failure is not None:
+                return None
+            self._timed_wake.clear()
+            await self._timed_wake.wait()
+        due, frame = self._timed.popleft()
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        return frame
+
     async def _frames(self) -> AsyncIterator[Frame]:
         link = self._link
         while True:
-            frame = await self._next()
+            frame = await (self._next_due() if self._pump is not None else self._paced())
             if frame is None:
-                # the other generators may be waiting for a frame that will not come
-                self._wake.set()
                 return
             n = len(frame.payload)
-            self._queued_bytes -= n
-            if self._queued_bytes < self._limit:
-                self._space.set()
-            if link.bucket is not None:
-                await link.bucket.acquire(n)
-            sample = link.meter.on_send(time.perf_counter(), n, bool(self._fwd or self._own))
+            backlogged = bool(self._fwd or self._own or self._timed)
+            sample = link.meter.on_send(time.perf_counter(), n, backlogged)
             if sample is not None:
                 link.stats.observe_transfer(*sample)
             link.stats.bytes_sent += n
@@ -290,6 +329,9 @@ class OutboundStream:
 
     def abort(self, reason: str) -> None:
         self._fail(PeerError(Status.UNSPECIFIED, f"aborted: {reason}"))
+        self._timed_wake.set()
+        if self._pump is not None:
+            self._pump.cancel()
         for call in self._calls:
             call.cancel()
 

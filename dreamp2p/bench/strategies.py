@@ -1,0 +1,112 @@
+"""`dreamp2p bench strategies`: every strategy on the same model, data and emulated link, 2 peers.
+
+First a compute-only run (strategy ``none``) measures the step rate and model size; unless given, the
+link rate is then set so that one full fp32 model all-reduce costs ``H/2`` compute steps, the regime
+where DreamDDP is meant to help. Each strategy then trains for the same number of steps over that
+link (token-bucket rate + one-way delay per hop, in process). Reported per strategy:
+
+- ``steps_per_s`` and ``compute_utilization`` (= steps_per_s / compute-only steps_per_s);
+- ``hidden_fraction`` = 1 - exposed wait / communication time;
+- ``bytes_per_step`` sent by one peer;
+- ``loss_at_equal_steps``: mean training loss of the last 10 steps (both peers);
+- ``time_to_target_s``: wall time until the 10-step running mean loss first reaches the target, which
+  is S-SGD's final running mean loss times 1.05 (null if never reached).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dreamp2p.config import parse_duration, parse_rate
+from dreamp2p.launch import run_local
+
+log = logging.getLogger(__name__)
+
+ALL = ["ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp"]
+JOB = "dreamp2p.bench.training:train_job"
+
+
+def _running(losses: list[float], window: int = 10) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(losses):
+        acc += x
+        if i >= window:
+            acc -= losses[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def bench_strategies(
+    strategies: list[str] | None = None,
+    steps: int = 150,
+    period: int = 10,
+    width: int = 512,
+    depth: int = 4,
+    batch: int = 256,
+    lr: float = 0.05,
+    rate: str | None = None,
+    rtt: str = "20ms",
+    max_delay: int = 2,
+    codec: str = "fp32",
+) -> dict[str, Any]:
+    names = strategies or ALL
+    common = {"steps": steps, "width": width, "depth": depth, "batch_size": batch, "lr": lr}
+    sync = {"period": period, "codec": codec, "warmup_steps": 5, "control_every": 10, "max_delay": max_delay}
+    base = run_local(2, JOB, {**common, "strategy": "none", "sync": sync}, node_job=True, timeout=900)
+    compute_sps = min(steps / r["wall_s"] for r in base)
+    step_s = 1.0 / compute_sps
+    nparams = sum(int(p.size) for p in base[0]["params"])
+    model_bytes = 4 * nparams
+    # one full fp32 ring all-reduce (2 peers) moves the model once per direction: make it cost H/2 steps
+    rate_Bps = parse_rate(rate) if rate else model_bytes / (period / 2 * step_s)
+    delay_s = parse_duration(rtt) / 2
+    transport = {"rate_limit": rate_Bps, "delay_s": delay_s, "probe_interval_s": 2.0}
+    out: dict[str, Any] = {}
+    curves: dict[str, tuple[list[float], list[float]]] = {}
+    for name in names:
+        res = run_local(
+            2, JOB, {**common, "strategy": name, "sync": sync}, {"transport": transport}, node_job=True, timeout=1800
+        )
+        wall = max(r["wall_s"] for r in res)
+        sps = steps / wall
+        losses = [sum(r["losses"][i] for r in res) / len(res) for i in range(steps)]
+        times = [wall * (i + 1) / steps for i in range(steps)]
+        curves[name] = (_running(losses), times)
+        comm = sum(r["comm_s"] for r in res)
+        exposed = sum(r["exposed_s"] for r in res)
+        out[name] = {
+            "steps_per_s": round(sps, 3),
+            "compute_utilization": round(sps / compute_sps, 3),
+            "hidden_fraction": round(1.0 - exposed / comm, 3) if comm > 0 else 1.0,
+            "bytes_per_step": round(sum(r["bytes_sent"] for r in res) / len(res) / steps),
+            "loss_at_equal_steps": round(sum(losses[-10:]) / 10, 5),
+            "plans": res[0]["plan_history"],
+        }
+    target = None
+    if "ssgd" in curves:
+        target = curves["ssgd"][0][-1] * 1.05
+    for name, (run, times) in curves.items():
+        hit = next((t for v, t in zip(run, times, strict=True) if target is not None and v <= target), None)
+        out[name]["time_to_target_s"] = round(hit, 3) if hit is not None else None
+    return {
+        "strategies": out,
+        "link": {
+            "rate_MBps": round(rate_Bps / 1e6, 3),
+            "rtt_ms": round(2 * delay_s * 1e3, 1),
+            "peers": 2,
+            "full_sync_steps": round(model_bytes / rate_Bps / step_s, 2),
+        },
+        "compute_only_steps_per_s": round(compute_sps, 3),
+        "model": {
+            "params": nparams,
+            "width": width,
+            "depth": depth,
+            "batch": batch,
+            "period": period,
+            "steps": steps,
+            "codec": codec,
+            "max_delay": max_delay,
+        },
+        "target_loss": round(target, 5) if target is not None else None,
+    }
