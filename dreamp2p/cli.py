@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from dreamp2p.errors import PeerError
+
 log = logging.getLogger(__name__)
 
 
@@ -98,6 +100,34 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(nodes=args.nodes, link=args.link, codec=args.codec, rounds=args.rounds)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from dreamp2p.compression import get_codec
+    from dreamp2p.config import parse_duration, parse_rate
+    from dreamp2p.schedule.whatif import what_if
+
+    codec = get_codec(args.codec)
+    ratio = codec.encoded_nbytes(1 << 20) / float(4 << 20)
+    result = what_if(
+        params=args.params,
+        layers=args.layers,
+        step_time_s=args.step_time,
+        peers=args.peers,
+        bandwidth_Bps=parse_rate(args.link),
+        rtt_s=parse_duration(args.rtt),
+        period=args.period,
+        codec_ratio=ratio,
+        max_delay=args.max_delay,
+    )
+    if not args.json:
+        print(f"{'strategy':<10} {'step s':>9} {'utilization':>11} {'MB/step':>10}")
+        for name, p in result["predictions"].items():
+            print(
+                f"{name:<10} {p['step_time_s']:9.3f} {p['compute_utilization']:11.3f} {p['bytes_per_step'] / 1e6:10.2f}"
+            )
+    print(json.dumps(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dreamp2p", description=__doc__)
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
@@ -130,6 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token", default=None, help="shared cluster token, if the peer requires one")
     s.set_defaults(func=_status)
 
+    pl = sub.add_parser("plan", help="predict step time and utilization per strategy before launch")
+    pl.add_argument("--params", type=float, required=True, help="model parameters, e.g. 7e9")
+    pl.add_argument("--layers", type=int, required=True)
+    pl.add_argument("--step-time", type=float, required=True, help="forward+backward seconds per step")
+    pl.add_argument("--peers", type=int, default=2)
+    pl.add_argument("--link", default="1gbit", help="slowest link rate")
+    pl.add_argument("--rtt", default="80ms")
+    pl.add_argument("--period", type=int, default=10)
+    pl.add_argument("--codec", default="fp32")
+    pl.add_argument("--max-delay", type=int, default=0)
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_plan)
+
     d = sub.add_parser("demo", help="start local peers over rate-limited links and average a real model")
     d.add_argument("--nodes", type=int, default=3)
     d.add_argument("--link", default="50mbit", help="emulated link rate per peer")
@@ -145,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(args.func(args))
-    except (ValueError, RuntimeError, OSError) as exc:
+    except (ValueError, RuntimeError, OSError, PeerError) as exc:
         print(f"dreamp2p: error: {exc}", file=sys.stderr)
         return 1
 

@@ -1,0 +1,52 @@
+"""`dreamp2p plan`: predict step time and compute utilization before launch, from a model description.
+
+A model of ``params`` parameters in ``layers`` equal layers, whose forward+backward takes ``step_time``
+seconds (split 1:2, as backward costs about twice forward), on a ring of ``peers`` joined by links of a
+given rate and RTT. Pure: the same cost model and planner the trainer uses at run time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dreamp2p.schedule.cost import LayerCost, LinkModel
+from dreamp2p.schedule.dreamddp import STRATEGIES, plan_dreamddp, predict
+
+
+def uniform_costs(params: float, layers: int, step_time_s: float) -> list[LayerCost]:
+    if params <= 0 or layers < 1 or step_time_s <= 0:
+        raise ValueError("need params > 0, layers >= 1 and step time > 0")
+    nbytes = int(4 * params / layers)
+    return [
+        LayerCost(f"layer{i}", step_time_s / 3 / layers, 2 * step_time_s / 3 / layers, nbytes) for i in range(layers)
+    ]
+
+
+def what_if(
+    params: float,
+    layers: int,
+    step_time_s: float,
+    peers: int,
+    bandwidth_Bps: float,
+    rtt_s: float,
+    period: int = 10,
+    codec_ratio: float = 1.0,
+    max_delay: int = 0,
+) -> dict[str, Any]:
+    costs = uniform_costs(params, layers, step_time_s)
+    link = LinkModel(bandwidth_Bps=bandwidth_Bps, rtt_s=rtt_s, world=peers, codec_ratio=codec_ratio)
+    out: dict[str, Any] = {}
+    for name in STRATEGIES:
+        pred = predict(costs, link, period, name, max_delay=max_delay if name == "dreamddp" else 0, bubble_fill=False)
+        out[name] = {k: pred[k] for k in ("step_time_s", "compute_utilization", "bytes_per_step")}
+    plan = plan_dreamddp(costs, link, period, max_delay=max_delay, bubble_fill=False)
+    schedule = [
+        {
+            "iteration": s.iteration,
+            "layers": [s.layers[0], s.layers[-1]],
+            "delay": s.delay,
+            "comm_s": round(s.comm_s, 4),
+        }
+        for s in plan.syncs
+    ]
+    return {"predictions": out, "dreamddp_schedule": schedule, "period": period, "peers": peers}
