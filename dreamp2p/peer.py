@@ -32,8 +32,9 @@ from dreamp2p.transport.server import build_server
 
 log = logging.getLogger(__name__)
 
-# How far ahead of our newest round a peer may send (it may be a little ahead of us); beyond: refused.
-MAX_ROUNDS_AHEAD = 64
+# How far ahead of our newest round of a group a peer may send (it may be ahead of us); beyond: refused.
+# Not applied to a group this peer has not used yet (a restarted peer joins at the others' round ids).
+MAX_ROUNDS_AHEAD = 1 << 16
 # How many rounds may be waited on before they open here (bounds memory a sender can make us hold).
 MAX_PENDING_ROUNDS = 256
 # Probes larger than this are refused.
@@ -205,7 +206,7 @@ class Peer:
             or (frame.round_id <= newest)
         ):
             raise PeerError(Status.STALE_ROUND, f"round {frame.round_id} of group {frame.group_id} is not open here")
-        if frame.round_id > newest + MAX_ROUNDS_AHEAD:
+        if newest and frame.round_id > newest + MAX_ROUNDS_AHEAD:
             raise PeerError(
                 Status.BAD_FRAME, f"round {frame.round_id} is more than {MAX_ROUNDS_AHEAD} ahead of {newest}"
             )
@@ -287,10 +288,13 @@ class Peer:
         plan_version: int = 0,
         timeout: float | None = None,
         out: Sequence[torch.Tensor] | None = None,
+        round_id: int | None = None,
     ) -> RoundResult:
         """Average ``tensors`` across the ring (a collective: every member must call it).
 
         The mean is written into ``out`` (same shapes) when given, else into ``tensors`` in place.
+        Rounds of a group are numbered 1, 2, ... unless ``round_id`` is given: trainers pass ids derived
+        from the step, so a peer restarted from a checkpoint meets the others on the same round ids.
         On failure raises :class:`RoundFailed` and leaves every tensor exactly as it was.
         """
         if not self._ring:
@@ -298,7 +302,11 @@ class Peer:
         t0 = time.perf_counter()
         world = len(self._ring)
         rank = [p.node_id for p in self._ring].index(self.config.node_id)
-        round_id = self._next_round.get(group_id, 0) + 1
+        newest = self._next_round.get(group_id, 0)
+        if round_id is None:
+            round_id = newest + 1
+        elif round_id <= newest:
+            raise ValueError(f"round {round_id} of group {group_id} is not after this peer's newest round {newest}")
         self._next_round[group_id] = round_id
         key = (group_id, round_id)
         codec_obj = get_codec(codec or self.config.codec)

@@ -35,7 +35,7 @@ from dreamp2p.collective.partition import reduce_scatter_recv, split_segments
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig
 from dreamp2p.errors import RoundFailed, Status
-from dreamp2p.peer import MAX_PROBE_BYTES, Peer
+from dreamp2p.peer import MAX_PROBE_BYTES, MAX_ROUNDS_AHEAD, Peer
 from dreamp2p.v1 import peer_pb2 as pb
 from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
 
@@ -373,10 +373,11 @@ FP32_CASES = [
         id="zstd-flag-on-plain-round",
     ),
     pytest.param(
-        BadFrames(one(round_id=1 + 65), INVALID, Status.BAD_FRAME, "more than 64 ahead"), id="round-far-ahead"
+        BadFrames(one(round_id=2 + MAX_ROUNDS_AHEAD), INVALID, Status.BAD_FRAME, f"more than {MAX_ROUNDS_AHEAD} ahead"),
+        id="round-far-ahead",
     ),
     pytest.param(
-        BadFrames(one(round_id=2**64 - 1), INVALID, Status.BAD_FRAME, "more than 64 ahead"),
+        BadFrames(one(round_id=2**64 - 1), INVALID, Status.BAD_FRAME, f"more than {MAX_ROUNDS_AHEAD} ahead"),
         id="round-u64-max",
     ),
     pytest.param(

@@ -152,6 +152,10 @@ class Strategy(abc.ABC):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         return None
 
+    def _round(self) -> int:
+        """Round id for a collective launched during this step: the same on every peer, also after a resume."""
+        return self.step_count + 1
+
     def _wait(self, fut: concurrent.futures.Future[RoundResult]) -> RoundResult:
         """Block on a collective, charging the blocked time to exposed wait."""
         t0 = time.perf_counter()

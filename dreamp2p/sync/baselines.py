@@ -48,7 +48,7 @@ class SSGD(Strategy):
     def _step(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self._grads.snapshot(grads)
-        self._wait(self.comm.allreduce_group(self._grads, GROUP_GRADS, self.cfg.codec))
+        self._wait(self.comm.allreduce_group(self._grads, GROUP_GRADS, self.cfg.codec, round_id=self._round()))
         with torch.no_grad():
             offset = 0
             for p in self.params:
@@ -73,7 +73,7 @@ class LocalSGD(Strategy):
         self.optimizer.step()
         if (self.step_count + 1) % self.cfg.period == 0:
             self._group.snapshot()
-            self._wait(self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec))
+            self._wait(self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round()))
             self._group.merge()
 
 
@@ -98,7 +98,7 @@ class DiLoCo(Strategy):
         self._group.read(local)
         # pseudo-gradient: how far this replica moved away from the global parameters
         self._group.snapshot([self._global - local])
-        self._wait(self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec))
+        self._wait(self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round()))
         self._shadow.grad = self._group.work.clone()
         self._outer.step()
         with torch.no_grad():
@@ -159,7 +159,9 @@ class StreamingDiLoCo(Strategy):
                 local = torch.empty_like(self._global[p])
                 g.read(local)
                 g.snapshot([self._global[p] - local])
-                fut = self.comm.allreduce_group(g, GROUP_FRAGMENT_BASE + p, self.cfg.stream_codec)
+                fut = self.comm.allreduce_group(
+                    g, GROUP_FRAGMENT_BASE + p, self.cfg.stream_codec, round_id=self._round()
+                )
                 if self.cfg.stream_delay == 0:
                     self._wait(fut)
                     self._apply(p)
@@ -204,7 +206,7 @@ class CO2(Strategy):
         self._land()
         self._group.snapshot()
         self._launched = self._group.snap.clone()
-        self._fut = self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec)
+        self._fut = self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round())
 
     def _land(self) -> None:
         if self._fut is None or self._launched is None:

@@ -73,10 +73,15 @@ class CommThread:
         return self.submit(self.peer.allreduce(tensors, group_id, codec, plan_version, timeout))
 
     def allreduce_group(
-        self, group: FlatGroup, group_id: int, codec: str | None = None, plan_version: int = 0
+        self,
+        group: FlatGroup,
+        group_id: int,
+        codec: str | None = None,
+        plan_version: int = 0,
+        round_id: int | None = None,
     ) -> concurrent.futures.Future[RoundResult]:
         """Average a group's snapshot into its ``work`` buffer; ``snap`` stays for the delta merge."""
-        return self.submit(_allreduce_group(self.peer, group, group_id, codec, plan_version))
+        return self.submit(_allreduce_group(self.peer, group, group_id, codec, plan_version, round_id))
 
     def links(self) -> list[LinkSnapshot]:
         return self.call(_snapshots(self.peer))
@@ -101,11 +106,11 @@ class CommThread:
 
 
 async def _allreduce_group(
-    peer: Peer, group: FlatGroup, group_id: int, codec: str | None, plan_version: int
+    peer: Peer, group: FlatGroup, group_id: int, codec: str | None, plan_version: int, round_id: int | None
 ) -> RoundResult:
     if group.device.type == "cuda":
         await asyncio.to_thread(group.ready)
-    return await peer.allreduce([group.snap], group_id, codec, plan_version, out=[group.work])
+    return await peer.allreduce([group.snap], group_id, codec, plan_version, out=[group.work], round_id=round_id)
 
 
 async def _snapshots(peer: Peer) -> list[LinkSnapshot]:

@@ -151,7 +151,9 @@ class DreamDDP(Strategy):
             self._groups[key] = group
         group.snapshot()
         gid = GROUP_PLAN_BASE + self.plan.version * 1000 + idx
-        fut = self.comm.allreduce_group(group, gid, self.cfg.codec, plan_version=self.plan.version)
+        fut = self.comm.allreduce_group(
+            group, gid, self.cfg.codec, plan_version=self.plan.version, round_id=self._round()
+        )
         self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, fut))
 
     # ------------------------------------------------------------------ step
@@ -196,7 +198,7 @@ class DreamDDP(Strategy):
             costs = self.profiler.costs() if self.profiler.steps else self._blank
             group = FlatGroup([pack_control(self.comm.rank, self.comm.world, bw, rtt, costs)])
             group.snapshot()
-            fut = self.comm.allreduce_group(group, GROUP_CONTROL, "fp32")
+            fut = self.comm.allreduce_group(group, GROUP_CONTROL, "fp32", round_id=self._round())
             self._control = (t + cfg.control_lead, fut, group)
 
     def _on_gathered(self, g: Gathered, t: int) -> None:

@@ -197,7 +197,10 @@ class OutboundStream:
         self._pump = asyncio.ensure_future(self._delay_line()) if link.delay_s > 0 else None
         if self._pump is not None:
             self._pump.add_done_callback(_retrieve)
-        self._calls = [push(self._frames(), timeout=timeout, metadata=metadata) for push in pushes]
+        # wait_for_ready: a successor that is restarting (from a checkpoint) is waited for, up to the deadline
+        self._calls = [
+            push(self._frames(), timeout=timeout, metadata=metadata, wait_for_ready=True) for push in pushes
+        ]
         self._tasks = [asyncio.ensure_future(self._await(call)) for call in self._calls]
         for task in self._tasks:
             task.add_done_callback(_retrieve)
