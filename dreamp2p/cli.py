@@ -84,6 +84,11 @@ def _status(args: argparse.Namespace) -> int:
     print(f"node {st.node_id}  cluster {st.cluster_id}  protocol v{st.protocol_version}  up {st.uptime_s:.0f}s")
     print(f"ring: {' -> '.join(st.ring) or '(none)'}")
     print(f"rounds: {st.rounds_completed} completed, {st.rounds_failed} failed; frames rejected: {st.frames_rejected}")
+    if st.training is not None:
+        tr = st.training
+        print(f"training: {tr.strategy} at step {tr.step}; plan v{tr.plan_version} since step {tr.plan_effective_step}")
+        for line in tr.plan_summary.splitlines():
+            print(f"  {line}")
     for link in st.links:
         print(
             f"  link -> {link.peer:<12} rtt {link.rtt_s * 1e3:7.2f} ms"
@@ -91,6 +96,20 @@ def _status(args: argparse.Namespace) -> int:
             f"  sent {link.bytes_sent / 1e6:9.1f} MB  recv {link.bytes_received / 1e6:9.1f} MB"
             f"  chunk {link.chunk_bytes}"
         )
+    return 0
+
+
+def _node(args: argparse.Namespace) -> int:
+    from dreamp2p.daemon import DaemonConfig, JsonFormatter, StopFlag, run_node
+
+    cfg = DaemonConfig.from_toml(args.config)
+    if cfg.metrics.json_logs:
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
+    stop = StopFlag()
+    stop.install()
+    summary = run_node(cfg, resume=args.resume, stop=stop)
+    print(json.dumps(summary))
     return 0
 
 
@@ -154,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rtt", default="20ms", help="strategies: emulated round-trip time per hop")
     b.add_argument("--max-delay", type=int, default=2, help="strategies: DreamDDP max landing delay d")
     b.set_defaults(func=_bench)
+
+    n = sub.add_parser("node", help="run one region's daemon (trainer + peer) from a TOML config")
+    n.add_argument("--config", required=True, help="path to the node's TOML file (see nodes/)")
+    n.add_argument("--resume", action="store_true", help="continue from the newest checkpoint, if any")
+    n.set_defaults(func=_node)
 
     s = sub.add_parser("status", help="live status of a peer: ring, links, counters")
     s.add_argument("address", help="HOST:PORT of the peer")

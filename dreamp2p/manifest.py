@@ -1,4 +1,4 @@
-"""Model manifest hash: peers only average with peers that hold the same tensor names, shapes and dtypes."""
+"""Model identity: the manifest hash (names, shapes, dtypes) peers must share, and a digest of the values."""
 
 from __future__ import annotations
 
@@ -13,3 +13,13 @@ def manifest_hash(named: Iterable[tuple[str, torch.Tensor]]) -> bytes:
     for name, t in named:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\n".encode())
     return h.digest()
+
+
+def param_digest(model: torch.nn.Module) -> str:
+    """xxh3 digest of every parameter's bytes: equal digests mean bit-identical replicas."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for p in model.parameters():
+        h.update(p.detach().cpu().numpy().tobytes())
+    return h.hexdigest()

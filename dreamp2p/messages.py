@@ -78,3 +78,15 @@ class PeerStatus:
     frames_rejected: int
     codecs: tuple[int, ...] = field(default_factory=tuple)
     uptime_s: float = 0.0
+    training: TrainingInfo | None = None
+
+
+@dataclass(frozen=True)
+class TrainingInfo:
+    """What the attached trainer reports through the peer's Status call."""
+
+    strategy: str
+    step: int
+    plan_version: int = 0
+    plan_effective_step: int = 0
+    plan_summary: str = ""

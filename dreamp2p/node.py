@@ -59,6 +59,7 @@ class Node:
         optimizer: torch.optim.Optimizer,
         strategy: str | None = None,
         sync: SyncConfig | None = None,
+        broadcast: bool = True,
         **overrides: Any,
     ) -> Strategy:
         """Wrap ``optimizer`` with a synchronization strategy; replicas start from rank 0's parameters."""
@@ -69,8 +70,9 @@ class Node:
             cfg = dataclasses.replace(cfg, **overrides)
         if not self._connected:
             self.connect()
-        params = [p for p in model.parameters() if p.requires_grad]
-        broadcast_parameters(self.comm, params, cfg.round_timeout_s)
+        if broadcast:  # a node resuming from its checkpoint keeps its own parameters
+            params = [p for p in model.parameters() if p.requires_grad]
+            broadcast_parameters(self.comm, params, cfg.round_timeout_s)
         strat = STRATEGY_CLASSES[cfg.strategy](model, optimizer, self.comm, cfg)
         self.strategy = strat
         return strat

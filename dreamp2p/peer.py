@@ -25,7 +25,7 @@ from dreamp2p.collective.ring import RingRound, RoundSpec
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.errors import PeerError, RoundFailed, Status
-from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus
+from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, TrainingInfo
 from dreamp2p.schedule.chunking import choose_chunk_bytes
 from dreamp2p.transport.client import Link
 from dreamp2p.transport.server import build_server
@@ -77,6 +77,8 @@ class Peer:
         self.rounds_completed = 0
         self.rounds_failed = 0
         self.frames_rejected = 0
+        # set by the trainer's thread; replaced whole (never mutated), so readers see a consistent value
+        self.training: TrainingInfo | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -254,6 +256,7 @@ class Peer:
             frames_rejected=self.frames_rejected,
             codecs=self.hello().codecs,
             uptime_s=time.monotonic() - self._started,
+            training=self.training,
         )
 
     def link_snapshots(self) -> list[LinkSnapshot]:

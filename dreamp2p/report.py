@@ -68,15 +68,6 @@ SMOOTH_WINDOW = 25
 
 _DPI = 110
 _SIZE = (10.0, 5.0)
-_RC = {
-    "font.size": 10,
-    "axes.titlesize": 12,
-    "axes.labelsize": 11,
-    "legend.fontsize": 9,
-    "xtick.labelsize": 9,
-    "ytick.labelsize": 9,
-    "figure.titlesize": 12,
-}
 _FWD_COLOR = "#a6cee3"
 _BWD_COLOR = "#1f78b4"
 _WAIT_COLOR = "#fbb4ae"
@@ -141,8 +132,10 @@ def _parse_record(line: str) -> tuple[str, dict[str, Any] | None, str]:
     """(kind, normalized record or None, why it was refused) of one non-blank line."""
     try:
         raw = json.loads(line)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         return "", None, f"not JSON ({exc.msg})"
+    except (ValueError, RecursionError) as exc:
+        return "", None, f"not JSON ({exc})"
     if not isinstance(raw, dict):
         return "", None, f"a JSON {type(raw).__name__}, not an object"
     kind = raw.get("kind")
@@ -161,9 +154,7 @@ def _parse_record(line: str) -> tuple[str, dict[str, Any] | None, str]:
                 return kind, None, f"{kind} record has a bad {name!r}: {raw[name]!r}"
             rec[name] = raw[name]
     for name, value in rec.items():
-        if _is_real(value) and not _is_int(value):
-            rec[name] = float(value)
-        elif name == "t":
+        if name == "t" or (_is_real(value) and not _is_int(value)):
             rec[name] = float(value)
     return kind, rec, ""
 
@@ -188,7 +179,7 @@ def _read_metrics(path: Path, node: NodeLog) -> None:
             {"step": node.steps, "eval": node.evals, "link": node.links}[kind].append(rec)
     if malformed or unknown:
         log.warning(
-            "%s: skipped %d of %d records (%d malformed, %d of unknown kind); first at %s",
+            "%s: skipped %d of %d lines (%d malformed, %d of unknown kind); first at %s",
             path,
             malformed + unknown,
             total,
@@ -227,7 +218,10 @@ def load_run(run_dir: str | Path) -> dict[str, NodeLog]:
             continue
         node = NodeLog()
         if metrics.is_file():
-            _read_metrics(metrics, node)
+            try:
+                _read_metrics(metrics, node)
+            except OSError as exc:
+                log.warning("%s: unreadable, node %s has no records (%s)", metrics, sub.name, exc)
         if plan.is_file():
             node.plan = _read_plan(plan)
         logs[sub.name] = node
@@ -375,3 +369,394 @@ def summary_table(logs: Mapping[str, NodeLog]) -> str:
 
 def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+# ------------------------------------------------------------------------------------------------------ drawing
+
+
+@contextmanager
+def _figure(size: tuple[float, float]) -> Iterator[Figure]:
+    """A fresh Agg-backed figure with readable fonts; pyplot and its global figure list are never touched."""
+    import sys
+
+    import matplotlib
+
+    if "matplotlib.pyplot" not in sys.modules:  # switching a live pyplot backend would close the user's figures
+        matplotlib.use("Agg")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    with matplotlib.rc_context(
+        {
+            "font.size": 10,
+            "axes.titlesize": 12,
+            "axes.labelsize": 11,
+            "legend.fontsize": 9,
+            "xtick.labelsize": 9,
+            "ytick.labelsize": 9,
+            "figure.titlesize": 12,
+        }
+    ):
+        fig = Figure(figsize=size, dpi=_DPI, layout="constrained")
+        FigureCanvasAgg(fig)
+        yield fig
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=_DPI, facecolor="white")
+    log.info("wrote %s", path)
+    return path
+
+
+def _target(out: Path, name: str) -> Path:
+    """``out`` is the report folder; a path ending in .png names the file itself."""
+    out = Path(out)
+    return out if out.suffix.lower() == ".png" else out / name
+
+
+def _colors(n: int) -> list[Any]:
+    import matplotlib
+
+    if n <= 10:
+        cmap = matplotlib.colormaps["tab10"]
+        return [cmap(i) for i in range(n)]
+    cmap = matplotlib.colormaps["tab20"] if n <= 20 else matplotlib.colormaps["turbo"]
+    return [cmap(i) if n <= 20 else cmap(i / max(1, n - 1)) for i in range(n)]
+
+
+def _no_data(ax: Axes, what: str) -> None:
+    ax.text(0.5, 0.5, what, transform=ax.transAxes, ha="center", va="center", color="grey", fontsize=12)
+
+
+def _utc(t: float) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(t, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def plot_loss(logs: Mapping[str, NodeLog], out: Path) -> Path:
+    """``loss_vs_time.png``: training loss (running mean, raw faintly behind) and eval loss (markers) per node.
+
+    x is wall-clock seconds since the run's first record (any node, any kind); one colour per node.
+    """
+    path = _target(out, LOSS_PNG)
+    t0 = _run_start(logs)
+    with _figure(_SIZE) as fig:
+        ax = fig.add_subplot()
+        lows: list[float] = []
+        highs: list[float] = []
+        for color, (node_id, node) in zip(_colors(len(logs)), logs.items(), strict=True):
+            pts = [(r["t"] - t0, r["loss"]) for r in node.steps if math.isfinite(r["loss"])]
+            if pts:
+                xs = [p[0] for p in pts]
+                ys = [p[1] for p in pts]
+                smooth = running_mean(ys)
+                ax.plot(xs, ys, color=color, lw=0.6, alpha=0.18, zorder=1)
+                label = f"{node_id} train (mean of {SMOOTH_WINDOW})" if len(ys) > 1 else f"{node_id} train"
+                ax.plot(xs, smooth, color=color, lw=1.4, label=label, zorder=2)
+                lows.append(min(smooth))
+                highs.append(max(smooth))
+            evs = [(r["t"] - t0, r["eval_loss"]) for r in node.evals if math.isfinite(r["eval_loss"])]
+            if evs:
+                ex = [p[0] for p in evs]
+                ey = [p[1] for p in evs]
+                ax.plot(ex, ey, color=color, ls="--", lw=0.8, marker="o", ms=5, mec="white", mew=0.8, zorder=3)
+                ax.plot([], [], color=color, ls="none", marker="o", ms=5, mec="white", label=f"{node_id} eval")
+                lows.append(min(ey))
+                highs.append(max(ey))
+        if lows:
+            lo, hi = min(lows), max(highs)
+            pad = 0.06 * (hi - lo) if hi > lo else max(0.05, 0.05 * abs(hi))
+            ax.set_ylim(lo - pad, hi + pad)  # the raw losses are context: their spikes may leave the frame
+            ax.legend(loc="upper right", ncols=2 if len(logs) > 4 else 1, framealpha=0.9)
+        else:
+            _no_data(ax, "no loss records yet")
+        ax.set_xlabel("wall-clock time (s)")
+        ax.set_ylabel("loss (nats/byte)")
+        start = f" (t = 0 at {_utc(t0)})" if lows else ""
+        ax.set_title(f"Training and eval loss per node{start}")
+        ax.grid(True, alpha=0.3)
+        ax.set_xlim(left=0)
+        return _save(fig, path)
+
+
+def plot_links(logs: Mapping[str, NodeLog], out: Path) -> Path:
+    """``link_bandwidth.png``: measured goodput (Mbit/s) and RTT (ms) over time, one line per node -> peer link."""
+    path = _target(out, LINK_PNG)
+    t0 = _run_start(logs)
+    series: list[tuple[str, list[float], list[float], list[float]]] = []
+    for node_id, node in logs.items():
+        for peer in sorted({r["peer"] for r in node.links}):
+            recs = [r for r in node.links if r["peer"] == peer]
+            series.append(
+                (
+                    f"{node_id} → {peer}",
+                    [r["t"] - t0 for r in recs],
+                    [r["goodput_Bps"] * 8 / 1e6 for r in recs],
+                    [r["rtt_s"] * 1e3 for r in recs],
+                )
+            )
+    with _figure((_SIZE[0], 6.5)) as fig:
+        ax_bw, ax_rtt = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+        marker = "o" if max((len(s[1]) for s in series), default=0) <= 60 else None
+        for color, (label, xs, bw, rtt) in zip(_colors(len(series)), series, strict=True):
+            ax_bw.plot(xs, bw, color=color, lw=1.3, marker=marker, ms=3, label=label)
+            ax_rtt.plot(xs, rtt, color=color, lw=1.3, marker=marker, ms=3)
+        if series:
+            ax_bw.set_ylim(bottom=0)
+            ax_rtt.set_ylim(bottom=0)
+            fig.legend(loc="outside right upper", title="link", ncols=1 if len(series) <= 16 else 2)
+        else:
+            _no_data(ax_bw, "no link measurements yet")
+        ax_bw.set_ylabel("goodput (Mbit/s)")
+        ax_rtt.set_ylabel("RTT (ms)")
+        ax_rtt.set_xlabel("wall-clock time (s)")
+        ax_bw.set_title("Measured link goodput" + (f" (t = 0 at {_utc(t0)})" if series else ""))
+        ax_rtt.set_title("Round-trip time", fontsize=11)
+        for ax in (ax_bw, ax_rtt):
+            ax.grid(True, alpha=0.3)
+        ax_rtt.set_xlim(left=0)
+        return _save(fig, path)
+
+
+# -------------------------------------------------------------------------------------------------------- gantt
+
+
+def _plan_inputs(plan_json: Mapping[str, Any]) -> tuple[Plan, list[LayerCost], LinkModel]:
+    """Plan, layer costs and link of a plan.json object; ValueError naming what is wrong."""
+    if not isinstance(plan_json, Mapping):
+        raise ValueError(f"plan.json must be an object, got {type(plan_json).__name__}")
+    try:
+        plan = Plan.from_dict(plan_json["plan"])
+        raw_costs = plan_json["costs"]
+        if not isinstance(raw_costs, list):
+            raise ValueError("plan.json 'costs' must be a list")
+        costs = [LayerCost(c["name"], c["fwd_s"], c["bwd_s"], c["nbytes"]) for c in raw_costs]
+        ld = plan_json["link"]
+        link = LinkModel(
+            bandwidth_Bps=ld["bandwidth_Bps"],
+            rtt_s=ld["rtt_s"],
+            world=ld["world"],
+            codec_ratio=ld.get("codec_ratio", 1.0),
+            per_hop_overhead_s=ld.get("per_hop_overhead_s", 0.0),
+        )
+    except KeyError as exc:
+        raise ValueError(f"plan.json lacks field {exc}") from exc
+    except (TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed plan.json: {exc}") from exc
+    return plan, costs, link
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds == 0:
+        return "0 s"
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _layer_range(layers: Sequence[int]) -> tuple[str, str]:
+    """Long and short label of a sync's layers (forward indices)."""
+    a, b = layers[0], layers[-1]
+    if len(layers) == 1:
+        return f"L{a}", f"{a}"
+    if b - a + 1 == len(layers):
+        return f"L{a}–{b}", f"{a}–{b}"
+    return f"L{a}…{b} ({len(layers)})", f"{a}…{b}"
+
+
+_Label = tuple[float, float, float, list[str], bool]
+
+
+def _fit_labels(fig: Figure, ax: Axes, labels: list[_Label]) -> None:
+    """Place each label (x0, x1, y, candidates longest first, on a hatched bar) in its bar: the longest that fits.
+
+    The shortest candidate is tried once more in a smaller font; a bar too narrow for any gets none. Labels on
+    hatched bars get a white box so that they stay readable.
+    """
+    fig.draw_without_rendering()  # runs the layout so that data -> pixel transforms are final
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    box = {"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.8}
+    for x0, x1, y, candidates, hatched in labels:
+        px0, _ = ax.transData.transform((x0, y))
+        px1, _ = ax.transData.transform((x1, y))
+        room = abs(px1 - px0) - 4
+        tries = [(text, 8.0) for text in candidates] + [(candidates[-1], 6.5)]
+        for text, size in tries:
+            artist = ax.text((x0 + x1) / 2, y, text, ha="center", va="center", fontsize=size, clip_on=True)
+            if hatched:
+                artist.set_bbox(box)
+            artist.set_in_layout(False)
+            if artist.get_window_extent(renderer).width <= room:
+                break
+            artist.remove()
+
+
+def plot_gantt(plan_json: dict[str, Any], out: Path) -> Path:
+    """``schedule_gantt.png``: one steady-state period of the plan in ``plan_json`` (plan.json), from ``simulate``.
+
+    Per iteration a band of two lanes: "compute" (forward light, backward dark, exposed wait hatched red) and
+    "link" (syncs launched in that iteration, labelled with their layer range and delay; bubble-filling repeats
+    hatched; the iteration's backward window shaded). Raises ValueError for a malformed plan.json.
+    """
+    from matplotlib.patches import Patch
+
+    plan, costs, link = _plan_inputs(plan_json)
+    timeline: list[IterationTimeline] = simulate(plan, costs, link)
+    path = _target(out, GANTT_PNG)
+    H, L = plan.period, len(costs)
+    period_end = timeline[-1].end_s
+    comm_end = max((c.end_s for it in timeline for c in it.comm), default=0.0)
+    x_max = max(period_end, comm_end)
+    x_max = x_max if x_max > 0 else 1.0
+    total_wait = math.fsum(it.exposed_s for it in timeline)
+    no_traffic = all(c.end_s <= c.start_s for it in timeline for c in it.comm)
+    lanes = 2 * H
+    height = min(18.0, max(4.5, 2.2 + 0.36 * lanes))
+    edge = 0.5 if L <= 24 else 0.0  # white borders between layers; with many layers they would look like noise
+    bar = 0.7
+    with _figure((_SIZE[0], height)) as fig:
+        ax = fig.add_subplot()
+        labels: list[_Label] = []
+        for h, it in enumerate(timeline):
+            yc, yl = 2 * h, 2 * h + 1
+            if h % 2 == 0:
+                ax.axhspan(yc - 0.5, yl + 0.5, color="#f3f3f3", zorder=0, lw=0)
+            ax.axvline(it.start_s, color="grey", ls=":", lw=0.8, zorder=1)
+            fwd = [(b.start_s, b.end_s - b.start_s) for b in it.compute if b.phase == "fwd"]
+            bwd = [(b.start_s, b.end_s - b.start_s) for b in it.compute if b.phase == "bwd"]
+            box = (yc - bar / 2, bar)
+            ax.broken_barh(fwd, box, facecolors=_FWD_COLOR, edgecolors="white", linewidth=edge, zorder=2)
+            ax.broken_barh(bwd, box, facecolors=_BWD_COLOR, edgecolors="white", linewidth=edge, zorder=2)
+            if it.exposed_s > 0:
+                ax.broken_barh(
+                    [(it.backward_end_s, it.exposed_s)],
+                    box,
+                    facecolors=_WAIT_COLOR,
+                    edgecolors=_WAIT_EDGE,
+                    hatch="xx",
+                    linewidth=0.8,
+                    zorder=2,
+                )
+                wait = _fmt_s(it.exposed_s)
+                labels.append((it.backward_end_s, it.end_s, yc, [f"wait {wait}", wait], True))
+            window = it.backward_end_s - it.backward_start_s
+            ax.broken_barh(
+                [(it.backward_start_s, window)],
+                (yl - 0.45, 0.9),
+                facecolors=_WINDOW_COLOR,
+                alpha=0.1,
+                linewidth=0,
+                zorder=1,
+            )
+            for c in it.comm:
+                delay = (c.due_iteration - c.launch_iteration) % H
+                long, short = _layer_range(c.layers)
+                if c.end_s <= c.start_s:
+                    ax.vlines(c.start_s, yl - bar / 2, yl + bar / 2, colors=_SYNC_COLOR, linewidth=1.5, zorder=3)
+                    continue
+                ax.broken_barh(
+                    [(c.start_s, c.end_s - c.start_s)],
+                    (yl - bar / 2, bar),
+                    facecolors=_REPEAT_COLOR if c.repeat else _SYNC_COLOR,
+                    edgecolors=_REPEAT_EDGE if c.repeat else "#8c4a06",
+                    hatch="///" if c.repeat else None,
+                    linewidth=0.6,
+                    zorder=3,
+                )
+                tail, tail_short = (f", delay {delay}", f" +{delay}") if delay else ("", "")
+                layers_word = "layers " + long[1:] if len(c.layers) > 1 else "layer " + long[1:]
+                candidates = [layers_word + tail, long + tail_short, short + tail_short]
+                labels.append((c.start_s, c.end_s, yl, candidates, c.repeat))
+            if not it.comm:
+                ax.text(it.backward_start_s, yl, " no sync", ha="left", va="center", fontsize=8, color="grey", zorder=3)
+        ax.axvline(period_end, color="grey", ls=":", lw=0.8, zorder=1)
+        ax.set_yticks(
+            range(lanes), [f"iter {h // 2} {'compute' if h % 2 == 0 else 'link'}" for h in range(lanes)], fontsize=9
+        )
+        ax.set_ylim(lanes - 0.5, -0.5)
+        ax.set_xlim(0, x_max * 1.02)
+        ax.set_xlabel("time within period (s)")
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.set_axisbelow(True)
+        if total_wait > 0:
+            wait_text = f"predicted exposed wait {_fmt_s(total_wait)} per period ({_fmt_s(total_wait / H)} per step)"
+        else:
+            wait_text = "predicted exposed wait 0: all syncs hidden"
+        if no_traffic:
+            link_text = f"no link traffic (world {link.world}: comm time 0)"
+        else:
+            link_text = (
+                f"link {link.bandwidth_Bps * 8 / 1e6:.1f} Mbit/s, RTT {link.rtt_s * 1e3:.0f} ms, "
+                f"world {link.world}, codec ratio {link.codec_ratio:g}"
+            )
+        ax.set_title(
+            f"DreamDDP schedule: plan v{plan.version}, period H = {H}, {L} layers\n{wait_text}\n"
+            f"compute {_fmt_s(plan.compute_s)} per iteration; {link_text}",
+            fontsize=11,
+        )
+        handles = [
+            Patch(facecolor=_FWD_COLOR, label="forward"),
+            Patch(facecolor=_BWD_COLOR, label="backward"),
+            Patch(facecolor=_WAIT_COLOR, edgecolor=_WAIT_EDGE, hatch="xx", label="exposed wait"),
+            Patch(facecolor=_WINDOW_COLOR, alpha=0.1, label="backward window"),
+            Patch(facecolor=_SYNC_COLOR, edgecolor="#8c4a06", label="sync (ring all-reduce)"),
+            Patch(facecolor=_REPEAT_COLOR, edgecolor=_REPEAT_EDGE, hatch="///", label="repeat sync (bubble fill)"),
+        ]
+        fig.legend(handles=handles, loc="outside lower center", ncols=6, fontsize=8.5, frameon=False)
+        _fit_labels(fig, ax, labels)
+        return _save(fig, path)
+
+
+# ------------------------------------------------------------------------------------------------------- report
+
+
+def make_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    """Write the report folder of a run (default ``RUN/report``); returns the paths written.
+
+    Always ``loss_vs_time.png``, ``link_bandwidth.png`` and ``summary.json``; ``schedule_gantt.png`` from the
+    plan.json with the highest plan version, when some node has one (a stale gantt from an earlier report is
+    removed otherwise). A plan that cannot be drawn is logged and skipped. Raises ValueError for an empty run.
+    """
+    run = Path(run_dir)
+    logs = load_run(run)
+    out = run / "report" if out_dir is None else Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [plot_loss(logs, out), plot_links(logs, out)]
+    plan_info: dict[str, Any] | None = None
+    newest = _newest_plan(logs)
+    gantt = out / GANTT_PNG
+    if newest is not None:
+        node_id, plan_json = newest
+        try:
+            written.append(plot_gantt(plan_json, out))
+            plan, costs, link = _plan_inputs(plan_json)
+            wait = math.fsum(it.exposed_s for it in simulate(plan, costs, link))
+            plan_info = {
+                "node": node_id,
+                "version": plan.version,
+                "period": plan.period,
+                "layers": len(plan.layer_names),
+                "syncs": len(plan.syncs),
+                "compute_s": plan.compute_s,
+                "predicted_exposed_s_per_period": wait,
+            }
+        except ValueError as exc:
+            log.warning("plan.json of node %s cannot be drawn, no gantt chart: %s", node_id, exc)
+    if plan_info is None and gantt.exists():
+        gantt.unlink()
+        log.info("removed stale %s (no drawable plan in this run)", gantt)
+    t0, t1 = _run_start(logs), _run_end(logs)
+    summary = {
+        "run_dir": str(run),
+        "start_t": t0,
+        "duration_s": t1 - t0,
+        "smooth_window": SMOOTH_WINDOW,
+        "nodes": summarize(logs),
+        "plan": plan_info,
+    }
+    path = out / SUMMARY_JSON
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    written.append(path)
+    return written

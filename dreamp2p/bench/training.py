@@ -11,9 +11,9 @@ import time
 from typing import Any
 
 import torch
-import xxhash
 from torch import nn
 
+from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
 
 
@@ -50,13 +50,6 @@ def batch(rank: int, step: int, size: int = 32, dim: int = 16) -> tuple[torch.Te
     with torch.no_grad():
         y = teacher(dim)(x)
     return x, y
-
-
-def param_digest(model: nn.Module) -> str:
-    h = xxhash.xxh3_64()
-    for p in model.parameters():
-        h.update(p.detach().cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 def train_job(

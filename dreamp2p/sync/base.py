@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dreamp2p.errors import RoundFailed
+from dreamp2p.messages import TrainingInfo
 from dreamp2p.peer import RoundResult
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.config import SyncConfig
@@ -108,7 +109,11 @@ class Strategy(abc.ABC):
         self.totals.add(stats)
         self.step_count += 1
         self._last_end = end
+        self.comm.peer.training = self._training_info()
         return stats
+
+    def _training_info(self) -> TrainingInfo:
+        return TrainingInfo(self.name, self.step_count)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -12,7 +12,7 @@ STRATEGIES = ("none", "ssgd", "localsgd", "diloco", "streaming", "co2", "dreamdd
 class SyncConfig:
     strategy: str = "dreamddp"
     period: int = 10  # H: every layer (or the whole model) is averaged once per H steps
-    codec: str = "fp32"  # wire codec for parameter averaging
+    codec: str = "fp32"  # wire codec for parameter averaging (the [node] codec is the handshake default)
     round_timeout_s: float = 300.0
     # DiLoCo / Streaming DiLoCo outer optimizer (Nesterov SGD)
     outer_lr: float = 0.7

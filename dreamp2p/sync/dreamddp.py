@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dreamp2p.compression import get_codec
+from dreamp2p.messages import TrainingInfo
 from dreamp2p.peer import RoundResult
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import GroupSync, Plan, even_plan, plan_dreamddp
@@ -77,6 +78,18 @@ def unpack_control(mean: torch.Tensor, world: int, template: list[LayerCost]) ->
         LayerCost(c.name, max(0.0, float(fwd[i])), max(0.0, float(bwd[i])), c.nbytes) for i, c in enumerate(template)
     )
     return Gathered(min(bws) if bws else math.inf, max(rtts) if rtts else 0.0, costs)
+
+
+def plan_summary(s: DreamDDP) -> str:
+    """One line per iteration: which layers sync, and with what delay."""
+    lines = []
+    for h in range(s.plan.period):
+        parts = []
+        for sync in s.plan.syncs_at(h):
+            names = f"{s.layers[sync.layers[0]].name}..{s.layers[sync.layers[-1]].name}"
+            parts.append(names + (f" (+{sync.delay})" if sync.delay else "") + (" [repeat]" if sync.repeat else ""))
+        lines.append(f"h{h}: " + (", ".join(parts) if parts else "-"))
+    return "\n".join(lines)
 
 
 class DreamDDP(Strategy):
@@ -232,6 +245,9 @@ class DreamDDP(Strategy):
         self._changed = 0
         log.info("plan v%d computed at step %d from bw %.3g B/s rtt %.3g s", version, t, g.bandwidth_Bps, g.rtt_s)
 
+    def _training_info(self) -> TrainingInfo:
+        return TrainingInfo(self.name, self.step_count, self.plan.version, self.plan.effective_step, plan_summary(self))
+
     def _forget_old_groups(self) -> None:
         live = {f.key for f in self._inflight}
         for key in [k for k in self._groups if k[0] != self.plan.version and k not in live]:
@@ -243,8 +259,8 @@ class DreamDDP(Strategy):
             inf.group.merge()
         self._inflight.clear()
         if self._control is not None:
+            # finish the control round but keep it: its result is used at its landing step, as on every peer
             self._control[1].result(self.cfg.round_timeout_s)
-            self._control = None
 
     def detach(self) -> None:
         for h in self._hooks:
@@ -253,11 +269,33 @@ class DreamDDP(Strategy):
         self.profiler.stop()
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"plan": self.plan.to_dict(), "basis_bw": self._basis_bw, "history": list(self.plan_history)}
+        state: dict[str, Any] = {
+            "plan": self.plan.to_dict(),
+            "next_plan": self._next_plan.to_dict() if self._next_plan is not None else None,
+            "basis_bw": self._basis_bw,
+            "changed": self._changed,
+            "history": [list(h) for h in self.plan_history],
+        }
+        if self._control is not None:
+            land, fut, group = self._control
+            fut.result(self.cfg.round_timeout_s)
+            state["control"] = {"land": land, "mean": group.work.clone()}
+        return state
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if "plan" in state:
             self.plan = Plan.from_dict(state["plan"])
+            nxt = state.get("next_plan")
+            self._next_plan = Plan.from_dict(nxt) if nxt else None
             self._basis_bw = float(state.get("basis_bw", math.nan))
+            self._changed = int(state.get("changed", 0))
             self.plan_history = [(int(v), int(e)) for v, e in state.get("history", [])]
+            control = state.get("control")
+            if control is not None:
+                # the control round finished before the checkpoint; its result lands at the same step as elsewhere
+                group = FlatGroup([control["mean"]])
+                group.work.copy_(control["mean"])
+                done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
+                done.set_result(RoundResult(GROUP_CONTROL, 0, 0.0, 0, 0, group.numel, "fp32", 0))
+                self._control = (int(control["land"]), done, group)
             self._arm(self.step_count)

@@ -32,6 +32,8 @@ from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 _nonces = itertools.count(1)
+# How often one round may be resent to a successor that restarted under it.
+MAX_REPLAYS = 3
 
 
 def rpc_error(exc: grpc.RpcError) -> PeerError:
@@ -75,6 +77,7 @@ class Link:
         self.delay_s = cfg.delay_s
         self.chunk_bytes = 0
         self.remote: Hello | None = None
+        self.hello: Hello | None = None  # what we introduced ourselves with, to do it again after a restart
 
     def set_rate_limit(self, rate_Bps: float | None) -> None:
         self.bucket = TokenBucket(rate_Bps) if rate_Bps else None
@@ -83,6 +86,7 @@ class Link:
 
     async def handshake(self, hello: Hello, timeout: float) -> Hello:
         """Handshake, retrying while the remote is not up yet, until ``timeout``."""
+        self.hello = hello
         deadline = time.monotonic() + timeout
         delay = 0.05
         while True:
@@ -197,26 +201,74 @@ class OutboundStream:
         self._pump = asyncio.ensure_future(self._delay_line()) if link.delay_s > 0 else None
         if self._pump is not None:
             self._pump.add_done_callback(_retrieve)
+        self._pushes = pushes
+        self._metadata = metadata
+        self._deadline = time.monotonic() + timeout
+        self._sent: list[Frame] = []  # frames handed to the current connection generation
+        self._generation = 0
+        self._replays = 0
+        self._calls: list[aio.StreamUnaryCall] = []
+        self._tasks: list[asyncio.Future[pb.PushAck | None]] = []
+        self._start_calls()
+
+    def _start_calls(self) -> None:
+        gen = self._generation
+        left = max(0.1, self._deadline - time.monotonic())
         # wait_for_ready: a successor that is restarting (from a checkpoint) is waited for, up to the deadline
         self._calls = [
-            push(self._frames(), timeout=timeout, metadata=metadata, wait_for_ready=True) for push in pushes
+            push(self._frames(gen), timeout=left, metadata=self._metadata, wait_for_ready=True) for push in self._pushes
         ]
-        self._tasks = [asyncio.ensure_future(self._await(call)) for call in self._calls]
+        self._tasks = [asyncio.ensure_future(self._await(call, gen)) for call in self._calls]
         for task in self._tasks:
             task.add_done_callback(_retrieve)
 
-    async def _await(self, call: aio.StreamUnaryCall) -> pb.PushAck | None:
+    async def _await(self, call: aio.StreamUnaryCall, gen: int) -> pb.PushAck | None:
         try:
             return await call
         except aio.AioRpcError as exc:
+            if gen != self._generation:
+                return None  # superseded by a replay
             err = rpc_error(exc)
+            gone = exc.code() == grpc.StatusCode.UNAVAILABLE or err.status == Status.SHUTTING_DOWN
+            if gone and self._failure is None and self._replays < MAX_REPLAYS:
+                await self._replay(err)
+                return None
             self._fail(err)
             raise err from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if self._failure is not None and task is not None and not task.cancelling():
-                return None  # we cancelled the call ourselves in abort(); the failure is recorded
+            ours = self._failure is not None or gen != self._generation
+            if ours and task is not None and not task.cancelling():
+                return None  # we cancelled the call ourselves (abort or replay)
             raise
+
+    async def _replay(self, err: PeerError) -> None:
+        """The successor went away mid-round (a restart): resend this round's frames on new streams.
+
+        A restarted peer opens the round afresh, so everything the old connection carried goes again,
+        after a new handshake (its admissions died with it). Waits for it up to the round's deadline.
+        """
+        log.info("%s went away during a round (%s); replaying %d frames", self._link.dest.node_id, err, len(self._sent))
+        self._generation += 1
+        gen = self._generation
+        hello = self._link.hello
+        if hello is not None:
+            try:
+                await self._link.handshake(hello, max(0.1, self._deadline - time.monotonic()))
+            except PeerError as exc:
+                self._fail(exc)
+                return
+        if gen != self._generation or self._failure is not None:
+            return
+        self._replays += 1
+        for frame in reversed(self._sent):
+            self._fwd.appendleft(frame)
+            self._queued_bytes += len(frame.payload)
+        self._sent = []
+        for call in self._calls:
+            call.cancel()
+        self._start_calls()
+        self._wake.set()
 
     def _fail(self, err: PeerError) -> None:
         if self._failure is None:
@@ -302,12 +354,18 @@ class OutboundStream:
         await asyncio.sleep(max(0.0, due - time.monotonic()))
         return frame
 
-    async def _frames(self) -> AsyncIterator[Frame]:
+    async def _frames(self, gen: int) -> AsyncIterator[Frame]:
         link = self._link
-        while True:
+        while gen == self._generation:
             frame = await (self._next_due() if self._pump is not None else self._paced())
             if frame is None:
                 return
+            if gen != self._generation:  # a replay started while we waited: the new streams send it
+                self._fwd.appendleft(frame)
+                self._queued_bytes += len(frame.payload)
+                self._wake.set()
+                return
+            self._sent.append(frame)
             n = len(frame.payload)
             backlogged = bool(self._fwd or self._own or self._timed)
             sample = link.meter.on_send(time.perf_counter(), n, backlogged)
@@ -324,7 +382,11 @@ class OutboundStream:
         self._closed = True
         self._wake.set()
         try:
-            await asyncio.gather(*self._tasks)
+            while True:
+                gen = self._generation
+                await asyncio.gather(*self._tasks)
+                if self._failure is not None or gen == self._generation:
+                    break
         finally:
             self._link.meter.idle()
         if self._failure is not None:

@@ -28,6 +28,10 @@ def channel_options(cfg: TransportConfig, tls: TLSConfig | None = None) -> list[
     # A separate TCP connection per channel: parallel streams per link only help across connections.
     opts.append(("grpc.use_local_subchannel_pool", 1))
     opts.append(("grpc.enable_retries", 0))
+    # a restarted peer should be found again within seconds, not after minutes of backoff
+    opts.append(("grpc.initial_reconnect_backoff_ms", 500))
+    opts.append(("grpc.min_reconnect_backoff_ms", 500))
+    opts.append(("grpc.max_reconnect_backoff_ms", 5000))
     if tls is not None and tls.server_name_override:
         opts.append(("grpc.ssl_target_name_override", tls.server_name_override))
     return opts

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, Phase
+from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, Phase, TrainingInfo
 from dreamp2p.v1 import peer_pb2 as pb
 
 # Application status -> the standard gRPC code a generic client understands.
@@ -296,6 +296,11 @@ def status_to_proto(s: PeerStatus) -> pb.StatusResponse:
         frames_rejected=s.frames_rejected,
         codecs=_enum(list(s.codecs)),
         uptime_s=s.uptime_s,
+        step=s.training.step if s.training else 0,
+        plan_version=s.training.plan_version if s.training else 0,
+        plan_effective_step=s.training.plan_effective_step if s.training else 0,
+        plan_summary=s.training.plan_summary if s.training else "",
+        strategy=s.training.strategy if s.training else "",
     )
 
 
@@ -322,6 +327,9 @@ def status_from_proto(m: pb.StatusResponse) -> PeerStatus:
         frames_rejected=m.frames_rejected,
         codecs=tuple(int(c) for c in m.codecs),
         uptime_s=m.uptime_s,
+        training=TrainingInfo(m.strategy, m.step, m.plan_version, m.plan_effective_step, m.plan_summary)
+        if m.strategy
+        else None,
     )
 
 

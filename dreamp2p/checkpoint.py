@@ -1,0 +1,65 @@
+"""Atomic, rotating checkpoints that load without unpickling arbitrary objects.
+
+Written to a temporary file in the same directory, fsynced, then renamed over the final name (and the
+directory fsynced), so a crash leaves either the old or the new checkpoint, never half of one. Loading
+uses ``torch.load(weights_only=True)``: tensors, numbers, strings, lists and dicts only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^ckpt-(\d{10})\.pt$")
+
+
+def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / f"ckpt-{step:010d}.pt"
+    tmp = d / f".{final.name}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        torch.save(state, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    dir_fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    for old in list_checkpoints(d)[:-keep]:
+        old.unlink(missing_ok=True)
+    log.info("checkpoint %s written", final)
+    return final
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return sorted((p for p in d.iterdir() if _NAME.match(p.name)), key=lambda p: p.name)
+
+
+def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest readable checkpoint, or None if there is none; corrupt files are skipped with a warning."""
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a torn or foreign file: fall back to the previous checkpoint
+            log.warning("skipping unreadable checkpoint %s: %s", path, exc)
+            continue
+        if not isinstance(state, dict):
+            log.warning("skipping checkpoint %s: not a dict", path)
+            continue
+        return path, state
+    return None

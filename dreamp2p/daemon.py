@@ -1,0 +1,262 @@
+"""`dreamp2p node --config FILE`: one region's daemon, trainer plus peer, run from a TOML file.
+
+Lifecycle: load and validate the config, build the task and model, start the peer and connect to the
+ring, attach the strategy (replicas start from rank 0's parameters, or from the newest checkpoint with
+``--resume``), then train. Every step's numbers go to Prometheus and the run log; checkpoints are written
+every ``checkpoint.every_steps``. SIGTERM/SIGINT stop after the current step: rounds in flight are
+drained, a checkpoint is written, the peer shuts down, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import signal
+import threading
+import time
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dreamp2p.checkpoint import load_latest, save_checkpoint
+from dreamp2p.config import PeerConfig, _build
+from dreamp2p.manifest import manifest_hash, param_digest
+from dreamp2p.metrics import NodeMetrics
+from dreamp2p.node import Node
+from dreamp2p.sync.config import SyncConfig
+from dreamp2p.sync.dreamddp import DreamDDP
+from dreamp2p.tasks import TaskConfig, make_task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    every_steps: int = 100
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 1 or self.keep < 1:
+            raise ValueError("checkpoint.every_steps and checkpoint.keep must be >= 1")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    listen: str | None = None  # "host:port" of the Prometheus endpoint; None disables it
+    json_logs: bool = False  # log records as JSON lines on stderr
+    run_dir: str | None = None  # where metrics.jsonl / plan.json go (per node sub-directory)
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.listen is not None and ":" not in self.listen:
+            raise ValueError(f"metrics.listen must look like 'host:port', got {self.listen!r}")
+        if self.log_every < 1:
+            raise ValueError("metrics.log_every must be >= 1")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    node: PeerConfig
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    device: str = "auto"  # "auto" (cuda when available), "cpu" or "cuda"
+    threads: int = 0  # torch CPU threads for training; 0 keeps torch's default
+
+    @staticmethod
+    def from_toml(path: str | Path) -> DaemonConfig:
+        p = Path(path)
+        try:
+            with open(p, "rb") as fh:
+                data = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{p}: not valid TOML: {exc}") from None
+        return DaemonConfig.from_dict(data, base=p.parent)
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any], base: Path | None = None) -> DaemonConfig:
+        allowed = {"node", "sync", "task", "checkpoint", "metrics", "device", "threads"}
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise ValueError(f"unknown table or key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
+        if "node" not in data:
+            raise ValueError("missing [node] table (node_id, listen, ring, ...)")
+        device = data.get("device", "auto")
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be one of auto, cpu, cuda; got {device!r}")
+        ckpt = _build(CheckpointConfig, data.get("checkpoint", {}), "checkpoint")
+        if base is not None and not Path(ckpt.dir).is_absolute():
+            ckpt = dataclasses.replace(ckpt, dir=str(base / ckpt.dir))
+        return DaemonConfig(
+            node=PeerConfig.from_dict(data["node"]),
+            sync=_build(SyncConfig, data.get("sync", {}), "sync"),
+            task=_build(TaskConfig, data.get("task", {}), "task"),
+            checkpoint=ckpt,
+            metrics=_build(MetricsConfig, data.get("metrics", {}), "metrics"),
+            device=device,
+            threads=_nonneg_int(data.get("threads", 0), "threads"),
+        )
+
+
+def _nonneg_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
+    return value
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the training loop checks it between steps."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal: str | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum: int, _frame: Any) -> None:
+        self.signal = signal.Signals(signum).name
+        self.event.set()
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device = 'cuda' but no CUDA device is available")
+    return name
+
+
+def run_node(cfg: DaemonConfig, resume: bool = False, stop: StopFlag | None = None) -> dict[str, Any]:
+    """Train until ``task.steps`` or a stop signal; returns a small summary."""
+    stop = stop or StopFlag()
+    node_cfg = cfg.node
+    ring_ids = [p.node_id for p in node_cfg.ring] or [node_cfg.node_id]
+    rank, world = ring_ids.index(node_cfg.node_id), len(ring_ids)
+    device = _device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    task = make_task(cfg.task, rank, world, device)
+    model = task.model()
+    node_cfg = dataclasses.replace(node_cfg, manifest_hash=manifest_hash(model.state_dict().items()))
+    metrics = NodeMetrics(node_cfg.node_id, cfg.metrics.run_dir)
+    if cfg.metrics.listen:
+        port = metrics.serve(cfg.metrics.listen)
+        log.info("metrics on %s (port %d)", cfg.metrics.listen, port)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.task.lr)
+    restored = load_latest(cfg.checkpoint.dir) if resume else None
+    node = Node(node_cfg)
+    try:
+        node.connect()
+        sync = node.attach(model, opt, sync=cfg.sync, broadcast=restored is None)
+        if restored is not None:
+            path, state = restored
+            sync.load_state_dict(state["sync"])
+            log.info("resumed from %s at step %d", path, sync.step_count)
+            metrics.record("resume", step=sync.step_count, path=str(path), digest=param_digest(model))
+        return _train(cfg, task, model, sync, node, metrics, stop)
+    finally:
+        node.close()
+        metrics.close()
+
+
+def _train(
+    cfg: DaemonConfig, task: Any, model: Any, sync: Any, node: Node, metrics: NodeMetrics, stop: StopFlag
+) -> dict[str, Any]:
+    first_eval = None
+    last_eval = None
+    last_plan = -1
+    t_last = time.perf_counter()
+    while sync.step_count < cfg.task.steps and not stop.event.is_set():
+        step = sync.step_count
+        loss = task.loss(model, task.batch(step))
+        loss.backward()
+        stats = sync.step()
+        sync.zero_grad()
+        now = time.perf_counter()
+        dt, t_last = now - t_last, now
+        value = loss.item()
+        if not math.isfinite(value):
+            raise RuntimeError(f"loss became {value} at step {step}")
+        metrics.step.set(step + 1)
+        metrics.loss.set(value)
+        metrics.tokens_per_s.set(task.tokens_per_batch / dt if dt > 0 else 0.0)
+        metrics.exposed.inc(stats.exposed_s)
+        metrics.comm.inc(stats.comm_s)
+        metrics.hidden.set(sync.totals.hidden_fraction)
+        metrics.plan_version.set(stats.plan_version)
+        if step % cfg.metrics.log_every == 0:
+            metrics.record(
+                "step",
+                step=step,
+                loss=value,
+                tokens_per_s=task.tokens_per_batch / dt if dt > 0 else 0.0,
+                exposed_s=stats.exposed_s,
+                comm_s=stats.comm_s,
+                hidden_fraction=stats.hidden_fraction,
+                bytes_sent=stats.bytes_sent,
+                plan_version=stats.plan_version,
+            )
+        if step % 10 == 0:
+            status = node.comm.status()
+            metrics.rounds_failed.set(status.rounds_failed)
+            metrics.rounds_completed.set(status.rounds_completed)
+            metrics.links(list(status.links))
+        if isinstance(sync, DreamDDP) and sync.plan.version != last_plan:
+            last_plan = sync.plan.version
+            _write_plan(sync, metrics)
+        if (step + 1) % cfg.task.eval_every == 0 or step == 0:
+            last_eval = task.evaluate(model)
+            first_eval = last_eval if first_eval is None else first_eval
+            metrics.eval_loss.set(last_eval)
+            metrics.record("eval", step=step, eval_loss=last_eval)
+        if (step + 1) % cfg.checkpoint.every_steps == 0:
+            sync.close()  # land rounds in flight so the checkpoint is a consistent cut
+            save_checkpoint(cfg.checkpoint.dir, step + 1, {"sync": sync.state_dict()}, cfg.checkpoint.keep)
+    sync.close()
+    path = save_checkpoint(cfg.checkpoint.dir, sync.step_count, {"sync": sync.state_dict()}, cfg.checkpoint.keep)
+    last_eval = task.evaluate(model)
+    metrics.record("eval", step=sync.step_count - 1, eval_loss=last_eval)
+    metrics.record("stop", step=sync.step_count, signal=stop.signal, checkpoint=str(path), digest=param_digest(model))
+    return {
+        "step": sync.step_count,
+        "first_eval": first_eval,
+        "last_eval": last_eval,
+        "checkpoint": str(path),
+        "signal": stop.signal,
+    }
+
+
+def _write_plan(sync: DreamDDP, metrics: NodeMetrics) -> None:
+    g = sync.last_gathered
+    costs = g.costs if g is not None else tuple(sync.profiler.costs())
+    bw = g.bandwidth_Bps if g is not None and math.isfinite(g.bandwidth_Bps) else 1e12
+    metrics.write_json(
+        "plan.json",
+        {
+            "plan": sync.plan.to_dict(),
+            "costs": [dataclasses.asdict(c) for c in costs],
+            "link": {
+                "bandwidth_Bps": bw,
+                "rtt_s": g.rtt_s if g is not None else 0.0,
+                "world": sync.comm.world,
+                "codec_ratio": sync._ratio,
+            },
+        },
+    )
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(
+            {"t": record.created, "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+        )
