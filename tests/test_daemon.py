@@ -69,6 +69,7 @@ def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             timeout=60,
+            check=False,
         )
         assert out.returncode == 0, out.stderr
         assert "ring: eu-west -> us-east -> ap-south" in out.stdout
@@ -135,6 +136,7 @@ def test_bad_config_fails_at_start_naming_the_key(tmp_path: Path, patch: dict[st
         capture_output=True,
         text=True,
         timeout=120,
+        check=False,
     )
     assert out.returncode == 1
     assert message in out.stderr, out.stderr
