@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from dreamp2p.errors import PeerError
@@ -108,7 +109,7 @@ def _node(args: argparse.Namespace) -> int:
             handler.setFormatter(JsonFormatter())
     stop = StopFlag()
     stop.install()
-    summary = run_node(cfg, resume=args.resume, stop=stop)
+    summary = run_node(cfg, resume=args.resume, stop=stop, stop_at_file=args.stop_at_file)
     print(json.dumps(summary))
     return 0
 
@@ -116,7 +117,15 @@ def _node(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from dreamp2p.demo import run_demo
 
-    return run_demo(nodes=args.nodes, link=args.link, codec=args.codec, rounds=args.rounds)
+    return run_demo(
+        nodes=args.nodes,
+        link=args.link,
+        rtt=args.rtt,
+        minutes=args.minutes,
+        codec=args.codec,
+        strategy=args.strategy,
+        out=args.out,
+    )
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -177,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub.add_parser("node", help="run one region's daemon (trainer + peer) from a TOML config")
     n.add_argument("--config", required=True, help="path to the node's TOML file (see nodes/)")
     n.add_argument("--resume", action="store_true", help="continue from the newest checkpoint, if any")
+    n.add_argument(
+        "--stop-at-file",
+        type=Path,
+        default=None,
+        help="file that may hold a step number: stop cleanly after it (used to end multi-node runs)",
+    )
     n.set_defaults(func=_node)
 
     s = sub.add_parser("status", help="live status of a peer: ring, links, counters")
@@ -197,11 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan)
 
-    d = sub.add_parser("demo", help="start local peers over rate-limited links and average a real model")
+    d = sub.add_parser("demo", help="train across N local node daemons over emulated WAN links, then report")
     d.add_argument("--nodes", type=int, default=3)
-    d.add_argument("--link", default="50mbit", help="emulated link rate per peer")
+    d.add_argument("--link", default="20mbit", help="emulated link rate per hop")
+    d.add_argument("--rtt", default="80ms", help="emulated round-trip time per hop")
+    d.add_argument("--minutes", type=float, default=3.0, help="training time before a clean stop")
     d.add_argument("--codec", default="int8")
-    d.add_argument("--rounds", type=int, default=10)
+    d.add_argument("--strategy", default="dreamddp")
+    d.add_argument("--out", default=None, help="run folder (default runs/demo-TIMESTAMP)")
     d.set_defaults(func=_demo)
     return p
 

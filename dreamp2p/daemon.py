@@ -136,8 +136,14 @@ def _device(name: str) -> str:
     return name
 
 
-def run_node(cfg: DaemonConfig, resume: bool = False, stop: StopFlag | None = None) -> dict[str, Any]:
-    """Train until ``task.steps`` or a stop signal; returns a small summary."""
+def run_node(
+    cfg: DaemonConfig, resume: bool = False, stop: StopFlag | None = None, stop_at_file: Path | None = None
+) -> dict[str, Any]:
+    """Train until ``task.steps``, a stop signal, or the step written in ``stop_at_file``; returns a summary.
+
+    ``stop_at_file`` lets an operator end a multi-node run cleanly: every node stops after the same
+    step, so no node waits for a round that a stopped node will never join.
+    """
     stop = stop or StopFlag()
     node_cfg = cfg.node
     ring_ids = [p.node_id for p in node_cfg.ring] or [node_cfg.node_id]
@@ -163,21 +169,40 @@ def run_node(cfg: DaemonConfig, resume: bool = False, stop: StopFlag | None = No
             sync.load_state_dict(state["sync"])
             log.info("resumed from %s at step %d", path, sync.step_count)
             metrics.record("resume", step=sync.step_count, path=str(path), digest=param_digest(model))
-        return _train(cfg, task, model, sync, node, metrics, stop)
+        return _train(cfg, task, model, sync, node, metrics, stop, stop_at_file)
     finally:
         node.close()
         metrics.close()
 
 
+def _read_stop_at(path: Path | None) -> int | None:
+    if path is None:
+        return None
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def _train(
-    cfg: DaemonConfig, task: Any, model: Any, sync: Any, node: Node, metrics: NodeMetrics, stop: StopFlag
+    cfg: DaemonConfig,
+    task: Any,
+    model: Any,
+    sync: Any,
+    node: Node,
+    metrics: NodeMetrics,
+    stop: StopFlag,
+    stop_at_file: Path | None = None,
 ) -> dict[str, Any]:
     first_eval = None
     last_eval = None
     last_plan = -1
     t_last = time.perf_counter()
-    while sync.step_count < cfg.task.steps and not stop.event.is_set():
+    final = cfg.task.steps
+    while sync.step_count < final and not stop.event.is_set():
         step = sync.step_count
+        if step % 5 == 0 and (agreed := _read_stop_at(stop_at_file)) is not None:
+            final = min(cfg.task.steps, max(agreed, step))
         loss = task.loss(model, task.batch(step))
         loss.backward()
         stats = sync.step()

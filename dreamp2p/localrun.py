@@ -95,10 +95,14 @@ def write_configs(
     return paths
 
 
-def start_node(config: Path, resume: bool = False, log_dir: Path | None = None) -> subprocess.Popen[bytes]:
+def start_node(
+    config: Path, resume: bool = False, log_dir: Path | None = None, stop_at_file: Path | None = None
+) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "dreamp2p.cli", "node", "--config", str(config)]
     if resume:
         args.append("--resume")
+    if stop_at_file is not None:
+        args += ["--stop-at-file", str(stop_at_file)]
     log_dir = log_dir or config.parent
     out = open(log_dir / f"{config.stem}.log", "ab")  # noqa: SIM115 - handed to the child process
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
