@@ -128,6 +128,10 @@ _OPTIONAL: dict[str, dict[str, _Check]] = {
 }
 
 
+# Records the daemon writes about its own lifecycle: known, but not plotted.
+_LIFECYCLE = frozenset({"resume", "stop"})
+
+
 def _parse_record(line: str) -> tuple[str, dict[str, Any] | None, str]:
     """(kind, normalized record or None, why it was refused) of one non-blank line."""
     try:
@@ -139,6 +143,8 @@ def _parse_record(line: str) -> tuple[str, dict[str, Any] | None, str]:
     if not isinstance(raw, dict):
         return "", None, f"a JSON {type(raw).__name__}, not an object"
     kind = raw.get("kind")
+    if kind in _LIFECYCLE:
+        return "-", None, ""
     if not isinstance(kind, str) or kind not in _REQUIRED:
         return "?", None, f"unknown kind {kind!r}"
     rec: dict[str, Any] = {"kind": kind}
@@ -168,6 +174,8 @@ def _read_metrics(path: Path, node: NodeLog) -> None:
                 continue
             total += 1
             kind, rec, why = _parse_record(line)
+            if kind == "-":
+                continue
             if rec is None:
                 if kind == "?":
                     unknown += 1

@@ -127,6 +127,8 @@ class Link:
             )
         except aio.AioRpcError as exc:
             raise rpc_error(exc) from None
+        if self.delay_s:  # the emulated link delays the echo too, once each way
+            await asyncio.sleep(2 * self.delay_s)
         rtt = time.perf_counter() - t0
         self.stats.observe_rtt(rtt)
         return rtt
@@ -145,6 +147,8 @@ class Link:
             )
         except aio.AioRpcError as exc:
             raise rpc_error(exc) from None
+        if self.delay_s:
+            await asyncio.sleep(2 * self.delay_s)
         elapsed = time.perf_counter() - t0
         rtt = self.stats.min_rtt_s if self.stats.rtt_samples else 0.0
         rate = nbytes / max(elapsed - rtt, elapsed * 0.5)
