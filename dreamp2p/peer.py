@@ -331,7 +331,10 @@ class Peer:
                 goodput, seg_elems * 4, world, min_bytes=t.chunk_min_bytes, max_bytes=t.chunk_max_bytes
             )
             link.chunk_bytes = chunk_bytes
-            stream = link.open_stream(timeout=timeout or t.round_timeout_s)
+            # a small round gains nothing from parallel streams and pays each one's setup
+            wire = flat.numel() * 4 * 2 * (world - 1) / world
+            nstreams = 1 if wire <= 4 * chunk_bytes else t.streams_per_link
+            stream = link.open_stream(nstreams, timeout=timeout or t.round_timeout_s)
         spec = RoundSpec(
             group_id=group_id,
             round_id=round_id,
