@@ -57,6 +57,13 @@ def status_from_details(details: str | None) -> Status:
 
 
 def frame_to_proto(f: Frame) -> pb.DataFrame:
+    m = _frame_header(f)
+    m.payload = bytes(f.payload)
+    return m
+
+
+def _frame_header(f: Frame) -> pb.DataFrame:
+    """Every DataFrame field but the payload."""
     return pb.DataFrame(
         round_id=f.round_id,
         plan_version=f.plan_version,
@@ -72,7 +79,6 @@ def frame_to_proto(f: Frame) -> pb.DataFrame:
         checksum=f.checksum,
         zstd=f.zstd,
         raw_length=f.raw_length,
-        payload=bytes(f.payload),
         sender=f.sender,
     )
 
@@ -101,23 +107,7 @@ def frame_to_wire(f: Frame) -> bytes:
     Protobuf messages are concatenations of fields, so the header fields serialized by protobuf
     followed by field 15 written by hand is a valid ``DataFrame`` that any protobuf library parses.
     """
-    header = pb.DataFrame(
-        round_id=f.round_id,
-        plan_version=f.plan_version,
-        group_id=f.group_id,
-        phase=_enum(int(f.phase)),
-        ring_step=f.ring_step,
-        segment_index=f.segment_index,
-        chunk_offset=f.chunk_offset,
-        chunk_length=f.chunk_length,
-        codec=_enum(f.codec),
-        dtype=_enum(int(f.dtype)),
-        element_count=f.element_count,
-        checksum=f.checksum,
-        zstd=f.zstd,
-        raw_length=f.raw_length,
-        sender=f.sender,
-    ).SerializeToString()
+    header = _frame_header(f).SerializeToString()
     if not len(f.payload):
         return header  # proto3 leaves empty fields out
     return b"".join((header, _PAYLOAD_TAG, _varint(len(f.payload)), f.payload))
