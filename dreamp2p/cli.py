@@ -71,11 +71,21 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from dreamp2p.config import PeerInfo, TransportConfig
+    from dreamp2p.config import PeerInfo, TLSConfig, TransportConfig
     from dreamp2p.transport.client import Link
 
+    tls = None
+    if args.ca or args.cert:
+        tls = TLSConfig(
+            cert_file=args.cert or "",
+            key_file=args.key or "",
+            ca_file=args.ca,
+            mutual=bool(args.cert),
+            server_name_override=args.server_name,
+        )
+
     async def fetch() -> Any:
-        link = Link("status-cli", PeerInfo("?", args.address), TransportConfig(streams_per_link=1), None, args.token)
+        link = Link("status-cli", PeerInfo("?", args.address), TransportConfig(streams_per_link=1), tls, args.token)
         try:
             return await link.status()
         finally:
@@ -197,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="live status of a peer: ring, links, counters")
     s.add_argument("address", help="HOST:PORT of the peer")
     s.add_argument("--token", default=None, help="shared cluster token, if the peer requires one")
+    s.add_argument("--ca", default=None, help="CA certificate (PEM) to verify a TLS peer")
+    s.add_argument("--cert", default=None, help="client certificate (PEM) for mutual TLS")
+    s.add_argument("--key", default=None, help="client key (PEM) for mutual TLS")
+    s.add_argument("--server-name", default=None, help="name in the peer's certificate, when dialing an IP")
     s.set_defaults(func=_status)
 
     pl = sub.add_parser("plan", help="predict step time and utilization per strategy before launch")

@@ -26,6 +26,7 @@ import torch
 
 from dreamp2p.checkpoint import load_latest, save_checkpoint
 from dreamp2p.config import PeerConfig, _build
+from dreamp2p.errors import RoundFailed
 from dreamp2p.manifest import manifest_hash, param_digest
 from dreamp2p.metrics import NodeMetrics
 from dreamp2p.node import Node
@@ -70,6 +71,7 @@ class DaemonConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     device: str = "auto"  # "auto" (cuda when available), "cpu" or "cuda"
     threads: int = 0  # torch CPU threads for training; 0 keeps torch's default
+    stop_grace_s: float = 20.0  # on SIGTERM, how long rounds in flight may take to finish before abort
 
     @staticmethod
     def from_toml(path: str | Path) -> DaemonConfig:
@@ -83,7 +85,7 @@ class DaemonConfig:
 
     @staticmethod
     def from_dict(data: Mapping[str, Any], base: Path | None = None) -> DaemonConfig:
-        allowed = {"node", "sync", "task", "checkpoint", "metrics", "device", "threads"}
+        allowed = {"node", "sync", "task", "checkpoint", "metrics", "device", "threads", "stop_grace_s"}
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise ValueError(f"unknown table or key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
@@ -103,7 +105,14 @@ class DaemonConfig:
             metrics=_build(MetricsConfig, data.get("metrics", {}), "metrics"),
             device=device,
             threads=_nonneg_int(data.get("threads", 0), "threads"),
+            stop_grace_s=_grace(data.get("stop_grace_s", 20.0)),
         )
+
+
+def _grace(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"stop_grace_s must be a number > 0, got {value!r}")
+    return float(value)
 
 
 def _nonneg_int(value: Any, key: str) -> int:
@@ -247,7 +256,7 @@ def _train(
         if (step + 1) % cfg.checkpoint.every_steps == 0:
             sync.close()  # land rounds in flight so the checkpoint is a consistent cut
             save_checkpoint(cfg.checkpoint.dir, step + 1, {"sync": sync.state_dict()}, cfg.checkpoint.keep)
-    sync.close()
+    _drain(sync, node, cfg.stop_grace_s)
     path = save_checkpoint(cfg.checkpoint.dir, sync.step_count, {"sync": sync.state_dict()}, cfg.checkpoint.keep)
     last_eval = task.evaluate(model)
     metrics.record("eval", step=sync.step_count - 1, eval_loss=last_eval)
@@ -259,6 +268,19 @@ def _train(
         "checkpoint": str(path),
         "signal": stop.signal,
     }
+
+
+def _drain(sync: Any, node: Node, grace: float) -> None:
+    """Land rounds in flight; if peers are gone (they stopped too), abort them after ``grace`` seconds.
+
+    An aborted round changes nothing here: the checkpoint holds this node's parameters without it.
+    """
+    try:
+        sync.close(timeout=grace)
+    except RoundFailed as exc:
+        log.warning("rounds in flight could not finish within %.0f s (%s); aborting them", grace, exc)
+        node.comm.abort_rounds("node stopping")
+        sync.abandon()
 
 
 def _write_plan(sync: DreamDDP, metrics: NodeMetrics) -> None:

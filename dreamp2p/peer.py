@@ -276,6 +276,10 @@ class Peer:
     def link(self, node_id: str) -> Link:
         return self._links[node_id]
 
+    def abort_rounds(self, reason: str) -> None:
+        for rnd in list(self._rounds.values()):
+            rnd.fail(reason)
+
     def set_rate_limit(self, rate_Bps: float | None) -> None:
         """Re-pace every outgoing link (WAN emulation); None removes the limit."""
         for link in self._links.values():

@@ -256,3 +256,33 @@ async def test_emulated_delay_adds_latency_not_throughput_loss() -> None:
         assert res[0].seconds < 1.0  # frames overlap in the delay line
     finally:
         await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_status_cli_over_mutual_tls(tmp_path: Path) -> None:
+    import sys
+
+    files = _make_certs(tmp_path)
+    peer = Peer(PeerConfig(node_id="p0", tls=TLSConfig(**files, mutual=True)))
+    await peer.start()
+    try:
+        args = [
+            sys.executable,
+            "-m",
+            "dreamp2p.cli",
+            "status",
+            f"127.0.0.1:{peer.port}",
+            "--ca",
+            files["ca_file"],
+            "--cert",
+            files["cert_file"],
+            "--key",
+            files["key_file"],
+            "--server-name",
+            "localhost",
+        ]
+        proc = await asyncio.create_subprocess_exec(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        assert b"node p0" in out
+    finally:
+        await peer.close()

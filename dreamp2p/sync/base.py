@@ -135,8 +135,14 @@ class Strategy(abc.ABC):
         self.step_count = int(state["step"])
         self._load_extra_state(state.get("extra", {}))
 
-    def close(self) -> None:  # noqa: B027 - strategies without rounds in flight have nothing to wait for
-        """Wait for collectives still in flight (they are collective: peers expect us to finish them)."""
+    def close(self, timeout: float | None = None) -> None:  # noqa: B027 - nothing in flight by default
+        """Wait for collectives still in flight (they are collective: peers expect us to finish them).
+
+        With ``timeout``, raises RoundFailed if they cannot finish in time (peers gone); see abandon().
+        """
+
+    def abandon(self) -> None:  # noqa: B027 - nothing in flight by default
+        """Forget collectives in flight without applying them (after the peer aborted its rounds)."""
 
     def flush(self) -> None:
         """Average every parameter once now, blocking: all peers end with identical parameters."""
@@ -161,11 +167,11 @@ class Strategy(abc.ABC):
         """Round id for a collective launched during this step: the same on every peer, also after a resume."""
         return self.step_count + 1
 
-    def _wait(self, fut: concurrent.futures.Future[RoundResult]) -> RoundResult:
+    def _wait(self, fut: concurrent.futures.Future[RoundResult], timeout: float | None = None) -> RoundResult:
         """Block on a collective, charging the blocked time to exposed wait."""
         t0 = time.perf_counter()
         try:
-            res = fut.result(timeout=self.cfg.round_timeout_s + 30)
+            res = fut.result(timeout=timeout if timeout is not None else self.cfg.round_timeout_s + 30)
         except concurrent.futures.TimeoutError:
             raise RoundFailed((0, 0), "no result from the comm thread in time") from None
         self._stats.exposed_s += time.perf_counter() - t0

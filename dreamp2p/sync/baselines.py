@@ -179,10 +179,13 @@ class StreamingDiLoCo(Strategy):
         a = self.cfg.mix_alpha
         g.write(local.mul_(a).add_(self._global[p], alpha=1 - a))
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         for p in sorted(self._inflight):
-            self._wait(self._inflight[p][1])
+            self._wait(self._inflight[p][1], timeout)
             self._apply(p)
+            del self._inflight[p]
+
+    def abandon(self) -> None:
         self._inflight.clear()
 
 
@@ -208,10 +211,10 @@ class CO2(Strategy):
         self._launched = self._group.snap.clone()
         self._fut = self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round())
 
-    def _land(self) -> None:
+    def _land(self, timeout: float | None = None) -> None:
         if self._fut is None or self._launched is None:
             return
-        self._wait(self._fut)
+        self._wait(self._fut, timeout)
         self._fut = None
         avg = self._group.work
         local = torch.empty_like(avg)
@@ -229,8 +232,12 @@ class CO2(Strategy):
         self._group.write(self._outer_params + progress)
         self._launched = None
 
-    def close(self) -> None:
-        self._land()
+    def close(self, timeout: float | None = None) -> None:
+        self._land(timeout)
+
+    def abandon(self) -> None:
+        self._fut = None
+        self._launched = None
 
     def _extra_state(self) -> dict[str, Any]:
         return {"outer": self._outer_params.clone(), "momentum": self._momentum.clone()}

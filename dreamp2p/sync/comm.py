@@ -89,6 +89,10 @@ class CommThread:
     def status(self) -> PeerStatus:
         return self.call(_status(self.peer))
 
+    def abort_rounds(self, reason: str) -> None:
+        """Fail every round in flight (their tensors stay untouched); used when peers are gone."""
+        self.call(_abort_rounds(self.peer, reason))
+
     def set_rate_limit(self, rate_Bps: float | None) -> None:
         """Change the emulated rate of every outgoing link (WAN emulation; None removes the limit)."""
         self.call(_set_rate(self.peer, rate_Bps))
@@ -111,6 +115,10 @@ async def _allreduce_group(
     if group.device.type == "cuda":
         await asyncio.to_thread(group.ready)
     return await peer.allreduce([group.snap], group_id, codec, plan_version, out=[group.work], round_id=round_id)
+
+
+async def _abort_rounds(peer: Peer, reason: str) -> None:
+    peer.abort_rounds(reason)
 
 
 async def _snapshots(peer: Peer) -> list[LinkSnapshot]:

@@ -253,14 +253,18 @@ class DreamDDP(Strategy):
         for key in [k for k in self._groups if k[0] != self.plan.version and k not in live]:
             del self._groups[key]
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         for inf in list(self._inflight):
-            self._wait(inf.fut)
+            self._wait(inf.fut, timeout)
             inf.group.merge()
-        self._inflight.clear()
+            self._inflight.remove(inf)
         if self._control is not None:
             # finish the control round but keep it: its result is used at its landing step, as on every peer
-            self._control[1].result(self.cfg.round_timeout_s)
+            self._wait(self._control[1], timeout)
+
+    def abandon(self) -> None:
+        self._inflight.clear()
+        self._control = None
 
     def detach(self) -> None:
         for h in self._hooks:
