@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=int, default=256, help="strategies: batch size per peer")
     b.add_argument("--link-rate", default=None, help="strategies: link rate (default: full sync = H/2 steps)")
     b.add_argument("--rtt", default="20ms", help="strategies: emulated round-trip time per hop")
-    b.add_argument("--max-delay", type=int, default=2, help="strategies: DreamDDP max landing delay d")
+    b.add_argument("--max-delay", type=int, default=None, help="strategies: DreamDDP max landing delay d (H-1)")
     b.set_defaults(func=_bench)
 
     n = sub.add_parser("node", help="run one region's daemon (trainer + peer) from a TOML config")

@@ -47,10 +47,12 @@ def bench_strategies(
     lr: float = 0.05,
     rate: str | None = None,
     rtt: str = "20ms",
-    max_delay: int = 2,
+    max_delay: int | None = None,
     codec: str = "fp32",
 ) -> dict[str, Any]:
     names = strategies or ALL
+    if max_delay is None:
+        max_delay = period - 1  # a sync may overlap up to a whole period of compute
     common = {"steps": steps, "width": width, "depth": depth, "batch_size": batch, "lr": lr}
     sync = {"period": period, "codec": codec, "warmup_steps": 5, "control_every": 10, "max_delay": max_delay}
     base = run_local(2, JOB, {**common, "strategy": "none", "sync": sync}, node_job=True, timeout=900)
