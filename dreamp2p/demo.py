@@ -55,7 +55,7 @@ def run_demo(
     sync: dict[str, Any] = {
         "strategy": strategy,
         "period": 10,
-        "max_delay": 3,
+        "max_delay": 9,  # a sync may span the whole period: 80 ms RTT chains need it
         "codec": codec,
         "warmup_steps": 5,
         "control_every": 20,
