@@ -49,6 +49,10 @@ def _bench(args: argparse.Namespace) -> int:
             rounds=args.repeats,
             streams=args.streams,
         )
+    elif args.what == "soak":
+        from dreamp2p.bench.soak import bench_soak
+
+        result = bench_soak(minutes=args.minutes, peers=args.peers, mbytes=args.mbytes or 4.0)
     elif args.what == "strategies":
         from dreamp2p.bench.strategies import bench_strategies
 
@@ -172,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
-    b.add_argument("what", choices=["codec", "transport", "allreduce", "strategies"])
+    b.add_argument("what", choices=["codec", "transport", "allreduce", "strategies", "soak"])
     b.add_argument("--json", action="store_true", help="print only the JSON result line")
     b.add_argument("--mbytes", type=float, default=None, help="buffer size in MB (default 64)")
     b.add_argument("--repeats", type=int, default=3, help="measured repetitions (median)")
@@ -182,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--streams", type=int, default=2, help="parallel streams (TCP connections) per link")
     b.add_argument("--netns", action="store_true", help="transport: run across two tbf-shaped namespaces (root)")
     b.add_argument("--rate", default="100mbit", help="transport --netns: link rate, e.g. 100mbit")
+    b.add_argument("--minutes", type=float, default=10.0, help="soak: how long to run")
     b.add_argument("--strategies", nargs="+", default=None, help="strategies: which to run (default: all)")
     b.add_argument("--steps", type=int, default=150, help="strategies: training steps per run")
     b.add_argument("--period", type=int, default=10, help="strategies: period H")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import xxhash
 
+from dreamp2p.errors import RoundFailed
 from dreamp2p.peer import Peer
 
 
@@ -111,3 +112,61 @@ async def stream_timing(peer: Peer, rank: int, world: int, mbytes: float, second
         for s in peer.link_snapshots()
     }
     return {"bytes_sent": sent, "seconds": elapsed, "rounds": rounds, "links": links}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def soak(
+    peer: Peer, rank: int, world: int, seconds: float, mbytes: float = 4.0, sample_s: float = 5.0
+) -> dict[str, Any]:
+    """Back-to-back rounds (a big int8 group and a small fp32 one) for ``seconds``; samples resources.
+
+    Every peer runs the same number of rounds: rank 0 decides when to stop, through a stop flag averaged
+    like any other tensor.
+    """
+    import asyncio
+
+    n = int(mbytes * 1e6 // 4)
+    big = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    small = torch.randn(4097, generator=torch.Generator().manual_seed(100 + rank))
+    samples = []
+    t0 = time.perf_counter()
+    next_sample = 0.0
+    rounds = failed = 0
+    while True:
+        now = time.perf_counter() - t0
+        if now >= next_sample:
+            samples.append({"t": now, "rss": _rss_bytes(), "fds": _open_fds(), "tasks": len(asyncio.all_tasks())})
+            next_sample += sample_s
+        try:
+            await peer.allreduce([big], group_id=1, codec="int8")
+            await peer.allreduce([small], group_id=2, codec="fp32")
+            rounds += 2
+        except RoundFailed:
+            failed += 1
+        flag = torch.tensor([1.0 if (time.perf_counter() - t0) < seconds or rank != 0 else 0.0])
+        await peer.allreduce([flag], group_id=3, codec="fp32")
+        if float(flag) < 1.0 - 0.5 / world:
+            break
+    samples.append(
+        {"t": time.perf_counter() - t0, "rss": _rss_bytes(), "fds": _open_fds(), "tasks": len(asyncio.all_tasks())}
+    )
+    return {
+        "samples": samples,
+        "rounds": rounds,
+        "failed": failed,
+        "peer_failed": peer.rounds_failed,
+        "frames_rejected": peer.frames_rejected,
+    }
