@@ -50,6 +50,38 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return sorted((p for p in d.iterdir() if _NAME.match(p.name)), key=lambda p: p.name)
 
 
+def checkpoint_step(path: Path) -> int:
+    m = _NAME.match(path.name)
+    if m is None:
+        raise ValueError(f"not a checkpoint file name: {path.name}")
+    return int(m.group(1))
+
+
+def load_step(directory: str | Path, step: int) -> tuple[Path, dict[str, Any]]:
+    path = Path(directory) / f"ckpt-{step:010d}.pt"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint {path} does not hold a dict")
+    return path, state
+
+
+def agree_resume_step(mine: list[int], others: list[tuple[bool, list[int]]]) -> int | None:
+    """Which checkpoint to resume from, given each other node's (still resuming?, checkpoint steps).
+
+    A node that is already training waits at the step our newest checkpoint ends at (we left after
+    it), so we take our newest. When everyone restarts together they may have stopped one step apart:
+    all take the newest step they all hold. Pure; None when there is no common step.
+    """
+    if not mine:
+        return None
+    if any(not resuming for resuming, _ in others):
+        return max(mine)
+    common = set(mine)
+    for _, steps in others:
+        common &= set(steps)
+    return max(common) if common else None
+
+
 def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest readable checkpoint, or None if there is none; corrupt files are skipped with a warning."""
     for path in reversed(list_checkpoints(directory)):

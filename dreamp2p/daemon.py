@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from dreamp2p.checkpoint import load_latest, save_checkpoint
+from dreamp2p.checkpoint import agree_resume_step, checkpoint_step, list_checkpoints, load_step, save_checkpoint
 from dreamp2p.config import PeerConfig, _build
-from dreamp2p.errors import RoundFailed
+from dreamp2p.errors import PeerError, RoundFailed
 from dreamp2p.manifest import manifest_hash, param_digest
 from dreamp2p.metrics import NodeMetrics
 from dreamp2p.node import Node
@@ -168,20 +168,84 @@ def run_node(
         port = metrics.serve(cfg.metrics.listen)
         log.info("metrics on %s (port %d)", cfg.metrics.listen, port)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.task.lr)
-    restored = load_latest(cfg.checkpoint.dir) if resume else None
     node = Node(node_cfg)
     try:
         node.connect()
+        restored = _agree_and_load(cfg, node) if resume else None
         sync = node.attach(model, opt, sync=cfg.sync, broadcast=restored is None)
         if restored is not None:
             path, state = restored
             sync.load_state_dict(state["sync"])
             log.info("resumed from %s at step %d", path, sync.step_count)
             metrics.record("resume", step=sync.step_count, path=str(path), digest=param_digest(model))
-        return _train(cfg, task, model, sync, node, metrics, stop, stop_at_file)
+        done = threading.Event()
+        watcher = threading.Thread(
+            target=_abort_when_stuck, args=(stop, done, cfg.stop_grace_s, node), name="stop-watcher", daemon=True
+        )
+        watcher.start()
+        try:
+            return _train(cfg, task, model, sync, node, metrics, stop, stop_at_file)
+        finally:
+            done.set()
     finally:
         node.close()
         metrics.close()
+
+
+def _abort_when_stuck(stop: StopFlag, done: threading.Event, grace: float, node: Node) -> None:
+    """After a stop signal, give the current step ``grace`` seconds; then abort the rounds it waits on.
+
+    A step blocks on rounds that need every peer; if the peers stopped too, they never complete.
+    """
+    while not done.is_set():
+        if stop.event.wait(0.5):
+            if not done.wait(grace):
+                log.warning("step still blocked %.0f s after %s: aborting rounds in flight", grace, stop.signal)
+                node.comm.abort_rounds("node stopping")
+            return
+
+
+def _agree_and_load(cfg: DaemonConfig, node: Node) -> tuple[Path, dict[str, Any]] | None:
+    """Pick the checkpoint to resume from together with the other nodes, then load it.
+
+    Publishes our checkpoint steps through the Status call, waits until every other member is either
+    training (then we rejoin from our newest) or resuming too (then all take the newest common step).
+    """
+    mine = [checkpoint_step(p) for p in list_checkpoints(cfg.checkpoint.dir)]
+    if not mine:
+        log.info("no checkpoint in %s: starting fresh", cfg.checkpoint.dir)
+        return None
+    peer = node.comm.peer
+    peer.resume_steps = tuple(mine)
+    others: dict[str, tuple[bool, list[int]]] = {}
+    deadline = time.monotonic() + cfg.node.transport.connect_timeout_s
+    members = [p.node_id for p in peer.ring if p.node_id != cfg.node.node_id]
+    while len(others) < len(members):
+        for member in members:
+            if member in others:
+                continue
+            try:
+                st = node.comm.call(peer.link(member).status())
+            except PeerError as exc:
+                log.info("waiting for %s: %s", member, exc)
+                continue
+            steps = list(st.checkpoint_steps)
+            if st.resuming:
+                # resumed in this same restart wave unless it has trained well past its checkpoints since
+                live = st.training is not None and st.training.step > max(steps, default=0) + 2
+                others[member] = (not live, steps)
+            elif st.training is not None:
+                others[member] = (False, steps)
+        if len(others) < len(members):
+            if time.monotonic() > deadline:
+                missing = sorted(set(members) - set(others))
+                raise RuntimeError(f"resume: no answer from {', '.join(missing)} within the connect timeout")
+            time.sleep(0.2)
+    step = agree_resume_step(mine, [others[m] for m in members])
+    if step is None:
+        raise RuntimeError(f"resume: no checkpoint step common to all nodes (ours: {mine})")
+    log.info("resuming from step %d (ours: %s)", step, mine)
+    return load_step(cfg.checkpoint.dir, step)
 
 
 def _read_stop_at(path: Path | None) -> int | None:
@@ -212,9 +276,18 @@ def _train(
         step = sync.step_count
         if step % 5 == 0 and (agreed := _read_stop_at(stop_at_file)) is not None:
             final = min(cfg.task.steps, max(agreed, step))
-        loss = task.loss(model, task.batch(step))
-        loss.backward()
-        stats = sync.step()
+        try:
+            loss = task.loss(model, task.batch(step))
+            loss.backward()  # DreamDDP launches (and may wait on) syncs from gradient hooks
+            stats = sync.step()
+        except (RoundFailed, RuntimeError) as exc:
+            if not stop.event.is_set():
+                raise
+            # stopping, and a round needed a peer that already left: this step did not happen here
+            log.warning("step %d abandoned while stopping: %s", step, exc)
+            sync.zero_grad()
+            sync.abandon()
+            break
         sync.zero_grad()
         now = time.perf_counter()
         dt, t_last = now - t_last, now

@@ -26,6 +26,7 @@ class Status(enum.IntEnum):
     TIMEOUT = 13
     SHUTTING_DOWN = 14
     DUPLICATE_CHUNK = 15
+    NEEDS_HANDSHAKE = 16
 
 
 class PeerError(Exception):

@@ -79,6 +79,8 @@ class PeerStatus:
     codecs: tuple[int, ...] = field(default_factory=tuple)
     uptime_s: float = 0.0
     training: TrainingInfo | None = None
+    resuming: bool = False
+    checkpoint_steps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

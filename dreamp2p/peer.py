@@ -79,6 +79,8 @@ class Peer:
         self.frames_rejected = 0
         # set by the trainer's thread; replaced whole (never mutated), so readers see a consistent value
         self.training: TrainingInfo | None = None
+        # set by a node that resumed: the checkpoint steps it held, so a restart wave can agree on one
+        self.resume_steps: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -192,6 +194,11 @@ class Peer:
         if self._closing:
             raise PeerError(Status.SHUTTING_DOWN, "peer shutting down")
         if frame.sender not in self._admitted:
+            if any(p.node_id == frame.sender for p in self._ring):
+                # a member that handshook with this node's previous process: it must introduce itself again
+                raise PeerError(
+                    Status.NEEDS_HANDSHAKE, f"ring member {frame.sender!r} has not handshaken with this process"
+                )
             raise PeerError(Status.UNKNOWN_PEER, f"sender {frame.sender!r} has not completed a handshake")
         rnd = self._rounds.get((frame.group_id, frame.round_id)) or await self._wait_round(frame)
         rnd.deliver(frame)
@@ -257,6 +264,8 @@ class Peer:
             codecs=self.hello().codecs,
             uptime_s=time.monotonic() - self._started,
             training=self.training,
+            resuming=self.resume_steps is not None,
+            checkpoint_steps=self.resume_steps or (),
         )
 
     def link_snapshots(self) -> list[LinkSnapshot]:

@@ -99,6 +99,33 @@ def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
         stop_all(procs)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_whole_cluster_stopped_steps_apart_resumes_together(tmp_path: Path) -> None:
+    """Nodes stopped at different steps (rounds aborted after the grace) agree on a common checkpoint."""
+    configs = write_configs(tmp_path, 3, rate_Bps=20e6, delay_s=0.002, sync=SYNC, task=TASK, checkpoint_every=10)
+    for c in configs:  # a short grace: peers that already left will not come back to finish a round
+        c.write_text("stop_grace_s = 3\n" + c.read_text())
+    names = ("eu-west", "us-east", "ap-south")
+    procs = [start_node(c) for c in configs]
+    try:
+        assert wait_until(lambda: min(last_step(tmp_path, n) for n in names) >= 15, 180)
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(120) == 0
+        for p in procs[1:]:
+            p.send_signal(signal.SIGTERM)
+        assert [p.wait(120) for p in procs[1:]] == [0, 0]
+        stops = {n: [r for r in read_records(tmp_path, n) if r["kind"] == "stop"][-1]["step"] for n in names}
+        procs = [start_node(c, resume=True) for c in configs]
+        assert [p.wait(300) for p in procs] == [0, 0, 0]
+        resumed = {n: [r for r in read_records(tmp_path, n) if r["kind"] == "resume"][-1]["step"] for n in names}
+        assert len(set(resumed.values())) == 1, (stops, resumed)
+        assert resumed["eu-west"] <= min(stops.values())
+        assert all(last_step(tmp_path, n) == TASK["steps"] - 1 for n in names)
+    finally:
+        stop_all(procs)
+
+
 @pytest.mark.parametrize(
     ("patch", "message"),
     [

@@ -233,7 +233,11 @@ class OutboundStream:
             if gen != self._generation:
                 return None  # superseded by a replay
             err = rpc_error(exc)
-            gone = exc.code() == grpc.StatusCode.UNAVAILABLE or err.status == Status.SHUTTING_DOWN
+            # the successor restarted (or is restarting): introduce ourselves again and resend the round
+            gone = exc.code() == grpc.StatusCode.UNAVAILABLE or err.status in (
+                Status.SHUTTING_DOWN,
+                Status.NEEDS_HANDSHAKE,
+            )
             if gone and self._failure is None and self._replays < MAX_REPLAYS:
                 await self._replay(err)
                 return None

@@ -32,6 +32,7 @@ GRPC_CODE: dict[Status, grpc.StatusCode] = {
     Status.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Status.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
     Status.DUPLICATE_CHUNK: grpc.StatusCode.INVALID_ARGUMENT,
+    Status.NEEDS_HANDSHAKE: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 # Prefix of every error detail string, so clients can recover the application status from it.
@@ -291,6 +292,8 @@ def status_to_proto(s: PeerStatus) -> pb.StatusResponse:
         plan_effective_step=s.training.plan_effective_step if s.training else 0,
         plan_summary=s.training.plan_summary if s.training else "",
         strategy=s.training.strategy if s.training else "",
+        resuming=s.resuming,
+        checkpoint_steps=list(s.checkpoint_steps),
     )
 
 
@@ -320,6 +323,8 @@ def status_from_proto(m: pb.StatusResponse) -> PeerStatus:
         training=TrainingInfo(m.strategy, m.step, m.plan_version, m.plan_effective_step, m.plan_summary)
         if m.strategy
         else None,
+        resuming=m.resuming,
+        checkpoint_steps=tuple(int(x) for x in m.checkpoint_steps),
     )
 
 

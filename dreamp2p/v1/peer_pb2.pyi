@@ -25,6 +25,7 @@ class StatusCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATUS_TIMEOUT: _ClassVar[StatusCode]
     STATUS_SHUTTING_DOWN: _ClassVar[StatusCode]
     STATUS_DUPLICATE_CHUNK: _ClassVar[StatusCode]
+    STATUS_NEEDS_HANDSHAKE: _ClassVar[StatusCode]
 
 class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -64,6 +65,7 @@ STATUS_UNKNOWN_PEER: StatusCode
 STATUS_TIMEOUT: StatusCode
 STATUS_SHUTTING_DOWN: StatusCode
 STATUS_DUPLICATE_CHUNK: StatusCode
+STATUS_NEEDS_HANDSHAKE: StatusCode
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_FP16: Codec
@@ -204,7 +206,7 @@ class LinkStats(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., rtt_s: _Optional[float] = ..., goodput_bytes_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., samples: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "cluster_id", "protocol_version", "ring", "links", "rounds_completed", "rounds_failed", "frames_rejected", "codecs", "uptime_s", "step", "plan_version", "plan_effective_step", "plan_summary", "strategy")
+    __slots__ = ("node_id", "cluster_id", "protocol_version", "ring", "links", "rounds_completed", "rounds_failed", "frames_rejected", "codecs", "uptime_s", "step", "plan_version", "plan_effective_step", "plan_summary", "strategy", "resuming", "checkpoint_steps")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +222,8 @@ class StatusResponse(_message.Message):
     PLAN_EFFECTIVE_STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    RESUMING_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEPS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster_id: str
     protocol_version: int
@@ -235,4 +239,6 @@ class StatusResponse(_message.Message):
     plan_effective_step: int
     plan_summary: str
     strategy: str
-    def __init__(self, node_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., ring: _Optional[_Iterable[str]] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., uptime_s: _Optional[float] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_effective_step: _Optional[int] = ..., plan_summary: _Optional[str] = ..., strategy: _Optional[str] = ...) -> None: ...
+    resuming: bool
+    checkpoint_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., ring: _Optional[_Iterable[str]] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., uptime_s: _Optional[float] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_effective_step: _Optional[int] = ..., plan_summary: _Optional[str] = ..., strategy: _Optional[str] = ..., resuming: _Optional[bool] = ..., checkpoint_steps: _Optional[_Iterable[int]] = ...) -> None: ...
