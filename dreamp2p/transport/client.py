@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 _nonces = itertools.count(1)
 # How often one round may be resent to a successor that restarted under it.
 MAX_REPLAYS = 3
+# Transport-level outcomes of a successor process that went away; replaying to a live peer that kept
+# its round state fails on its duplicate checks instead, so a wrong guess costs one refused replay.
+_PEER_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED})
 
 
 def rpc_error(exc: grpc.RpcError) -> PeerError:
