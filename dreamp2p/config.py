@@ -156,6 +156,9 @@ class PeerConfig:
     tls: TLSConfig | None = None
     codec: str = "fp32"
     manifest_hash: bytes = b""
+    # our contribution is withheld (the round proceeds without it) if its norm exceeds this many times
+    # its running norm; 0 disables the check. Non-finite contributions are always withheld.
+    max_norm_ratio: float = 1000.0
     transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:

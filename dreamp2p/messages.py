@@ -41,6 +41,7 @@ class Frame:
     raw_length: int
     payload: bytes | memoryview  # a received payload is a view into the message buffer
     sender: str
+    excluded: int = 0  # reduce-scatter: refused contributions inside this partial sum
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class PeerStatus:
     training: TrainingInfo | None = None
     resuming: bool = False
     checkpoint_steps: tuple[int, ...] = ()
+    contributions_refused: int = 0
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ class RoundResult:
     elements: int
     codec: str
     chunk_bytes: int
+    contributors: int = 0  # fewest peers whose values entered a segment's mean (refused ones excluded)
+    contributed: bool = True
 
 
 class Peer:
@@ -77,6 +79,8 @@ class Peer:
         self.rounds_completed = 0
         self.rounds_failed = 0
         self.frames_rejected = 0
+        self.contributions_refused = 0
+        self._norms: dict[int, float] = {}  # per group: running norm of our contributions
         # set by the trainer's thread; replaced whole (never mutated), so readers see a consistent value
         self.training: TrainingInfo | None = None
         # set by a node that resumed: the checkpoint steps it held, so a restart wave can agree on one
@@ -266,6 +270,7 @@ class Peer:
             training=self.training,
             resuming=self.resume_steps is not None,
             checkpoint_steps=self.resume_steps or (),
+            contributions_refused=self.contributions_refused,
         )
 
     def link_snapshots(self) -> list[LinkSnapshot]:
@@ -327,10 +332,12 @@ class Peer:
         key = (group_id, round_id)
         codec_obj = get_codec(codec or self.config.codec)
         flat = _flatten(tensors)
-        if not all_finite(flat):
-            self._close_round(key)
-            self.rounds_failed += 1
-            raise RoundFailed(key, "local contribution holds NaN or Inf; refusing to send it")
+        refusal = self._refuse_contribution(group_id, flat)
+        if refusal is not None:
+            # the round goes on without us: we send zeros, marked as excluded, and receive the others' mean
+            log.warning("round %s: not contributing: %s", key, refusal)
+            self.contributions_refused += 1
+            flat.zero_()
         succ = self._ring[(rank + 1) % world]
         pred = self._ring[(rank - 1) % world]
         chunk_bytes = 0
@@ -361,6 +368,7 @@ class Peer:
             zstd=self._zstd,
             chunk_elems=max(1, chunk_bytes // 4),
             max_payload=self.max_payload,
+            contributes=refusal is None,
         )
         rnd = RingRound(spec, flat, stream)
         self._rounds[key] = rnd
@@ -390,6 +398,8 @@ class Peer:
             elements=flat.numel(),
             codec=codec_obj.name,
             chunk_bytes=chunk_bytes,
+            contributors=rnd.contributors,
+            contributed=refusal is None,
         )
 
     async def _run(self, rnd: RingRound, out: object, timeout: float) -> None:
@@ -425,6 +435,20 @@ class Peer:
                 failed.exception()
             if rnd.done.done() and not rnd.done.cancelled():
                 rnd.done.exception()
+
+    def _refuse_contribution(self, group_id: int, flat: torch.Tensor) -> str | None:
+        """Why our own contribution must not enter the average (None if it may)."""
+        if not all_finite(flat):
+            return "holds NaN or Inf"
+        ratio = self.config.max_norm_ratio
+        if ratio <= 0 or flat.numel() == 0:
+            return None
+        norm = float(torch.linalg.vector_norm(flat))
+        usual = self._norms.get(group_id)
+        if usual is not None and usual > 0 and norm > ratio * usual:
+            return f"norm {norm:.3g} is over {ratio:g}x its usual {usual:.3g}"
+        self._norms[group_id] = norm if usual is None else 0.9 * usual + 0.1 * norm
+        return None
 
     def _close_round(self, key: tuple[int, int]) -> None:
         waiter = self._waiters.pop(key, None)

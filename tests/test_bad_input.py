@@ -411,6 +411,10 @@ FP32_CASES = [
         id="minus-inf",
     ),
     pytest.param(
+        BadFrames(one(excluded=2), INVALID, Status.BAD_FRAME, "excluded 2 exceeds the contributions"),
+        id="excluded-more-than-summed",
+    ),
+    pytest.param(
         BadFrames(
             one(sender="mallory"),
             grpc.StatusCode.PERMISSION_DENIED,

@@ -74,6 +74,7 @@ class RoundSpec:
     zstd: ZstdStage | None = None
     chunk_elems: int = 1 << 18
     max_payload: int = 64 << 20
+    contributes: bool = True  # False: our buffer is zeros standing in for a refused contribution
 
     @property
     def key(self) -> tuple[int, int]:
@@ -100,6 +101,7 @@ class RingRound:
         self._received = 0
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.contributors = spec.world  # fewest peers whose values entered any segment's mean
         if spec.world > 1:
             for step in range(spec.world - 1):
                 rs = self.segments[reduce_scatter_recv(spec.rank, spec.world, step)].length
@@ -120,17 +122,25 @@ class RingRound:
         for chunk in split_chunks(seg, spec.chunk_elems, spec.codec.block):
             if self.done.done():
                 return
-            frame = self._encode_frame(Phase.REDUCE_SCATTER, 0, seg.index, chunk.start, chunk.length)
+            frame = self._encode_frame(
+                Phase.REDUCE_SCATTER, 0, seg.index, chunk.start, chunk.length, self._own_excluded
+            )
             self.bytes_sent += len(frame.payload)
             await self.out.put(frame)
         self._maybe_finish()
 
-    def _encode_frame(self, phase: Phase, step: int, segment: int, start: int, length: int) -> Frame:
+    @property
+    def _own_excluded(self) -> int:
+        return 0 if self.spec.contributes else 1
+
+    def _encode_frame(self, phase: Phase, step: int, segment: int, start: int, length: int, excluded: int = 0) -> Frame:
         spec = self.spec
         raw = bytes(spec.codec.encode(self.acc[start : start + length]).numpy())
-        return self._frame(phase, step, segment, start, length, raw)
+        return self._frame(phase, step, segment, start, length, raw, excluded)
 
-    def _frame(self, phase: Phase, step: int, segment: int, start: int, length: int, raw: bytes) -> Frame:
+    def _frame(
+        self, phase: Phase, step: int, segment: int, start: int, length: int, raw: bytes, excluded: int = 0
+    ) -> Frame:
         spec = self.spec
         raw_length = len(raw)
         if spec.zstd is not None:
@@ -157,6 +167,7 @@ class RingRound:
             raw_length=raw_length if use_zstd else 0,
             payload=payload,
             sender=spec.node_id,
+            excluded=excluded,
         )
 
     # ---------------------------------------------------------------- receiving
@@ -189,19 +200,26 @@ class RingRound:
         last = step == spec.world - 2
         if frame.phase == Phase.REDUCE_SCATTER:
             view.add_(decoded)
+            excluded = frame.excluded + self._own_excluded
             if not last:
                 seg = reduce_scatter_send(spec.rank, spec.world, step + 1)
-                self._forward(self._encode_frame(Phase.REDUCE_SCATTER, step + 1, seg, chunk_start, length))
+                self._forward(self._encode_frame(Phase.REDUCE_SCATTER, step + 1, seg, chunk_start, length, excluded))
             else:
-                view.div_(spec.world)
+                contributors = spec.world - excluded
+                if contributors < 1:
+                    raise NonFiniteError("every peer's contribution was refused at its source")
+                self.contributors = min(self.contributors, contributors)
+                view.div_(contributors)
                 out_raw = bytes(spec.codec.encode(view).numpy())
                 if not spec.codec.lossless:
                     # keep exactly what every other peer will decode
                     spec.codec.decode(out_raw, length, out=view)
                 seg = all_gather_send(spec.rank, spec.world, 0)
-                self._forward(self._frame(Phase.ALL_GATHER, 0, seg, chunk_start, length, out_raw))
+                # all-gather frames tell everyone how many peers the mean is over
+                self._forward(self._frame(Phase.ALL_GATHER, 0, seg, chunk_start, length, out_raw, excluded))
         else:
             view.copy_(decoded)
+            self.contributors = min(self.contributors, spec.world - frame.excluded)
             if not last:
                 seg = all_gather_send(spec.rank, spec.world, step + 1)
                 # forward the owner's exact bytes: every peer decodes the same values
@@ -234,6 +252,12 @@ class RingRound:
             raise PeerError(Status.BAD_FRAME, f"dtype {f.dtype.name} but round uses {spec.dtype.name}")
         if f.ring_step >= spec.world - 1:
             raise PeerError(Status.BAD_FRAME, f"ring_step {f.ring_step} out of range for {spec.world} peers")
+        if f.excluded > (f.ring_step + 1 if f.phase == Phase.REDUCE_SCATTER else spec.world - 1):
+            raise PeerError(
+                Status.BAD_FRAME,
+                f"excluded {f.excluded} exceeds the contributions a {f.phase.name} "
+                f"frame at step {f.ring_step} can carry",
+            )
         if f.phase == Phase.REDUCE_SCATTER:
             want = reduce_scatter_recv(spec.rank, spec.world, f.ring_step)
         else:

@@ -81,6 +81,7 @@ def _frame_header(f: Frame) -> pb.DataFrame:
         zstd=f.zstd,
         raw_length=f.raw_length,
         sender=f.sender,
+        excluded=f.excluded,
     )
 
 
@@ -219,6 +220,7 @@ def _frame_fields(m: pb.DataFrame, payload: bytes | memoryview, max_payload: int
         raw_length=m.raw_length,
         payload=payload,
         sender=m.sender,
+        excluded=m.excluded,
     )
 
 
@@ -294,6 +296,7 @@ def status_to_proto(s: PeerStatus) -> pb.StatusResponse:
         strategy=s.training.strategy if s.training else "",
         resuming=s.resuming,
         checkpoint_steps=list(s.checkpoint_steps),
+        contributions_refused=s.contributions_refused,
     )
 
 
@@ -325,6 +328,7 @@ def status_from_proto(m: pb.StatusResponse) -> PeerStatus:
         else None,
         resuming=m.resuming,
         checkpoint_steps=tuple(int(x) for x in m.checkpoint_steps),
+        contributions_refused=m.contributions_refused,
     )
 
 

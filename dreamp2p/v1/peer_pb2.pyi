@@ -114,7 +114,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[StatusCode, str]] = ..., detail: _Optional[str] = ..., node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., manifest_hash: _Optional[bytes] = ...) -> None: ...
 
 class DataFrame(_message.Message):
-    __slots__ = ("round_id", "plan_version", "group_id", "phase", "ring_step", "segment_index", "chunk_offset", "chunk_length", "codec", "dtype", "element_count", "checksum", "zstd", "raw_length", "payload", "sender")
+    __slots__ = ("round_id", "plan_version", "group_id", "phase", "ring_step", "segment_index", "chunk_offset", "chunk_length", "codec", "dtype", "element_count", "checksum", "zstd", "raw_length", "payload", "sender", "excluded")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class DataFrame(_message.Message):
     RAW_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     plan_version: int
     group_id: int
@@ -147,7 +148,8 @@ class DataFrame(_message.Message):
     raw_length: int
     payload: bytes
     sender: str
-    def __init__(self, round_id: _Optional[int] = ..., plan_version: _Optional[int] = ..., group_id: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., ring_step: _Optional[int] = ..., segment_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., chunk_length: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., element_count: _Optional[int] = ..., checksum: _Optional[int] = ..., zstd: _Optional[bool] = ..., raw_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., sender: _Optional[str] = ...) -> None: ...
+    excluded: int
+    def __init__(self, round_id: _Optional[int] = ..., plan_version: _Optional[int] = ..., group_id: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., ring_step: _Optional[int] = ..., segment_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., chunk_length: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., element_count: _Optional[int] = ..., checksum: _Optional[int] = ..., zstd: _Optional[bool] = ..., raw_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., sender: _Optional[str] = ..., excluded: _Optional[int] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("status", "detail", "frames", "payload_bytes")
@@ -206,7 +208,7 @@ class LinkStats(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., rtt_s: _Optional[float] = ..., goodput_bytes_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., samples: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "cluster_id", "protocol_version", "ring", "links", "rounds_completed", "rounds_failed", "frames_rejected", "codecs", "uptime_s", "step", "plan_version", "plan_effective_step", "plan_summary", "strategy", "resuming", "checkpoint_steps")
+    __slots__ = ("node_id", "cluster_id", "protocol_version", "ring", "links", "rounds_completed", "rounds_failed", "frames_rejected", "codecs", "uptime_s", "step", "plan_version", "plan_effective_step", "plan_summary", "strategy", "resuming", "checkpoint_steps", "contributions_refused")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +226,7 @@ class StatusResponse(_message.Message):
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     RESUMING_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster_id: str
     protocol_version: int
@@ -241,4 +244,5 @@ class StatusResponse(_message.Message):
     strategy: str
     resuming: bool
     checkpoint_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, node_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., ring: _Optional[_Iterable[str]] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., uptime_s: _Optional[float] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_effective_step: _Optional[int] = ..., plan_summary: _Optional[str] = ..., strategy: _Optional[str] = ..., resuming: _Optional[bool] = ..., checkpoint_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    contributions_refused: int
+    def __init__(self, node_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., ring: _Optional[_Iterable[str]] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., uptime_s: _Optional[float] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_effective_step: _Optional[int] = ..., plan_summary: _Optional[str] = ..., strategy: _Optional[str] = ..., resuming: _Optional[bool] = ..., checkpoint_steps: _Optional[_Iterable[int]] = ..., contributions_refused: _Optional[int] = ...) -> None: ...
