@@ -56,6 +56,7 @@ def bench_strategies(
         max_delay = period - 1  # a sync may overlap up to a whole period of compute
     common = {"steps": steps, "width": width, "depth": depth, "batch_size": batch, "lr": lr}
     sync = {"period": period, "codec": codec, "warmup_steps": 5, "control_every": 10, "max_delay": max_delay}
+
     def compute_only() -> tuple[float, list[Any]]:
         runs = run_local(2, JOB, {**common, "strategy": "none", "sync": sync}, node_job=True, timeout=900)
         return min(steps / r["wall_s"] for r in runs), runs
@@ -90,8 +91,8 @@ def bench_strategies(
         }
     # measured again at the end: on a shared machine the faster of the two is the fair reference
     compute_sps = max(compute_sps, compute_only()[0])
-    for name in out:
-        out[name]["compute_utilization"] = round(out[name]["steps_per_s"] / compute_sps, 3)
+    for row in out.values():
+        row["compute_utilization"] = round(row["steps_per_s"] / compute_sps, 3)
     target = None
     if "ssgd" in curves:
         target = curves["ssgd"][0][-1] * 1.05
