@@ -1,6 +1,7 @@
 """dreamp2p: train one PyTorch model across regions joined by slow internet links.
 
-Public surface: :class:`Peer` (asyncio gRPC peer with ring averaging) and the configuration types.
+Public surface: :class:`Node` (``node.attach(model, optimizer)``), :class:`~dreamp2p.peer.Peer` (the asyncio
+gRPC peer with ring averaging) and the configuration types.
 """
 
 from dreamp2p.config import PeerConfig, PeerInfo, TLSConfig, TransportConfig
@@ -8,6 +9,7 @@ from dreamp2p.errors import PeerError, RoundFailed, Status
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "Node",
     "PeerConfig",
     "PeerError",
     "PeerInfo",
@@ -19,3 +21,12 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # Node pulls in the torch side; imported lazily so `import dreamp2p` stays light and acyclic
+    if name == "Node":
+        from dreamp2p.node import Node
+
+        return Node
+    raise AttributeError(f"module 'dreamp2p' has no attribute {name!r}")
