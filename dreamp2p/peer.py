@@ -310,11 +310,14 @@ class Peer:
         timeout: float | None = None,
         out: Sequence[torch.Tensor] | None = None,
         round_id: int | None = None,
+        guard_norm: bool = True,
     ) -> RoundResult:
         """Average ``tensors`` across the ring (a collective: every member must call it).
 
         The mean is written into ``out`` (same shapes) when given, else into ``tensors`` in place.
-        Rounds of a group are numbered 1, 2, ... unless ``round_id`` is given: trainers pass ids derived
+        ``guard_norm`` withholds a contribution whose norm jumps far above the group's usual one; turn it
+        off for groups whose scale legitimately changes (control vectors). Rounds of a group are
+        numbered 1, 2, ... unless ``round_id`` is given: trainers pass ids derived
         from the step, so a peer restarted from a checkpoint meets the others on the same round ids.
         On failure raises :class:`RoundFailed` and leaves every tensor exactly as it was.
         """
@@ -332,7 +335,7 @@ class Peer:
         key = (group_id, round_id)
         codec_obj = get_codec(codec or self.config.codec)
         flat = _flatten(tensors)
-        refusal = self._refuse_contribution(group_id, flat)
+        refusal = self._refuse_contribution(group_id, flat, guard_norm)
         if refusal is not None:
             # the round goes on without us: we send zeros, marked as excluded, and receive the others' mean
             log.warning("round %s: not contributing: %s", key, refusal)
@@ -436,12 +439,12 @@ class Peer:
             if rnd.done.done() and not rnd.done.cancelled():
                 rnd.done.exception()
 
-    def _refuse_contribution(self, group_id: int, flat: torch.Tensor) -> str | None:
+    def _refuse_contribution(self, group_id: int, flat: torch.Tensor, guard_norm: bool) -> str | None:
         """Why our own contribution must not enter the average (None if it may)."""
         if not all_finite(flat):
             return "holds NaN or Inf"
         ratio = self.config.max_norm_ratio
-        if ratio <= 0 or flat.numel() == 0:
+        if not guard_norm or ratio <= 0 or flat.numel() == 0:
             return None
         norm = float(torch.linalg.vector_norm(flat))
         usual = self._norms.get(group_id)

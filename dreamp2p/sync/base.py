@@ -192,5 +192,5 @@ def broadcast_parameters(comm: CommThread, params: list[nn.Parameter], timeout: 
     group.snapshot()
     # rank 0 contributes N x its values, the others zero: the mean is rank 0's values on every peer
     group.snap.mul_(float(comm.world) if comm.rank == 0 else 0.0)
-    comm.allreduce_group(group, GROUP_INIT, "fp32").result(timeout)
+    comm.allreduce_group(group, GROUP_INIT, "fp32", guard_norm=False).result(timeout)
     group.write(group.work)

@@ -79,9 +79,10 @@ class CommThread:
         codec: str | None = None,
         plan_version: int = 0,
         round_id: int | None = None,
+        guard_norm: bool = True,
     ) -> concurrent.futures.Future[RoundResult]:
         """Average a group's snapshot into its ``work`` buffer; ``snap`` stays for the delta merge."""
-        return self.submit(_allreduce_group(self.peer, group, group_id, codec, plan_version, round_id))
+        return self.submit(_allreduce_group(self.peer, group, group_id, codec, plan_version, round_id, guard_norm))
 
     def links(self) -> list[LinkSnapshot]:
         return self.call(_snapshots(self.peer))
@@ -110,11 +111,19 @@ class CommThread:
 
 
 async def _allreduce_group(
-    peer: Peer, group: FlatGroup, group_id: int, codec: str | None, plan_version: int, round_id: int | None
+    peer: Peer,
+    group: FlatGroup,
+    group_id: int,
+    codec: str | None,
+    plan_version: int,
+    round_id: int | None,
+    guard_norm: bool,
 ) -> RoundResult:
     if group.device.type == "cuda":
         await asyncio.to_thread(group.ready)
-    return await peer.allreduce([group.snap], group_id, codec, plan_version, out=[group.work], round_id=round_id)
+    return await peer.allreduce(
+        [group.snap], group_id, codec, plan_version, out=[group.work], round_id=round_id, guard_norm=guard_norm
+    )
 
 
 async def _abort_rounds(peer: Peer, reason: str) -> None:

@@ -211,7 +211,7 @@ class DreamDDP(Strategy):
             costs = self.profiler.costs() if self.profiler.steps else self._blank
             group = FlatGroup([pack_control(self.comm.rank, self.comm.world, bw, rtt, costs)])
             group.snapshot()
-            fut = self.comm.allreduce_group(group, GROUP_CONTROL, "fp32", round_id=self._round())
+            fut = self.comm.allreduce_group(group, GROUP_CONTROL, "fp32", round_id=self._round(), guard_norm=False)
             self._control = (t + cfg.control_lead, fut, group)
 
     def _on_gathered(self, g: Gathered, t: int) -> None:
