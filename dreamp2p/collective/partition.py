@@ -64,33 +64,6 @@ def split_chunks(segment: Segment, chunk_elems: int, align: int = 1) -> list[Chu
     return [Chunk(segment.index, s, min(step, segment.stop - s)) for s in range(segment.start, segment.stop, step)]
 
 
-@dataclass(frozen=True)
-class RingLayout:
-    """Segments and chunks of one group buffer for one ring size: identical on every peer."""
-
-    n: int
-    world: int
-    segments: tuple[Segment, ...]
-    chunks: tuple[tuple[Chunk, ...], ...]  # per segment
-
-    @staticmethod
-    def build(n: int, world: int, chunk_elems: int, align: int = 1) -> RingLayout:
-        segs = split_segments(n, world, align)
-        return RingLayout(n, world, tuple(segs), tuple(tuple(split_chunks(s, chunk_elems, align)) for s in segs))
-
-    def chunk_at(self, segment: int, start: int) -> Chunk | None:
-        """The chunk of ``segment`` that begins at ``start``, or None if no chunk begins there."""
-        chunks = self.chunks[segment]
-        if not chunks:
-            return None
-        step = chunks[0].length
-        rel = start - self.segments[segment].start
-        if rel < 0 or step == 0 or rel % step:
-            return None
-        i = rel // step
-        return chunks[i] if i < len(chunks) else None
-
-
 def reduce_scatter_send(rank: int, world: int, step: int) -> int:
     """Segment that ``rank`` sends at reduce-scatter ``step`` (0-based)."""
     return (rank - step) % world

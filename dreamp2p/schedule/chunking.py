@@ -46,11 +46,3 @@ def choose_chunk_bytes(
     size = min(max(size, min_bytes), max_bytes)
     size = int(size) // 4096 * 4096
     return max(size, min(min_bytes, max_bytes))
-
-
-def inflight_frames(bandwidth_Bps: float, rtt_s: float, chunk_bytes: int) -> int:
-    """Frames a sender must keep in flight to fill the bandwidth-delay product (at least 2)."""
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
-    bdp = max(0.0, bandwidth_Bps) * max(0.0, rtt_s)
-    return max(2, math.ceil(bdp / chunk_bytes) + 1)

@@ -266,12 +266,6 @@ class DreamDDP(Strategy):
         self._inflight.clear()
         self._control = None
 
-    def detach(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        self.profiler.stop()
-
     def _extra_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
             "plan": self.plan.to_dict(),
