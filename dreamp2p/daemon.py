@@ -296,7 +296,8 @@ def _train(
             raise RuntimeError(f"loss became {value} at step {step}")
         metrics.step.set(step + 1)
         metrics.loss.set(value)
-        metrics.tokens_per_s.set(task.tokens_per_batch / dt if dt > 0 else 0.0)
+        tokens_per_s = task.tokens_per_batch / dt if dt > 0 else 0.0
+        metrics.tokens_per_s.set(tokens_per_s)
         metrics.exposed.inc(stats.exposed_s)
         metrics.comm.inc(stats.comm_s)
         metrics.hidden.set(sync.totals.hidden_fraction)
@@ -306,7 +307,7 @@ def _train(
                 "step",
                 step=step,
                 loss=value,
-                tokens_per_s=task.tokens_per_batch / dt if dt > 0 else 0.0,
+                tokens_per_s=tokens_per_s,
                 exposed_s=stats.exposed_s,
                 comm_s=stats.comm_s,
                 hidden_fraction=stats.hidden_fraction,

@@ -21,13 +21,13 @@ from grpc import aio
 
 from dreamp2p import PROTOCOL_VERSION
 from dreamp2p.collective.partition import split_segments
-from dreamp2p.collective.ring import RingRound, RoundSpec
+from dreamp2p.collective.ring import RingRound, RoundAborted, RoundSpec
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.errors import PeerError, RoundFailed, Status
 from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, TrainingInfo
 from dreamp2p.schedule.chunking import choose_chunk_bytes
-from dreamp2p.transport.client import Link
+from dreamp2p.transport.client import Link, OutboundStream
 from dreamp2p.transport.server import build_server
 
 log = logging.getLogger(__name__)
@@ -380,7 +380,7 @@ class Peer:
             waiter.set_result(rnd)
         try:
             await self._run(rnd, stream, timeout or self.config.transport.round_timeout_s)
-        except (PeerError, TimeoutError, _Aborted) as exc:
+        except (PeerError, TimeoutError, RoundAborted) as exc:
             rnd.fail(str(exc))
             self.rounds_failed += 1
             raise RoundFailed(key, str(exc) or type(exc).__name__) from None
@@ -405,14 +405,14 @@ class Peer:
             contributed=refusal is None,
         )
 
-    async def _run(self, rnd: RingRound, out: object, timeout: float) -> None:
+    async def _run(self, rnd: RingRound, out: OutboundStream | None, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         starter = asyncio.ensure_future(rnd.start())
-        waiters: list[asyncio.Future[object]] = [rnd.done, starter]  # type: ignore[list-item]
+        waiters: list[asyncio.Future[None]] = [rnd.done, starter]
         failed = None
         if out is not None:
-            failed = out.failed()  # type: ignore[attr-defined]
+            failed = out.failed()
             waiters.append(failed)
         try:
             while not (rnd.done.done() and starter.done()):
@@ -423,10 +423,10 @@ class Peer:
                 for fut in done:
                     exc = fut.exception()
                     if exc is not None:
-                        raise _Aborted(str(exc)) if not isinstance(exc, PeerError) else exc
+                        raise exc if isinstance(exc, PeerError | RoundAborted) else RoundAborted(str(exc))
                 waiters = [w for w in waiters if not w.done()]
             if out is not None:
-                await asyncio.wait_for(out.close(), max(0.1, deadline - loop.time()))  # type: ignore[attr-defined]
+                await asyncio.wait_for(out.close(), max(0.1, deadline - loop.time()))
         finally:
             if not starter.done():
                 starter.cancel()
@@ -490,10 +490,6 @@ class Peer:
             await link.probe_rtt()
             await link.probe_bandwidth(burst_bytes or self.config.transport.probe_burst_bytes)
         return self.link_snapshots()
-
-
-class _Aborted(Exception):
-    pass
 
 
 def all_finite(t: torch.Tensor) -> bool:

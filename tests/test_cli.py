@@ -42,38 +42,26 @@ def test_bad_arguments_give_clear_errors(capsys: pytest.CaptureFixture[str]) -> 
     assert "cannot parse link rate 'fast'" in capsys.readouterr().err
 
 
+async def status_cli(*args: str) -> tuple[int, bytes, bytes]:
+    """Run `dreamp2p status ARGS` in a child process; (exit code, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dreamp2p.cli", "status", *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out, err
+
+
 async def test_status_command_against_a_live_peer() -> None:
     peer = Peer(PeerConfig(node_id="eu-west", token="tok"))
     await peer.start()
     try:
         await peer.connect([PeerInfo("eu-west", peer.address)])
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "dreamp2p.cli",
-            "status",
-            peer.address,
-            "--token",
-            "tok",
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
-        assert proc.returncode == 0, err.decode()
+        code, out, err = await status_cli(peer.address, "--token", "tok")
+        assert code == 0, err.decode()
         text = out.decode()
         assert "node eu-west" in text and "ring: eu-west" in text
-        bad = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "dreamp2p.cli",
-            "status",
-            peer.address,
-            "--token",
-            "wrong",
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        _, err = await asyncio.wait_for(bad.communicate(), 60)
-        assert bad.returncode == 1 and b"BAD_TOKEN" in err
+        code, _, err = await status_cli(peer.address, "--token", "wrong")
+        assert code == 1 and b"BAD_TOKEN" in err
     finally:
         await peer.close()

@@ -221,10 +221,9 @@ def _run_pair(cfg: TransportConfig, seconds: float, hosts: list[tuple[str | None
         rres = r_parent.recv()
         send.join(10)
     finally:
-        for p in (recv,):
-            p.join(5)
-            if p.is_alive():
-                p.kill()
+        recv.join(5)
+        if recv.is_alive():
+            recv.kill()
     if rres["bytes"] != sres["bytes"]:
         raise RuntimeError(f"receiver counted {rres['bytes']} bytes, sender sent {sres['bytes']}")
     return {

@@ -336,11 +336,11 @@ class RingRound:
 
     def fail(self, reason: str) -> None:
         if not self.done.done():
-            self.done.set_exception(_RoundAborted(reason))
+            self.done.set_exception(RoundAborted(reason))
             self.done.exception()  # the caller learns of it through RoundFailed; mark it seen
         if self.out is not None:
             self.out.abort(reason)
 
 
-class _RoundAborted(Exception):
-    pass
+class RoundAborted(Exception):
+    """A round was given up locally (a peer cancelled, or the reduction went wrong)."""

@@ -94,6 +94,7 @@ class Strategy(abc.ABC):
         self._last_end = time.perf_counter()
         self._stats = StepStats(0)
         self.pin = any(p.device.type == "cuda" for p in self.params)
+        self._setup()
 
     # ------------------------------------------------------------------ user API
 
@@ -153,6 +154,9 @@ class Strategy(abc.ABC):
         group.merge()
 
     # ------------------------------------------------------------------ for subclasses
+
+    def _setup(self) -> None:  # noqa: B027 - strategies without state of their own need nothing
+        """Build strategy state once the base attributes exist (instead of overriding __init__)."""
 
     @abc.abstractmethod
     def _step(self) -> None: ...

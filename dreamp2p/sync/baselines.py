@@ -24,9 +24,13 @@ from torch import nn
 from dreamp2p.peer import RoundResult
 from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided_fragments
 from dreamp2p.sync.base import GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, Strategy
-from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.layers import FlatGroup
+
+
+def _outer_sgd(shadow: nn.Parameter, cfg: SyncConfig) -> torch.optim.Optimizer:
+    """The DiLoCo outer optimizer: SGD with Nesterov momentum over the global copy."""
+    return torch.optim.SGD([shadow], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
 
 
 class NoSync(Strategy):
@@ -41,8 +45,7 @@ class NoSync(Strategy):
 class SSGD(Strategy):
     name = "ssgd"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
-        super().__init__(model, optimizer, comm, cfg)
+    def _setup(self) -> None:
         self._grads = FlatGroup(self.params, pin=self.pin)
 
     def _step(self) -> None:
@@ -65,8 +68,7 @@ class SSGD(Strategy):
 class LocalSGD(Strategy):
     name = "localsgd"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
-        super().__init__(model, optimizer, comm, cfg)
+    def _setup(self) -> None:
         self._group = FlatGroup(self.params, pin=self.pin)
 
     def _step(self) -> None:
@@ -80,15 +82,12 @@ class LocalSGD(Strategy):
 class DiLoCo(Strategy):
     name = "diloco"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
-        super().__init__(model, optimizer, comm, cfg)
+    def _setup(self) -> None:
         self._group = FlatGroup(self.params, pin=self.pin)
         self._global = torch.empty(self._group.numel)
         self._group.read(self._global)
         self._shadow = nn.Parameter(self._global.clone())
-        self._outer = torch.optim.SGD(
-            [self._shadow], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0
-        )
+        self._outer = _outer_sgd(self._shadow, self.cfg)
 
     def _step(self) -> None:
         self.optimizer.step()
@@ -119,11 +118,10 @@ class DiLoCo(Strategy):
 class StreamingDiLoCo(Strategy):
     name = "streaming"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
-        super().__init__(model, optimizer, comm, cfg)
-        nfrag = min(cfg.fragments, len(self.layers))
+    def _setup(self) -> None:
+        nfrag = min(self.cfg.fragments, len(self.layers))
         self.fragments = strided_fragments(len(self.layers), nfrag)
-        self.offsets = fragment_offsets(nfrag, cfg.period)
+        self.offsets = fragment_offsets(nfrag, self.cfg.period)
         self._groups = [
             FlatGroup([p for i in frag for p in self.layers[i].params], pin=self.pin) for frag in self.fragments
         ]
@@ -136,9 +134,7 @@ class StreamingDiLoCo(Strategy):
             shadow = nn.Parameter(glob.clone())
             self._global.append(glob)
             self._shadow.append(shadow)
-            self._outer.append(
-                torch.optim.SGD([shadow], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
-            )
+            self._outer.append(_outer_sgd(shadow, self.cfg))
         self._inflight: dict[int, tuple[int, concurrent.futures.Future[RoundResult]]] = {}
 
     def _step(self) -> None:
@@ -192,8 +188,7 @@ class StreamingDiLoCo(Strategy):
 class CO2(Strategy):
     name = "co2"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
-        super().__init__(model, optimizer, comm, cfg)
+    def _setup(self) -> None:
         self._group = FlatGroup(self.params, pin=self.pin)
         self._outer_params = torch.empty(self._group.numel)
         self._group.read(self._outer_params)

@@ -11,7 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -84,19 +84,27 @@ class CommThread:
         """Average a group's snapshot into its ``work`` buffer; ``snap`` stays for the delta merge."""
         return self.submit(_allreduce_group(self.peer, group, group_id, codec, plan_version, round_id, guard_norm))
 
+    def on_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a plain function of the peer on the loop thread (the peer is not thread-safe)."""
+
+        async def run() -> T:
+            return fn(*args)
+
+        return self.call(run())
+
     def links(self) -> list[LinkSnapshot]:
-        return self.call(_snapshots(self.peer))
+        return self.on_loop(self.peer.link_snapshots)
 
     def status(self) -> PeerStatus:
-        return self.call(_status(self.peer))
+        return self.on_loop(self.peer.status)
 
     def abort_rounds(self, reason: str) -> None:
         """Fail every round in flight (their tensors stay untouched); used when peers are gone."""
-        self.call(_abort_rounds(self.peer, reason))
+        self.on_loop(self.peer.abort_rounds, reason)
 
     def set_rate_limit(self, rate_Bps: float | None) -> None:
         """Change the emulated rate of every outgoing link (WAN emulation; None removes the limit)."""
-        self.call(_set_rate(self.peer, rate_Bps))
+        self.on_loop(self.peer.set_rate_limit, rate_Bps)
 
     def close(self, grace: float = 2.0) -> None:
         if not self._thread.is_alive():
@@ -124,19 +132,3 @@ async def _allreduce_group(
     return await peer.allreduce(
         [group.snap], group_id, codec, plan_version, out=[group.work], round_id=round_id, guard_norm=guard_norm
     )
-
-
-async def _abort_rounds(peer: Peer, reason: str) -> None:
-    peer.abort_rounds(reason)
-
-
-async def _snapshots(peer: Peer) -> list[LinkSnapshot]:
-    return peer.link_snapshots()
-
-
-async def _status(peer: Peer) -> PeerStatus:
-    return peer.status()
-
-
-async def _set_rate(peer: Peer, rate: float | None) -> None:
-    peer.set_rate_limit(rate)

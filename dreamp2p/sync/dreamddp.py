@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from dreamp2p.compression import get_codec
 from dreamp2p.messages import TrainingInfo
@@ -29,8 +28,6 @@ from dreamp2p.peer import RoundResult
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import GroupSync, Plan, even_plan, plan_dreamddp
 from dreamp2p.sync.base import GROUP_CONTROL, GROUP_PLAN_BASE, Strategy
-from dreamp2p.sync.comm import CommThread
-from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.layers import FlatGroup
 from dreamp2p.sync.profiler import LayerProfiler
 
@@ -95,11 +92,10 @@ def plan_summary(s: DreamDDP) -> str:
 class DreamDDP(Strategy):
     name = "dreamddp"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
-        super().__init__(model, optimizer, comm, cfg)
+    def _setup(self) -> None:
         self.profiler = LayerProfiler(self.layers)
         self._blank = [LayerCost(layer.name, 0.0, 0.0, layer.nbytes) for layer in self.layers]
-        self.plan: Plan = even_plan(self._blank, cfg.period, version=0, effective_step=0)
+        self.plan: Plan = even_plan(self._blank, self.cfg.period, version=0, effective_step=0)
         self._next_plan: Plan | None = None
         self.plan_history: list[tuple[int, int]] = [(0, 0)]
         self._groups: dict[tuple[int, int], FlatGroup] = {}
@@ -111,9 +107,9 @@ class DreamDDP(Strategy):
         self._basis_bw = math.nan
         self._changed = 0
         self.last_gathered: Gathered | None = None
-        self._ratio = get_codec(cfg.codec).encoded_nbytes(1 << 20) / float(4 << 20)
+        self._ratio = get_codec(self.cfg.codec).encoded_nbytes(1 << 20) / float(4 << 20)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        if cfg.warmup_steps > 0:
+        if self.cfg.warmup_steps > 0:
             self.profiler.start()
         self._arm(0)
 
@@ -184,7 +180,7 @@ class DreamDDP(Strategy):
         self._stats.plan_version = self.plan.version
         if self.profiler.active:
             if t == 0:
-                self.profiler._begin_step()  # the first step pays one-time costs: not representative
+                self.profiler.skip_step()  # the first step pays one-time costs: not representative
             else:
                 self.profiler.end_step()
             if self.profiler.steps >= self.cfg.warmup_steps:

@@ -83,6 +83,10 @@ class LayerProfiler:
 
         return hook
 
+    def skip_step(self) -> None:
+        """Discard this step's timings (e.g. the first step, which pays one-time costs)."""
+        self._begin_step()
+
     def end_step(self) -> None:
         """Call after backward: turns this step's ready times into per-layer backward times."""
         if not self.active:

@@ -119,29 +119,11 @@ class Link:
             raise rpc_error(exc) from None
         return serde.status_from_proto(reply)
 
-    async def probe_rtt(self) -> float:
-        """One tiny echo; returns and records the round-trip time."""
+    async def _timed_probe(self, burst: bytes) -> float:
+        """Seconds for one Probe call carrying ``burst``, as the (emulated) link would take it."""
         t0 = time.perf_counter()
-        try:
-            await self._stubs[0].Probe(
-                serde.probe_request(next(_nonces), b"", 0, self.me),
-                timeout=self.cfg.rpc_deadline_s,
-                metadata=self._metadata,
-            )
-        except aio.AioRpcError as exc:
-            raise rpc_error(exc) from None
-        if self.delay_s:  # the emulated link delays the echo too, once each way
-            await asyncio.sleep(2 * self.delay_s)
-        rtt = time.perf_counter() - t0
-        self.stats.observe_rtt(rtt)
-        return rtt
-
-    async def probe_bandwidth(self, nbytes: int) -> float:
-        """Send a burst of ``nbytes`` and time it (minus one RTT); returns and records bytes/s."""
-        burst = bytes(nbytes)
-        t0 = time.perf_counter()
-        if self.bucket is not None:  # the emulated link's pacing is part of what we measure
-            await self.bucket.acquire(nbytes)
+        if burst and self.bucket is not None:  # the emulated link's pacing is part of what we measure
+            await self.bucket.acquire(len(burst))
         try:
             await self._stubs[0].Probe(
                 serde.probe_request(next(_nonces), burst, 0, self.me),
@@ -150,9 +132,19 @@ class Link:
             )
         except aio.AioRpcError as exc:
             raise rpc_error(exc) from None
-        if self.delay_s:
+        if self.delay_s:  # the emulated link delays the echo too, once each way
             await asyncio.sleep(2 * self.delay_s)
-        elapsed = time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    async def probe_rtt(self) -> float:
+        """One tiny echo; returns and records the round-trip time."""
+        rtt = await self._timed_probe(b"")
+        self.stats.observe_rtt(rtt)
+        return rtt
+
+    async def probe_bandwidth(self, nbytes: int) -> float:
+        """Send a burst of ``nbytes`` and time it (minus one RTT); returns and records bytes/s."""
+        elapsed = await self._timed_probe(bytes(nbytes))
         rtt = self.stats.min_rtt_s if self.stats.rtt_samples else 0.0
         rate = nbytes / max(elapsed - rtt, elapsed * 0.5)
         self.stats.observe_transfer(nbytes, nbytes / rate)
