@@ -27,6 +27,8 @@ class Status(enum.IntEnum):
     SHUTTING_DOWN = 14
     DUPLICATE_CHUNK = 15
     NEEDS_HANDSHAKE = 16
+    VIEW_MISMATCH = 17
+    NOT_FOUND = 18
 
 
 class PeerError(Exception):

@@ -42,6 +42,7 @@ class Frame:
     payload: bytes | memoryview  # a received payload is a view into the message buffer
     sender: str
     excluded: int = 0  # reduce-scatter: refused contributions inside this partial sum
+    view_id: int = 0  # hash of the members the round runs among (0: not checked)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ class PeerStatus:
     resuming: bool = False
     checkpoint_steps: tuple[int, ...] = ()
     contributions_refused: int = 0
+    live: tuple[str, ...] = ()  # members counted alive now: the ring the next rounds run among
+    view_id: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from grpc import aio
@@ -85,6 +86,8 @@ class Peer:
         self.training: TrainingInfo | None = None
         # set by a node that resumed: the checkpoint steps it held, so a restart wave can agree on one
         self.resume_steps: tuple[int, ...] | None = None
+        # serves this node's training state to joining members (see `dreamp2p.state`); None: not offered
+        self.state_donor: Any = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -246,6 +249,10 @@ class Peer:
             rnd = self._rounds.get(key)
             if rnd is not None and rnd.spec.predecessor == sender:
                 rnd.fail(f"{sender}: {reason}")
+
+    def is_admitted(self, sender: str) -> bool:
+        """Whether ``sender`` completed a handshake with this process (gate for every non-handshake call)."""
+        return sender in self._admitted
 
     def note_rejected(self, err: PeerError) -> None:
         self.frames_rejected += 1

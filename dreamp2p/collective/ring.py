@@ -75,6 +75,7 @@ class RoundSpec:
     chunk_elems: int = 1 << 18
     max_payload: int = 64 << 20
     contributes: bool = True  # False: our buffer is zeros standing in for a refused contribution
+    view_id: int = 0  # hash of the member list this round runs among; frames must carry the same
 
     @property
     def key(self) -> tuple[int, int]:
@@ -168,6 +169,7 @@ class RingRound:
             payload=payload,
             sender=spec.node_id,
             excluded=excluded,
+            view_id=spec.view_id,
         )
 
     # ---------------------------------------------------------------- receiving
@@ -232,6 +234,11 @@ class RingRound:
 
     def _validate(self, f: Frame) -> tuple[bytes | memoryview, int, int]:
         spec = self.spec
+        if f.view_id != spec.view_id:
+            raise PeerError(
+                Status.VIEW_MISMATCH,
+                f"frame from a round among members {f.view_id:#x}; here it runs among {spec.view_id:#x}",
+            )
         if f.sender != spec.predecessor:
             raise PeerError(
                 Status.UNKNOWN_PEER, f"frame from {f.sender!r}, but this round expects {spec.predecessor!r}"

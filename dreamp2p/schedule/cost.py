@@ -60,6 +60,7 @@ class LinkModel:
     world: int  # peers in the ring
     codec_ratio: float = 1.0  # wire bytes / fp32 bytes for the codec in use (e.g. 0.266 for int8)
     per_hop_overhead_s: float = 0.0  # fixed software cost per ring hop
+    margin: float = 1.0  # plan against comm times this much longer than measured (noise, CPU contention)
 
     def __post_init__(self) -> None:
         bw = self.bandwidth_Bps
@@ -72,6 +73,9 @@ class LinkModel:
         if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= MAX_CODEC_RATIO:
             raise ValueError(f"codec_ratio must be in (0, {MAX_CODEC_RATIO}], got {ratio!r}")
         _finite_nonneg("per_hop_overhead_s", self.per_hop_overhead_s)
+        m = self.margin
+        if isinstance(m, bool) or not isinstance(m, int | float) or not math.isfinite(m) or not 1.0 <= m <= 10.0:
+            raise ValueError(f"margin must be in [1, 10], got {m!r}")
 
     @property
     def hops(self) -> int:
@@ -95,4 +99,4 @@ def ring_comm_time(nbytes: int, link: LinkModel) -> float:
     wire = ring_wire_bytes(nbytes, link)
     if wire == 0.0:
         return 0.0
-    return wire / link.bandwidth_Bps + link.hops * (link.rtt_s / 2.0 + link.per_hop_overhead_s)
+    return link.margin * (wire / link.bandwidth_Bps + link.hops * (link.rtt_s / 2.0 + link.per_hop_overhead_s))

@@ -686,22 +686,28 @@ def _plan_from_jobs(jobs: list[_Job], prof: _Profile, H: int, version: int, effe
 # ------------------------------------------------------------------------------------------------- public API
 
 
-def even_plan(costs: Sequence[LayerCost], H: int, version: int = 0, effective_step: int = 0) -> Plan:
+def even_plan(
+    costs: Sequence[LayerCost], H: int, version: int = 0, effective_step: int = 0, delay: int = 0
+) -> Plan:
     """PLSGD baseline and warm-up plan: ceil(L/H) contiguous backward-order layers per iteration, no timing.
 
     Each iteration's layers form one sync with ``start_s = comm_s = 0`` and no predicted wait; iterations
-    beyond the layers (``H > L``) sync nothing.
+    beyond the layers (``H > L``) sync nothing. ``delay`` (capped at ``H - 1``) lets every sync land that
+    many iterations later: before the link is measured, a WAN run should not block on it.
     """
     prof = _profile(costs)
     _check_H(H)
     _check_version(version, effective_step)
+    if not _is_int(delay) or delay < 0:
+        raise ValueError(f"delay must be an int >= 0, got {delay!r}")
+    delay = min(delay, H - 1)
     L = prof.L
     per = -(-L // H)
     syncs = []
     for h in range(H):
         i, j = h * per, min(L, (h + 1) * per)
         if i < j:
-            syncs.append(GroupSync(h, _layers_of(L, i, j), 0, 0.0, 0.0))
+            syncs.append(GroupSync(h, _layers_of(L, i, j), delay, 0.0, 0.0))
     return Plan(version, effective_step, H, prof.names, tuple(syncs), (0.0,) * H, prof.compute_s)
 
 

@@ -35,6 +35,10 @@ class SyncConfig:
     replan_threshold: float = 0.25  # relative change of the slowest link that counts as a change
     replan_sustain: int = 2  # consecutive control rounds that must see the change
     bubble_fill: bool = False  # extra syncs in idle link time; costs CPU, so off unless cores are spare
+    plan_margin: float = 0.3  # plan as if syncs took this much longer than measured, so noise stays hidden
+    # optional outer optimizer per layer group (Nesterov, as DiLoCo's); lr 1 + momentum 0 is plain averaging
+    group_outer_lr: float = 1.0
+    group_outer_momentum: float = 0.0
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -59,6 +63,12 @@ class SyncConfig:
             raise ValueError("momentum values must be in [0, 1)")
         if self.replan_threshold <= 0:
             raise ValueError("sync.replan_threshold must be > 0")
+        if not 0.0 <= self.plan_margin <= 9.0:
+            raise ValueError(f"sync.plan_margin must be in [0, 9], got {self.plan_margin}")
+        if not 0.0 < self.group_outer_lr <= 2.0:
+            raise ValueError(f"sync.group_outer_lr must be in (0, 2], got {self.group_outer_lr}")
+        if not 0.0 <= self.group_outer_momentum < 1.0:
+            raise ValueError(f"sync.group_outer_momentum must be in [0, 1), got {self.group_outer_momentum}")
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> SyncConfig:

@@ -6,6 +6,12 @@ plan assigns to h. A sync is launched from gradient hooks as soon as its layers'
 merged before the optimizer step. WAN extension (DESIGN.md): a sync may land d steps later; merging
 adds ``avg - snapshot`` so the local progress made meanwhile is kept.
 
+Optional outer optimizer per group (``group_outer_lr``, ``group_outer_momentum``): each layer keeps outer
+weights theta and a momentum, identical on every peer because they change only by averages; a landing
+sync takes a Nesterov step theta -= lr * (g + mu * m) with g = theta - avg (DiLoCo's outer step, applied
+layer group by layer group), then params = theta + local progress. lr 1 with momentum 0 is plain averaging
+and takes the exact path.
+
 One plan for all: plans are computed only from inputs every peer holds bit-identically, gathered by a
 small control all-reduce every ``control_every`` steps (each peer's link measurements and layer
 profile). Every peer runs the same deterministic planner on them at the same step and adopts the
@@ -39,6 +45,7 @@ class _InFlight:
     land_step: int
     key: tuple[int, int]  # (plan version, sync index)
     group: FlatGroup
+    layers: tuple[int, ...]
     fut: concurrent.futures.Future[RoundResult]
 
 
@@ -95,7 +102,8 @@ class DreamDDP(Strategy):
     def _setup(self) -> None:
         self.profiler = LayerProfiler(self.layers)
         self._blank = [LayerCost(layer.name, 0.0, 0.0, layer.nbytes) for layer in self.layers]
-        self.plan: Plan = even_plan(self._blank, self.cfg.period, version=0, effective_step=0)
+        # before the link is measured, let warm-up syncs land as late as the WAN extension allows
+        self.plan: Plan = even_plan(self._blank, self.cfg.period, 0, 0, delay=self.cfg.max_delay)
         self._next_plan: Plan | None = None
         self.plan_history: list[tuple[int, int]] = [(0, 0)]
         self._groups: dict[tuple[int, int], FlatGroup] = {}
@@ -108,6 +116,9 @@ class DreamDDP(Strategy):
         self._changed = 0
         self.last_gathered: Gathered | None = None
         self._ratio = get_codec(self.cfg.codec).encoded_nbytes(1 << 20) / float(4 << 20)
+        self._outer_on = self.cfg.group_outer_lr != 1.0 or self.cfg.group_outer_momentum != 0.0
+        # per layer: outer weights and momentum (created at the layer's first landing, from that average)
+        self._outer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         if self.cfg.warmup_steps > 0:
             self.profiler.start()
@@ -153,7 +164,7 @@ class DreamDDP(Strategy):
             # still travelling from the previous period: it must land before its buffers are reused
             self._inflight.remove(inf)
             self._wait(inf.fut)
-            inf.group.merge()
+            self._merge(inf)
         group = self._groups.get(key)
         if group is None:
             group = FlatGroup([p for li in sync.layers for p in self.layers[li].params], pin=self.pin)
@@ -163,7 +174,31 @@ class DreamDDP(Strategy):
         fut = self.comm.allreduce_group(
             group, gid, self.cfg.codec, plan_version=self.plan.version, round_id=self._round()
         )
-        self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, fut))
+        self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, sync.layers, fut))
+
+    def _merge(self, inf: _InFlight) -> None:
+        """Apply a landed sync: the average (or the outer step taken from it) plus local progress."""
+        if self._outer_on:
+            self._outer_step(inf.group.work, inf.layers)
+        inf.group.merge()
+
+    def _outer_step(self, avg: torch.Tensor, layers: tuple[int, ...]) -> None:
+        """Replace ``avg`` in place by the group's new outer weights (Nesterov outer step per layer)."""
+        lr, mu = self.cfg.group_outer_lr, self.cfg.group_outer_momentum
+        offset = 0
+        for li in layers:
+            n = self.layers[li].numel
+            a = avg[offset : offset + n]
+            state = self._outer.get(li)
+            if state is None:
+                self._outer[li] = (a.clone(), torch.zeros_like(a))  # first landing: plain average
+            else:
+                theta, mom = state
+                g = theta - a
+                mom.mul_(mu).add_(g)
+                theta.sub_(g.add_(mom, alpha=mu), alpha=lr)
+                a.copy_(theta)
+            offset += n
 
     # ------------------------------------------------------------------ step
 
@@ -175,7 +210,7 @@ class DreamDDP(Strategy):
         for inf in [f for f in self._inflight if f.land_step <= t]:
             self._inflight.remove(inf)
             self._wait(inf.fut)
-            inf.group.merge()
+            self._merge(inf)
         self.optimizer.step()
         self._stats.plan_version = self.plan.version
         if self.profiler.active:
@@ -213,7 +248,10 @@ class DreamDDP(Strategy):
     def _on_gathered(self, g: Gathered, t: int) -> None:
         """Same inputs on every peer at the same step: the same decision everywhere."""
         self.last_gathered = g
-        replan = self.plan.version == 0 and self._next_plan is None
+        # the first measured plan waits for a measured link: planning for an unknown one as if it were free
+        # would pick no delay at all and expose every sync until the next re-plan
+        measured = math.isfinite(g.bandwidth_Bps) or self.comm.world == 1
+        replan = self.plan.version == 0 and self._next_plan is None and measured
         if not replan and math.isfinite(g.bandwidth_Bps):
             basis = self._basis_bw
             changed = not math.isfinite(basis) or abs(g.bandwidth_Bps / basis - 1.0) > self.cfg.replan_threshold
@@ -226,6 +264,7 @@ class DreamDDP(Strategy):
             rtt_s=g.rtt_s,
             world=self.comm.world,
             codec_ratio=self._ratio,
+            margin=1.0 + self.cfg.plan_margin,
         )
         version = max(self.plan.version, self._next_plan.version if self._next_plan else 0) + 1
         self._next_plan = plan_dreamddp(
@@ -252,7 +291,7 @@ class DreamDDP(Strategy):
     def close(self, timeout: float | None = None) -> None:
         for inf in list(self._inflight):
             self._wait(inf.fut, timeout)
-            inf.group.merge()
+            self._merge(inf)
             self._inflight.remove(inf)
         if self._control is not None:
             # finish the control round but keep it: its result is used at its landing step, as on every peer
@@ -269,6 +308,7 @@ class DreamDDP(Strategy):
             "basis_bw": self._basis_bw,
             "changed": self._changed,
             "history": [list(h) for h in self.plan_history],
+            "outer": {li: (theta.clone(), mom.clone()) for li, (theta, mom) in self._outer.items()},
         }
         if self._control is not None:
             land, fut, group = self._control
@@ -284,6 +324,7 @@ class DreamDDP(Strategy):
             self._basis_bw = float(state.get("basis_bw", math.nan))
             self._changed = int(state.get("changed", 0))
             self.plan_history = [(int(v), int(e)) for v, e in state.get("history", [])]
+            self._outer = {int(li): (theta.clone(), mom.clone()) for li, (theta, mom) in state.get("outer", {}).items()}
             control = state.get("control")
             if control is not None:
                 # the control round finished before the checkpoint; its result lands at the same step as elsewhere

@@ -119,6 +119,19 @@ class Link:
             raise rpc_error(exc) from None
         return serde.status_from_proto(reply)
 
+    async def vote(self, group_id: int, round_id: int, view_id: int, timeout: float) -> None:
+        """Tell this member that our part of a round finished (all-or-none application, see Peer)."""
+        if self.delay_s:  # the emulated link delays the vote like any other message
+            await asyncio.sleep(self.delay_s)
+        try:
+            await self._stubs[0].Vote(
+                serde.vote_request(self.me, group_id, round_id, view_id),
+                timeout=max(0.05, timeout),
+                metadata=self._metadata,
+            )
+        except aio.AioRpcError as exc:
+            raise rpc_error(exc) from None
+
     async def _timed_probe(self, burst: bytes) -> float:
         """Seconds for one Probe call carrying ``burst``, as the (emulated) link would take it."""
         t0 = time.perf_counter()

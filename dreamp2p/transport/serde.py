@@ -33,6 +33,8 @@ GRPC_CODE: dict[Status, grpc.StatusCode] = {
     Status.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
     Status.DUPLICATE_CHUNK: grpc.StatusCode.INVALID_ARGUMENT,
     Status.NEEDS_HANDSHAKE: grpc.StatusCode.FAILED_PRECONDITION,
+    Status.VIEW_MISMATCH: grpc.StatusCode.ABORTED,
+    Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
 }
 
 # Prefix of every error detail string, so clients can recover the application status from it.
@@ -82,6 +84,7 @@ def _frame_header(f: Frame) -> pb.DataFrame:
         raw_length=f.raw_length,
         sender=f.sender,
         excluded=f.excluded,
+        view_id=f.view_id,
     )
 
 
@@ -221,6 +224,7 @@ def _frame_fields(m: pb.DataFrame, payload: bytes | memoryview, max_payload: int
         payload=payload,
         sender=m.sender,
         excluded=m.excluded,
+        view_id=m.view_id,
     )
 
 
@@ -297,6 +301,8 @@ def status_to_proto(s: PeerStatus) -> pb.StatusResponse:
         resuming=s.resuming,
         checkpoint_steps=list(s.checkpoint_steps),
         contributions_refused=s.contributions_refused,
+        live=list(s.live),
+        view_id=s.view_id,
     )
 
 
@@ -329,6 +335,8 @@ def status_from_proto(m: pb.StatusResponse) -> PeerStatus:
         resuming=m.resuming,
         checkpoint_steps=tuple(int(x) for x in m.checkpoint_steps),
         contributions_refused=m.contributions_refused,
+        live=tuple(m.live),
+        view_id=m.view_id,
     )
 
 
@@ -338,6 +346,18 @@ def probe_request(nonce: int, burst: bytes, reply_bytes: int, sender: str) -> pb
 
 def probe_response(nonce: int, received: int, reply_bytes: int) -> pb.ProbeResponse:
     return pb.ProbeResponse(nonce=nonce, received_bytes=received, burst=bytes(reply_bytes))
+
+
+def vote_request(sender: str, group_id: int, round_id: int, view_id: int) -> pb.VoteRequest:
+    return pb.VoteRequest(sender=sender, group_id=group_id, round_id=round_id, view_id=view_id)
+
+
+def vote_from_proto(m: pb.VoteRequest) -> tuple[str, int, int, int]:
+    if not m.sender:
+        raise PeerError(Status.BAD_FRAME, "vote without a sender")
+    if m.round_id == 0:
+        raise PeerError(Status.BAD_FRAME, "vote for round 0")
+    return m.sender, m.group_id, m.round_id, m.view_id
 
 
 def push_ack(frames: int, payload_bytes: int) -> pb.PushAck:

@@ -26,6 +26,8 @@ class StatusCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATUS_SHUTTING_DOWN: _ClassVar[StatusCode]
     STATUS_DUPLICATE_CHUNK: _ClassVar[StatusCode]
     STATUS_NEEDS_HANDSHAKE: _ClassVar[StatusCode]
+    STATUS_VIEW_MISMATCH: _ClassVar[StatusCode]
+    STATUS_NOT_FOUND: _ClassVar[StatusCode]
 
 class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -66,6 +68,8 @@ STATUS_TIMEOUT: StatusCode
 STATUS_SHUTTING_DOWN: StatusCode
 STATUS_DUPLICATE_CHUNK: StatusCode
 STATUS_NEEDS_HANDSHAKE: StatusCode
+STATUS_VIEW_MISMATCH: StatusCode
+STATUS_NOT_FOUND: StatusCode
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_FP16: Codec
@@ -114,7 +118,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[StatusCode, str]] = ..., detail: _Optional[str] = ..., node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., manifest_hash: _Optional[bytes] = ...) -> None: ...
 
 class DataFrame(_message.Message):
-    __slots__ = ("round_id", "plan_version", "group_id", "phase", "ring_step", "segment_index", "chunk_offset", "chunk_length", "codec", "dtype", "element_count", "checksum", "zstd", "raw_length", "payload", "sender", "excluded")
+    __slots__ = ("round_id", "plan_version", "group_id", "phase", "ring_step", "segment_index", "chunk_offset", "chunk_length", "codec", "dtype", "element_count", "checksum", "zstd", "raw_length", "payload", "sender", "excluded", "view_id")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +136,7 @@ class DataFrame(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     plan_version: int
     group_id: int
@@ -149,7 +154,8 @@ class DataFrame(_message.Message):
     payload: bytes
     sender: str
     excluded: int
-    def __init__(self, round_id: _Optional[int] = ..., plan_version: _Optional[int] = ..., group_id: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., ring_step: _Optional[int] = ..., segment_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., chunk_length: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., element_count: _Optional[int] = ..., checksum: _Optional[int] = ..., zstd: _Optional[bool] = ..., raw_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., sender: _Optional[str] = ..., excluded: _Optional[int] = ...) -> None: ...
+    view_id: int
+    def __init__(self, round_id: _Optional[int] = ..., plan_version: _Optional[int] = ..., group_id: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., ring_step: _Optional[int] = ..., segment_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., chunk_length: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., element_count: _Optional[int] = ..., checksum: _Optional[int] = ..., zstd: _Optional[bool] = ..., raw_length: _Optional[int] = ..., payload: _Optional[bytes] = ..., sender: _Optional[str] = ..., excluded: _Optional[int] = ..., view_id: _Optional[int] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("status", "detail", "frames", "payload_bytes")
@@ -208,7 +214,7 @@ class LinkStats(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., rtt_s: _Optional[float] = ..., goodput_bytes_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., samples: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "cluster_id", "protocol_version", "ring", "links", "rounds_completed", "rounds_failed", "frames_rejected", "codecs", "uptime_s", "step", "plan_version", "plan_effective_step", "plan_summary", "strategy", "resuming", "checkpoint_steps", "contributions_refused")
+    __slots__ = ("node_id", "cluster_id", "protocol_version", "ring", "links", "rounds_completed", "rounds_failed", "frames_rejected", "codecs", "uptime_s", "step", "plan_version", "plan_effective_step", "plan_summary", "strategy", "resuming", "checkpoint_steps", "contributions_refused", "live", "view_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +233,8 @@ class StatusResponse(_message.Message):
     RESUMING_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEPS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster_id: str
     protocol_version: int
@@ -245,4 +253,86 @@ class StatusResponse(_message.Message):
     resuming: bool
     checkpoint_steps: _containers.RepeatedScalarFieldContainer[int]
     contributions_refused: int
-    def __init__(self, node_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., ring: _Optional[_Iterable[str]] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., uptime_s: _Optional[float] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_effective_step: _Optional[int] = ..., plan_summary: _Optional[str] = ..., strategy: _Optional[str] = ..., resuming: _Optional[bool] = ..., checkpoint_steps: _Optional[_Iterable[int]] = ..., contributions_refused: _Optional[int] = ...) -> None: ...
+    live: _containers.RepeatedScalarFieldContainer[str]
+    view_id: int
+    def __init__(self, node_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., ring: _Optional[_Iterable[str]] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., uptime_s: _Optional[float] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_effective_step: _Optional[int] = ..., plan_summary: _Optional[str] = ..., strategy: _Optional[str] = ..., resuming: _Optional[bool] = ..., checkpoint_steps: _Optional[_Iterable[int]] = ..., contributions_refused: _Optional[int] = ..., live: _Optional[_Iterable[str]] = ..., view_id: _Optional[int] = ...) -> None: ...
+
+class VoteRequest(_message.Message):
+    __slots__ = ("sender", "group_id", "round_id", "view_id")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    VIEW_ID_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    group_id: int
+    round_id: int
+    view_id: int
+    def __init__(self, sender: _Optional[str] = ..., group_id: _Optional[int] = ..., round_id: _Optional[int] = ..., view_id: _Optional[int] = ...) -> None: ...
+
+class VoteReply(_message.Message):
+    __slots__ = ("status", "detail")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    status: StatusCode
+    detail: str
+    def __init__(self, status: _Optional[_Union[StatusCode, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class StateManifestRequest(_message.Message):
+    __slots__ = ("sender",)
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    def __init__(self, sender: _Optional[str] = ...) -> None: ...
+
+class TensorEntry(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    sha256: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class StateManifest(_message.Message):
+    __slots__ = ("status", "detail", "snapshot_id", "step", "skeleton", "tensors", "manifest_hash")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SKELETON_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    status: StatusCode
+    detail: str
+    snapshot_id: int
+    step: int
+    skeleton: bytes
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
+    manifest_hash: bytes
+    def __init__(self, status: _Optional[_Union[StatusCode, str]] = ..., detail: _Optional[str] = ..., snapshot_id: _Optional[int] = ..., step: _Optional[int] = ..., skeleton: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., manifest_hash: _Optional[bytes] = ...) -> None: ...
+
+class StateChunkRequest(_message.Message):
+    __slots__ = ("sender", "snapshot_id", "tensor", "offset", "length")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    snapshot_id: int
+    tensor: str
+    offset: int
+    length: int
+    def __init__(self, sender: _Optional[str] = ..., snapshot_id: _Optional[int] = ..., tensor: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -54,6 +54,21 @@ class PeerStub:
                 request_serializer=dreamp2p_dot_v1_dot_peer__pb2.StatusRequest.SerializeToString,
                 response_deserializer=dreamp2p_dot_v1_dot_peer__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Vote = channel.unary_unary(
+                '/dreamp2p.v1.Peer/Vote',
+                request_serializer=dreamp2p_dot_v1_dot_peer__pb2.VoteRequest.SerializeToString,
+                response_deserializer=dreamp2p_dot_v1_dot_peer__pb2.VoteReply.FromString,
+                _registered_method=True)
+        self.GetStateManifest = channel.unary_unary(
+                '/dreamp2p.v1.Peer/GetStateManifest',
+                request_serializer=dreamp2p_dot_v1_dot_peer__pb2.StateManifestRequest.SerializeToString,
+                response_deserializer=dreamp2p_dot_v1_dot_peer__pb2.StateManifest.FromString,
+                _registered_method=True)
+        self.FetchState = channel.unary_stream(
+                '/dreamp2p.v1.Peer/FetchState',
+                request_serializer=dreamp2p_dot_v1_dot_peer__pb2.StateChunkRequest.SerializeToString,
+                response_deserializer=dreamp2p_dot_v1_dot_peer__pb2.StateChunk.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -83,6 +98,24 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Vote(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStateManifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +138,21 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=dreamp2p_dot_v1_dot_peer__pb2.StatusRequest.FromString,
                     response_serializer=dreamp2p_dot_v1_dot_peer__pb2.StatusResponse.SerializeToString,
+            ),
+            'Vote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Vote,
+                    request_deserializer=dreamp2p_dot_v1_dot_peer__pb2.VoteRequest.FromString,
+                    response_serializer=dreamp2p_dot_v1_dot_peer__pb2.VoteReply.SerializeToString,
+            ),
+            'GetStateManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStateManifest,
+                    request_deserializer=dreamp2p_dot_v1_dot_peer__pb2.StateManifestRequest.FromString,
+                    response_serializer=dreamp2p_dot_v1_dot_peer__pb2.StateManifest.SerializeToString,
+            ),
+            'FetchState': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchState,
+                    request_deserializer=dreamp2p_dot_v1_dot_peer__pb2.StateChunkRequest.FromString,
+                    response_serializer=dreamp2p_dot_v1_dot_peer__pb2.StateChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +263,87 @@ class Peer:
             '/dreamp2p.v1.Peer/Status',
             dreamp2p_dot_v1_dot_peer__pb2.StatusRequest.SerializeToString,
             dreamp2p_dot_v1_dot_peer__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Vote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dreamp2p.v1.Peer/Vote',
+            dreamp2p_dot_v1_dot_peer__pb2.VoteRequest.SerializeToString,
+            dreamp2p_dot_v1_dot_peer__pb2.VoteReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStateManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dreamp2p.v1.Peer/GetStateManifest',
+            dreamp2p_dot_v1_dot_peer__pb2.StateManifestRequest.SerializeToString,
+            dreamp2p_dot_v1_dot_peer__pb2.StateManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dreamp2p.v1.Peer/FetchState',
+            dreamp2p_dot_v1_dot_peer__pb2.StateChunkRequest.SerializeToString,
+            dreamp2p_dot_v1_dot_peer__pb2.StateChunk.FromString,
             options,
             channel_credentials,
             insecure,
