@@ -112,6 +112,7 @@ def _assert_valid(plan: Plan, costs: list[LayerCost], H: int) -> None:
         (8_000_000, LinkModel(1e6, 0.0, 8, 1.0), 14.0),
         (10**9, LinkModel(1e9, 0.05, 1), 0.0),
         (0, LinkModel(1e6, 0.08, 4), 0.0),
+        (1000, LinkModel(1000.0, 0.1, 2, margin=1.5), 1.65),  # planning margin scales the whole estimate
     ],
 )
 def test_ring_comm_time_cases(nbytes: int, link: LinkModel, expected: float) -> None:
@@ -138,6 +139,9 @@ def test_ring_wire_bytes() -> None:
         {"codec_ratio": 0.0},
         {"codec_ratio": 4.5},
         {"per_hop_overhead_s": -1e-3},
+        {"margin": 0.9},
+        {"margin": math.inf},
+        {"margin": True},
     ],
 )
 def test_link_model_rejects(kwargs: dict[str, Any]) -> None:
@@ -307,6 +311,18 @@ def test_even_plan(L: int, H: int, expected: list[list[int]]) -> None:
     assert (plan.version, plan.effective_step) == (3, 40)
     assert plan.iteration_of(40) == 0 and plan.iteration_of(40 + H + 1) == 1 % H
     assert plan.step_time_s() == pytest.approx(0.03 * L)
+
+
+@pytest.mark.parametrize(("H", "delay", "expected"), [(4, 2, 2), (4, 9, 3), (1, 5, 0), (3, 0, 0)])
+def test_even_plan_delay_is_capped_below_the_period(H: int, delay: int, expected: int) -> None:
+    plan = even_plan(_table([0.01] * 3, [0.02] * 3, [100] * 3), H, delay=delay)
+    assert {s.delay for s in plan.syncs} == {expected}
+
+
+@pytest.mark.parametrize("delay", [-1, 1.5, True])
+def test_even_plan_rejects_bad_delay(delay: Any) -> None:
+    with pytest.raises(ValueError, match="delay"):
+        even_plan(_table([0.01], [0.02], [100]), 2, delay=delay)
 
 
 # --------------------------------------------------------------------------------------------- bubble filling

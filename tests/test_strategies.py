@@ -49,14 +49,23 @@ def test_ssgd_matches_single_process_on_union_batch() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("max_delay", [0, 2])
-def test_dreamddp_full_period_makes_replicas_identical(max_delay: int) -> None:
+@pytest.mark.parametrize(
+    ("max_delay", "outer"),
+    [
+        (0, {}),
+        (2, {}),
+        (2, {"group_outer_lr": 0.8, "group_outer_momentum": 0.5}),  # Nesterov outer step per layer group
+    ],
+)
+def test_dreamddp_full_period_makes_replicas_identical(max_delay: int, outer: dict[str, float]) -> None:
     """After a full period (plus the longest delay) with no local progress, every layer was averaged."""
-    sync = {**SMALL_SYNC, "max_delay": max_delay}
+    sync = {**SMALL_SYNC, "max_delay": max_delay, **outer}
     results = train(3, "dreamddp", steps=40, sync=sync, quiet_steps=sync["period"] + max_delay + 1)
     assert len({r["trained_digest"] for r in results}) == 3  # partial sync: replicas differed while training
     assert len({r["digest"] for r in results}) == 1
     assert len({tuple(map(tuple, r["plan_history"])) for r in results}) == 1
+    for r in results:
+        assert mean(r["losses"][-10:]) < 0.6 * mean(r["losses"][:10])
 
 
 @pytest.mark.slow

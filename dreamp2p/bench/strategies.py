@@ -3,7 +3,11 @@
 First a compute-only run (strategy ``none``) measures the step rate and model size; unless given, the
 link rate is then set so that one full fp32 model all-reduce costs ``H/2`` compute steps, the regime
 where DreamDDP is meant to help. Each strategy then trains for the same number of steps over that
-link (token-bucket rate + one-way delay per hop, in process). Reported per strategy:
+link (token-bucket rate + one-way delay per hop, in process). The default batch makes a compute step
+about 0.16 s on one CPU core, so the H/2 rule gives a WAN-like link (~30 Mbit/s). With much shorter steps
+(``--batch 256``: 10 ms) the comm thread's CPU (framing, checksums, copies) competes with the two trainers
+for this machine's two cores and costs utilization that a GPU trainer would not pay; BENCHMARKS.md shows
+both. Reported per strategy:
 
 - ``steps_per_s`` and ``compute_utilization`` (= steps_per_s / compute-only steps_per_s; the compute-only
   run is repeated at the end and the faster of the two is used, so a busy moment cannot flatter a strategy);
@@ -44,7 +48,7 @@ def bench_strategies(
     period: int = 10,
     width: int = 512,
     depth: int = 4,
-    batch: int = 256,
+    batch: int = 4096,
     lr: float = 0.05,
     rate: str | None = None,
     rtt: str = "20ms",
