@@ -65,21 +65,15 @@ def load_step(directory: str | Path, step: int) -> tuple[Path, dict[str, Any]]:
     return path, state
 
 
-def agree_resume_step(mine: list[int], others: list[tuple[bool, list[int]]]) -> int | None:
-    """Which checkpoint to resume from, given each other node's (still resuming?, checkpoint steps).
+def agree_resume_step(mine: list[int], others: list[list[int]]) -> int | None:
+    """The checkpoint step a node of a restart wave resumes from, given the other nodes' checkpoint steps.
 
-    A node that is already training waits at the step our newest checkpoint ends at (we left after
-    it), so we take our newest. When everyone restarts together they may have stopped one step apart:
-    all take the newest step they all hold. Pure; None when there is no common step.
+    The wave continues from the newest state any node saved: the nodes holding that step resume from it,
+    every other node gets None and joins them (state transfer), since its own checkpoints are older.
+    None for everyone when no node has a checkpoint (a fresh start). Pure.
     """
-    if not mine:
-        return None
-    if any(not resuming for resuming, _ in others):
-        return max(mine)
-    common = set(mine)
-    for _, steps in others:
-        common &= set(steps)
-    return max(common) if common else None
+    newest = max((s for steps in (mine, *others) for s in steps), default=None)
+    return newest if newest is not None and newest in mine else None
 
 
 def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:

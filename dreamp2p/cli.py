@@ -67,6 +67,8 @@ def _bench(args: argparse.Namespace) -> int:
             rtt=args.rtt,
             max_delay=args.max_delay,
             codec=args.codecs[0] if args.codecs else "fp32",
+            device=args.device,
+            lr=args.lr,
         )
     else:  # argparse restricts choices
         raise AssertionError(args.what)
@@ -123,7 +125,7 @@ def _node(args: argparse.Namespace) -> int:
             handler.setFormatter(JsonFormatter())
     stop = StopFlag()
     stop.install()
-    summary = run_node(cfg, resume=args.resume, stop=stop, stop_at_file=args.stop_at_file)
+    summary = run_node(cfg, resume=args.resume, stop=stop, stop_at_file=args.stop_at_file, join=args.join)
     print(json.dumps(summary))
     return 0
 
@@ -196,11 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--link-rate", default=None, help="strategies: link rate (default: full sync = H/2 steps)")
     b.add_argument("--rtt", default="20ms", help="strategies: emulated round-trip time per hop")
     b.add_argument("--max-delay", type=int, default=None, help="strategies: DreamDDP max landing delay d (H-1)")
+    b.add_argument("--lr", type=float, default=0.05, help="strategies: SGD learning rate (wide models want less)")
+    b.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="strategies: where the trainers run (both peers)"
+    )
     b.set_defaults(func=_bench)
 
     n = sub.add_parser("node", help="run one region's daemon (trainer + peer) from a TOML config")
     n.add_argument("--config", required=True, help="path to the node's TOML file (see nodes/)")
     n.add_argument("--resume", action="store_true", help="continue from the newest checkpoint, if any")
+    n.add_argument(
+        "--join",
+        action="store_true",
+        help="join a running cluster (new node, or restarted after a crash): take state and step from live peers",
+    )
     n.add_argument(
         "--stop-at-file",
         type=Path,

@@ -6,6 +6,7 @@ Every loader names the offending key and what it accepts; nothing here touches t
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import tomllib
 import types
@@ -98,13 +99,24 @@ class TransportConfig:
     chunk_min_bytes: int = 64 << 10
     chunk_max_bytes: int = 4 << 20
     outbound_queue_bytes: int = 32 << 20
+    # HTTP/2 streams one client connection may have open on this server at once (grpc.max_concurrent_streams);
+    # further streams wait in the client until one ends. The server runs at most 4x this many calls in all.
     max_concurrent_streams: int = 64
+    # payload bytes of received frames one sender may have waiting here for their round, across all of
+    # its streams; a frame beyond it is refused with OVERSIZE. Must exceed max_message_bytes.
+    max_buffered_bytes_per_peer: int = 256 << 20
     zstd: bool = False
     zstd_level: int = 1
     rate_limit: float | None = None  # emulated link rate in bytes/s (token bucket at the sender)
     delay_s: float = 0.0  # emulated one-way delay per hop (netem is absent here; see client.OutboundStream)
     probe_interval_s: float = 5.0
     probe_burst_bytes: int = 256 << 10
+    # failure detection: a member that misses this many heartbeats in a row (or is silent for
+    # dead_after_s) is dropped from the ring until it answers again; 0 disables heartbeats
+    heartbeat_s: float = 1.0
+    heartbeat_misses: int = 3
+    dead_after_s: float = 15.0
+    round_retries: int = 1  # a failed round is run again this many times (it failed on every member)
 
     def __post_init__(self) -> None:
         _positive(
@@ -120,15 +132,27 @@ class TransportConfig:
             "chunk_max_bytes",
             "outbound_queue_bytes",
             "max_concurrent_streams",
+            "max_buffered_bytes_per_peer",
             "probe_interval_s",
             "probe_burst_bytes",
+            "heartbeat_misses",
+            "dead_after_s",
         )
+        if self.round_retries < 0:
+            raise ValueError(f"transport.round_retries must be >= 0, got {self.round_retries}")
+        if self.heartbeat_s < 0:
+            raise ValueError(f"transport.heartbeat_s must be >= 0 (0 disables), got {self.heartbeat_s}")
         if self.chunk_min_bytes > self.chunk_max_bytes:
             raise ValueError(
                 f"transport.chunk_min_bytes ({self.chunk_min_bytes}) > chunk_max_bytes ({self.chunk_max_bytes})"
             )
         if self.chunk_max_bytes + (1 << 16) > self.max_message_bytes:
             raise ValueError("transport.chunk_max_bytes must leave 64 KiB of headroom below max_message_bytes")
+        if self.max_buffered_bytes_per_peer <= self.max_message_bytes:
+            raise ValueError(
+                f"transport.max_buffered_bytes_per_peer ({self.max_buffered_bytes_per_peer}) must be larger than "
+                f"transport.max_message_bytes ({self.max_message_bytes}), or no frame of full size could wait"
+            )
         if self.delay_s < 0:
             raise ValueError(f"transport.delay_s must be >= 0, got {self.delay_s}")
         if self.rate_limit is not None and self.rate_limit <= 0:
@@ -154,6 +178,9 @@ class PeerConfig:
     ring: tuple[PeerInfo, ...] = ()
     token: str | None = None
     tls: TLSConfig | None = None
+    # without tls, every address (listen, advertise, ring) must be loopback unless this is set: for private
+    # networks only (a compose network, network namespaces on one host); traffic then crosses in clear text
+    allow_insecure: bool = False
     codec: str = "fp32"
     manifest_hash: bytes = b""
     # our contribution is withheld (the round proceeds without it) if its norm exceeds this many times
@@ -173,6 +200,23 @@ class PeerConfig:
             raise ValueError(f"ring lists a node id twice: {ids}")
         if self.ring and self.node_id not in ids:
             raise ValueError(f"ring does not contain this node ({self.node_id!r}): {ids}")
+        if self.tls is None and not self.allow_insecure:
+            exposed = self.non_loopback_addresses()
+            if exposed:
+                raise ValueError(
+                    f"no tls is configured, but {' and '.join(exposed)} {'is' if len(exposed) == 1 else 'are'} "
+                    "not loopback: TLS is required outside loopback. Configure tls (cert_file, key_file, ca_file, "
+                    "mutual = true; [node.tls] in a node daemon's file; deploy/tls/make-certs.sh makes them), or "
+                    "set allow_insecure = true to send in clear text on a private network"
+                )
+
+    def non_loopback_addresses(self) -> list[str]:
+        """The addresses this config listens on, advertises or dials that leave the host, each named by key."""
+        named = [("listen", self.listen)]
+        if self.advertise:
+            named.append(("advertise", self.advertise))
+        named += [(f"ring[{i}].address", p.address) for i, p in enumerate(self.ring)]
+        return [f"{key} {addr!r}" for key, addr in named if not is_loopback_address(addr)]
 
     @staticmethod
     def from_toml(path: str | Path) -> PeerConfig:
@@ -200,6 +244,38 @@ class PeerConfig:
         if "manifest_hash" in data and isinstance(data["manifest_hash"], str):
             data["manifest_hash"] = bytes.fromhex(data["manifest_hash"])
         return _build(PeerConfig, data, "")
+
+
+def is_loopback_address(address: str) -> bool:
+    """Whether a gRPC address stays on this host: 127.0.0.0/8, ::1, localhost or a unix socket.
+
+    Accepts ``host:port``, ``[v6]:port``, a bare host and the ``ipv4:``/``ipv6:``/``dns:`` schemes. A name other
+    than ``localhost`` counts as not loopback (it is not resolved), and so does an empty host (all interfaces).
+    """
+    addr = address.strip()
+    if addr.startswith(("unix:", "unix-abstract:")):
+        return True
+    for scheme in ("ipv4:", "ipv6:", "dns:"):
+        if addr.startswith(scheme):
+            addr = addr[len(scheme) :]
+            if addr.startswith("//"):  # dns://authority/host:port
+                addr = addr[2:].partition("/")[2]
+            break
+    if addr.startswith("["):
+        host = addr[1:].partition("]")[0]
+    elif addr.count(":") == 1:
+        host = addr.partition(":")[0]
+    else:
+        host = addr  # a bare name, IPv4 address or unbracketed IPv6 address
+    if host.lower() == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
 
 
 def _positive(obj: object, *names: str) -> None:

@@ -146,9 +146,16 @@ def _device(name: str) -> str:
 
 
 def run_node(
-    cfg: DaemonConfig, resume: bool = False, stop: StopFlag | None = None, stop_at_file: Path | None = None
+    cfg: DaemonConfig,
+    resume: bool = False,
+    stop: StopFlag | None = None,
+    stop_at_file: Path | None = None,
+    join: bool = False,
 ) -> dict[str, Any]:
     """Train until ``task.steps``, a stop signal, or the step written in ``stop_at_file``; returns a summary.
+
+    ``join``: the cluster is running without us (we are new, or restarted after a crash): take the state
+    and step from the live members instead of a broadcast or our own checkpoint.
 
     ``stop_at_file`` lets an operator end a multi-node run cleanly: every node stops after the same
     step, so no node waits for a round that a stopped node will never join.
@@ -168,11 +175,24 @@ def run_node(
         port = metrics.serve(cfg.metrics.listen)
         log.info("metrics on %s (port %d)", cfg.metrics.listen, port)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.task.lr)
-    node = Node(node_cfg)
+    if join and resume:
+        raise ValueError("--join and --resume exclude each other: a joining node takes the live members' state")
+    # a resuming node stays out of the members' rounds until it knows whether it must join instead
+    node = Node(node_cfg, joining=join or resume)
     try:
-        node.connect()
-        restored = _agree_and_load(cfg, node) if resume else None
-        sync = node.attach(model, opt, sync=cfg.sync, broadcast=restored is None)
+        node.connect(require_all=not join)
+        restored: tuple[Path, dict[str, Any]] | None = None
+        if resume:
+            restored = _agree_and_load(cfg, node)
+            if restored is _JOIN:
+                # the cluster trained on without us: our checkpoint is older than its state
+                log.warning("members are training: joining them instead of resuming from our checkpoint")
+                join, restored = True, None
+            else:
+                node.mark_ready()
+        sync = node.attach(model, opt, sync=cfg.sync, broadcast=restored is None, join=join)
+        if join:
+            metrics.record("join", step=sync.step_count, digest=param_digest(model), resumed=resume)
         if restored is not None:
             path, state = restored
             sync.load_state_dict(state["sync"])
@@ -205,19 +225,22 @@ def _abort_when_stuck(stop: StopFlag, done: threading.Event, grace: float, node:
             return
 
 
-def _agree_and_load(cfg: DaemonConfig, node: Node) -> tuple[Path, dict[str, Any]] | None:
-    """Pick the checkpoint to resume from together with the other nodes, then load it.
+# _agree_and_load's answer when members are training: take their state (Node.join), not our checkpoint
+_JOIN: tuple[Path, dict[str, Any]] = (Path(), {})
 
-    Publishes our checkpoint steps through the Status call, waits until every other member is either
-    training (then we rejoin from our newest) or resuming too (then all take the newest common step).
+
+def _agree_and_load(cfg: DaemonConfig, node: Node) -> tuple[Path, dict[str, Any]] | None:
+    """Decide with the other nodes where to resume from, then load that checkpoint.
+
+    Publishes our checkpoint steps through the Status call, then asks every other member. As soon as one
+    is training, the cluster went on without us: we join it (returns ``_JOIN``; our checkpoint is older
+    than its state). If all are resuming too, the nodes holding the newest checkpoint of the wave resume
+    from it and the others join them (:func:`agree_resume_step`); None when nobody has one (fresh start).
     """
     mine = [checkpoint_step(p) for p in list_checkpoints(cfg.checkpoint.dir)]
-    if not mine:
-        log.info("no checkpoint in %s: starting fresh", cfg.checkpoint.dir)
-        return None
     peer = node.comm.peer
     peer.resume_steps = tuple(mine)
-    others: dict[str, tuple[bool, list[int]]] = {}
+    others: dict[str, list[int]] = {}
     deadline = time.monotonic() + cfg.node.transport.connect_timeout_s
     members = [p.node_id for p in peer.ring if p.node_id != cfg.node.node_id]
     while len(others) < len(members):
@@ -230,22 +253,25 @@ def _agree_and_load(cfg: DaemonConfig, node: Node) -> tuple[Path, dict[str, Any]
                 log.info("waiting for %s: %s", member, exc)
                 continue
             steps = list(st.checkpoint_steps)
+            # a resumed member that trained well past its checkpoints since is no longer in this restart wave
+            if st.training is not None and (not st.resuming or st.training.step > max(steps, default=0) + 2):
+                return _JOIN
             if st.resuming:
-                # resumed in this same restart wave unless it has trained well past its checkpoints since
-                live = st.training is not None and st.training.step > max(steps, default=0) + 2
-                others[member] = (not live, steps)
-            elif st.training is not None:
-                others[member] = (False, steps)
+                others[member] = steps
         if len(others) < len(members):
             if time.monotonic() > deadline:
                 missing = sorted(set(members) - set(others))
                 raise RuntimeError(f"resume: no answer from {', '.join(missing)} within the connect timeout")
             time.sleep(0.2)
-    step = agree_resume_step(mine, [others[m] for m in members])
-    if step is None:
-        raise RuntimeError(f"resume: no checkpoint step common to all nodes (ours: {mine})")
-    log.info("resuming from step %d (ours: %s)", step, mine)
-    return load_step(cfg.checkpoint.dir, step)
+    step = agree_resume_step(mine, list(others.values()))
+    if step is not None:
+        log.info("resuming from step %d (ours: %s)", step, mine)
+        return load_step(cfg.checkpoint.dir, step)
+    if any(others.values()):
+        log.info("another node saved a newer state than ours (%s): joining it", mine)
+        return _JOIN
+    log.info("no node has a checkpoint: starting fresh")
+    return None
 
 
 def _read_stop_at(path: Path | None) -> int | None:
@@ -329,7 +355,9 @@ def _train(
             metrics.record("eval", step=step, eval_loss=last_eval)
         if (step + 1) % cfg.checkpoint.every_steps == 0:
             sync.close()  # land rounds in flight so the checkpoint is a consistent cut
-            save_checkpoint(cfg.checkpoint.dir, step + 1, {"sync": sync.state_dict()}, cfg.checkpoint.keep)
+            path = save_checkpoint(cfg.checkpoint.dir, step + 1, {"sync": sync.state_dict()}, cfg.checkpoint.keep)
+            # the digest lets a resume be checked against what was saved (xxh3: cheap beside the write)
+            metrics.record("checkpoint", step=step + 1, path=str(path), digest=param_digest(model))
     _drain(sync, node, cfg.stop_grace_s)
     path = save_checkpoint(cfg.checkpoint.dir, sync.step_count, {"sync": sync.state_dict()}, cfg.checkpoint.keep)
     last_eval = task.evaluate(model)

@@ -29,6 +29,7 @@ class Status(enum.IntEnum):
     NEEDS_HANDSHAKE = 16
     VIEW_MISMATCH = 17
     NOT_FOUND = 18
+    JOINING = 19
 
 
 class PeerError(Exception):

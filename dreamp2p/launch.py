@@ -143,6 +143,11 @@ def run_local(
     ``hosts`` optionally gives each rank a (network namespace, IP address) to run in and listen on.
     Raises RuntimeError naming the rank and its error if any child fails or the deadline passes.
     """
+    base = dict(config or {})
+    if hosts is not None:
+        # namespaces on this machine, joined by a private veth pair (deploy/netns-wan.sh): clear text is
+        # allowed there unless the caller configures tls
+        base.setdefault("allow_insecure", True)
     hosts = hosts or [(None, "127.0.0.1")] * n
     ctx = mp.get_context("spawn")
     pipes = []
@@ -150,7 +155,7 @@ def run_local(
     for rank in range(n):
         parent, child = ctx.Pipe()
         netns, host = hosts[rank]
-        cfg = {**dict(config or {}), "listen": f"{host}:0", "node_job": node_job}
+        cfg = {**base, "listen": f"{host}:0", "node_job": node_job}
         p = ctx.Process(target=_child, args=(rank, child, cfg, job, dict(args or {}), log_level, netns), daemon=True)
         p.start()
         child.close()

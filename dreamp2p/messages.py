@@ -46,6 +46,17 @@ class Frame:
 
 
 @dataclass(frozen=True)
+class Vote:
+    """A member's outcome of one round: committed (its part finished) or failed (nobody may apply it)."""
+
+    sender: str
+    group_id: int
+    round_id: int
+    view_id: int
+    commit: bool
+
+
+@dataclass(frozen=True)
 class Hello:
     """Handshake contents: who is calling and whether it speaks our protocol for the same model."""
 

@@ -6,11 +6,17 @@ for batch in loader:
     loss = loss_fn(model(batch)); loss.backward()
     sync.step(); sync.zero_grad()
 node.close()
+
+A node joining a running cluster (a new member, or one restarted after a crash) passes ``joining=True``
+and ``attach(..., join=True)``: it takes the training state from the live members (`dreamp2p.state`),
+starts at their step, and only then takes part in rounds (see :meth:`Node.join`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,12 +25,25 @@ import torch
 from torch import nn
 
 from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.errors import PeerError
 from dreamp2p.manifest import manifest_hash
+from dreamp2p.messages import PeerStatus
+from dreamp2p.state.donor import StateDonor
+from dreamp2p.state.fetch import fetch_state
+from dreamp2p.state.snapshot import unflatten_state
 from dreamp2p.sync.base import Strategy, broadcast_parameters
 from dreamp2p.sync.baselines import CO2, SSGD, DiLoCo, LocalSGD, NoSync, StreamingDiLoCo
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.dreamddp import DreamDDP
+from dreamp2p.transport.client import Link
+
+log = logging.getLogger(__name__)
+
+# A joiner starts this many steps after the newest step a member reports: rounds it cannot take part
+# in any more are refused at once (they fail everywhere and are skipped), later ones include it.
+JOIN_LEAD_STEPS = 2
+JOIN_ATTEMPTS = 3
 
 STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (NoSync, SSGD, LocalSGD, DiLoCo, StreamingDiLoCo, CO2, DreamDDP)
@@ -32,12 +51,14 @@ STRATEGY_CLASSES: dict[str, type[Strategy]] = {
 
 
 class Node:
-    def __init__(self, config: PeerConfig, model: nn.Module | None = None) -> None:
+    def __init__(self, config: PeerConfig, model: nn.Module | None = None, joining: bool = False) -> None:
         if model is not None and not config.manifest_hash:
             # peers only average with peers that hold the same model layout
             config = dataclasses.replace(config, manifest_hash=manifest_hash(model.state_dict().items()))
         self.config = config
-        self.comm = CommThread(config)
+        self.comm = CommThread(config, ready=not joining)
+        self.donor = StateDonor()
+        self.comm.on_loop(setattr, self.comm.peer, "state_donor", self.donor)
         self._connected = False
         self.strategy: Strategy | None = None
 
@@ -49,8 +70,10 @@ class Node:
     def address(self) -> str:
         return self.comm.address
 
-    def connect(self, ring: Sequence[PeerInfo] | None = None, timeout: float | None = None) -> None:
-        self.comm.connect(ring, timeout)
+    def connect(
+        self, ring: Sequence[PeerInfo] | None = None, timeout: float | None = None, require_all: bool = True
+    ) -> None:
+        self.comm.connect(ring, timeout, require_all)
         self._connected = True
 
     def attach(
@@ -60,22 +83,102 @@ class Node:
         strategy: str | None = None,
         sync: SyncConfig | None = None,
         broadcast: bool = True,
+        join: bool = False,
         **overrides: Any,
     ) -> Strategy:
-        """Wrap ``optimizer`` with a synchronization strategy; replicas start from rank 0's parameters."""
+        """Wrap ``optimizer`` with a synchronization strategy; replicas start from rank 0's parameters.
+
+        ``join=True``: take the state from the live members instead (see the module docstring).
+        """
         cfg = sync or SyncConfig()
         if strategy is not None:
             overrides["strategy"] = strategy
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
         if not self._connected:
-            self.connect()
-        if broadcast:  # a node resuming from its checkpoint keeps its own parameters
+            self.connect(require_all=not join)
+        if broadcast and not join:  # a node resuming from its checkpoint keeps its own parameters
             params = [p for p in model.parameters() if p.requires_grad]
             broadcast_parameters(self.comm, params, cfg.round_timeout_s)
         strat = STRATEGY_CLASSES[cfg.strategy](model, optimizer, self.comm, cfg)
         self.strategy = strat
+        if join:
+            self.join(strat, timeout=cfg.round_timeout_s)
         return strat
+
+    def join(self, strategy: Strategy, timeout: float) -> None:
+        """Load the live members' state into ``strategy``, start at their step, then take part in rounds.
+
+        First every live member must count us alive: from then on each round they start includes us and
+        fails while we refuse frames (JOINING), so neither an average nor a plan decision can be made
+        without us. Only then is the state requested, so the snapshot it comes from is the members' state
+        at our first step. State comes from several members at once, each tensor verified by its SHA-256
+        (a member that dies mid-transfer is replaced by another); the newest step any member reports,
+        plus a small lead, is where we start.
+        """
+        peer = self.comm.peer
+        links = [peer.link(n) for n in self.comm.members if n != self.config.node_id]
+        self._await_admission(links, timeout)
+        for _ in range(JOIN_ATTEMPTS):
+            fetched = self.comm.call(fetch_state(links, timeout, manifest_hash=self.config.manifest_hash), timeout + 30)
+            strategy.load_state_dict(unflatten_state(fetched.skeleton, fetched.tensors))
+            steps, plans = [fetched.step], [0]
+            for status in self._statuses(links, timeout):
+                if status.training is not None:
+                    steps.append(status.training.step)
+                    plans.append(status.training.plan_version)
+            start = max(steps) + JOIN_LEAD_STEPS
+            strategy.jump_to(start)
+            # a plan decided by a control round already in flight at the snapshot lands with the state; a
+            # newer one means the members decided without us after all: fetch again
+            if strategy.plan_version >= max(plans):
+                break
+            log.warning("members moved to plan v%d during the transfer; fetching again", max(plans))
+        else:
+            raise RuntimeError(f"could not catch up with the members' plan in {JOIN_ATTEMPTS} transfers")
+
+        def ready() -> None:
+            peer.min_round_id = start + 1  # rounds are numbered step + 1 (Strategy._round)
+            peer.ready = True
+
+        self.comm.on_loop(ready)
+        log.warning(
+            "joined at step %d with state of step %d from %s (%d bytes)",
+            start,
+            fetched.step,
+            ", ".join(fetched.donors_used),
+            fetched.bytes,
+        )
+
+    def _statuses(self, links: list[Link], timeout: float) -> list[PeerStatus]:
+        out = []
+        for link in links:
+            try:
+                out.append(self.comm.call(link.status(), timeout))
+            except PeerError as exc:
+                log.warning("%s gave no status while joining: %s", link.dest.node_id, exc)
+        return out
+
+    def _await_admission(self, links: list[Link], timeout: float) -> None:
+        """Wait until every member that answers counts us alive (see :meth:`join`)."""
+        me = self.config.node_id
+        t = self.config.transport
+        deadline = time.monotonic() + max(timeout, 10 * t.heartbeat_s)
+        while True:
+            statuses = self._statuses(links, t.rpc_deadline_s)
+            waiting = [s.node_id for s in statuses if me not in s.live]
+            if statuses and not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"joining: {', '.join(waiting) or 'no member'} did not count this node alive within "
+                    f"{max(timeout, 10 * t.heartbeat_s):.0f} s (heartbeats every {t.heartbeat_s} s)"
+                )
+            time.sleep(max(0.05, t.heartbeat_s / 4))
+
+    def mark_ready(self) -> None:
+        """Take part in rounds from now on (a node built with ``joining=True`` that resumes on its own)."""
+        self.comm.on_loop(setattr, self.comm.peer, "ready", True)
 
     def close(self) -> None:
         try:

@@ -4,6 +4,12 @@ One Peer lives on one event loop. It owns the gRPC server (see `transport.server
 servicer), one :class:`~dreamp2p.transport.client.Link` per other member, and the rounds in flight.
 Averaging is the ring all-reduce of `collective.ring`; chunk sizes come from each link's measured
 goodput (`schedule.chunking`), which passive metering and a light idle-time probe keep current.
+
+Membership: heartbeats feed `membership.Membership`; each round runs among the members alive when it
+starts (its view, whose id every frame carries), so the ring re-forms among survivors at the next round.
+Rounds are all-or-none: a member that finished its part sends a commit vote to every other member and
+applies the result only once every member's commit arrived; a member whose round failed votes "failed"
+and the others give up at once. A round that fails leaves every tensor as it was, on every member.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from dreamp2p.collective.ring import RingRound, RoundAborted, RoundSpec
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.errors import PeerError, RoundFailed, Status
-from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, TrainingInfo
+from dreamp2p.membership import Membership, view_id
+from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, TrainingInfo, Vote
 from dreamp2p.schedule.chunking import choose_chunk_bytes
 from dreamp2p.transport.client import Link, OutboundStream
 from dreamp2p.transport.server import build_server
@@ -40,6 +47,10 @@ MAX_ROUNDS_AHEAD = 1 << 16
 MAX_PENDING_ROUNDS = 256
 # Probes larger than this are refused.
 MAX_PROBE_BYTES = 4 << 20
+# A failed round is retried under its group id with this bit set (same round id), see allreduce().
+RETRY_GROUP_BIT = 1 << 31
+# Rounds whose votes are remembered (votes may arrive before our own part of the round finishes).
+MAX_VOTE_ROUNDS = 4096
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,7 @@ class Peer:
         self._closing = False
         self.rounds_completed = 0
         self.rounds_failed = 0
+        self.rounds_retried = 0
         self.frames_rejected = 0
         self.contributions_refused = 0
         self._norms: dict[int, float] = {}  # per group: running norm of our contributions
@@ -88,6 +100,22 @@ class Peer:
         self.resume_steps: tuple[int, ...] | None = None
         # serves this node's training state to joining members (see `dreamp2p.state`); None: not offered
         self.state_donor: Any = None
+        self.membership: Membership | None = None
+        # live members in ring order; replaced whole on every change, so other threads may read it
+        self.view: tuple[str, ...] = ()
+        self.view_changes = 0
+        self._votes: dict[tuple[int, int], dict[str, Vote]] = {}
+        self._vote_events: dict[tuple[int, int], asyncio.Event] = {}
+        self._heart: asyncio.Task[None] | None = None
+        self._beat = asyncio.Event()  # set (and replaced) after each heartbeat pass over the members
+        self._round_members: dict[tuple[int, int], frozenset[str]] = {}
+        # A joining node answers heartbeats from the start, so every member counts it alive and runs its
+        # rounds among a view that includes it; until it holds the cluster's state ("ready") it refuses
+        # their frames at once (JOINING), so all those rounds fail everywhere: no plan decision or average
+        # is made without it between the members' state snapshot and its first step (see Node.join).
+        # Afterwards it refuses rounds from before the step it starts at.
+        self.ready = True
+        self.min_round_id = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -118,8 +146,14 @@ class Peer:
             advertise_address=self.address,
         )
 
-    async def connect(self, ring: Sequence[PeerInfo] | None = None, timeout: float | None = None) -> None:
-        """Adopt the ring (config order by default) and handshake with every other member."""
+    async def connect(
+        self, ring: Sequence[PeerInfo] | None = None, timeout: float | None = None, require_all: bool = True
+    ) -> None:
+        """Adopt the ring (config order by default) and handshake with every other member.
+
+        ``require_all=False`` (a node joining a running cluster) counts members that do not answer as
+        dead instead of failing; at least one must answer.
+        """
         ring = tuple(ring if ring is not None else self.config.ring)
         ids = [p.node_id for p in ring]
         if self.config.node_id not in ids:
@@ -133,24 +167,49 @@ class Peer:
                 self._links[p.node_id] = Link(cfg.node_id, p, cfg.transport, cfg.tls, cfg.token)
         hello = self.hello()
         limit = timeout if timeout is not None else cfg.transport.connect_timeout_s
-        replies = await asyncio.gather(*(link.handshake(hello, limit) for link in self._links.values()))
+        replies = await asyncio.gather(
+            *(link.handshake(hello, limit) for link in self._links.values()), return_exceptions=not require_all
+        )
+        unreachable = []
         for link, reply in zip(self._links.values(), replies, strict=True):
+            if isinstance(reply, asyncio.CancelledError):
+                raise reply
+            if isinstance(reply, BaseException):
+                log.warning("%s did not answer the handshake: %s", link.dest.node_id, reply)
+                unreachable.append(link.dest.node_id)
+                continue
             if reply.node_id != link.dest.node_id:
                 raise PeerError(
                     Status.UNKNOWN_PEER,
                     f"{link.dest.address} answered as {reply.node_id!r}, not {link.dest.node_id!r}",
                 )
+        self.membership = Membership(
+            cfg.node_id,
+            ids,
+            misses=cfg.transport.heartbeat_misses,
+            dead_after_s=cfg.transport.dead_after_s,
+        )
+        now = time.monotonic()
+        self.membership.start(now)
+        for node in unreachable:
+            self.membership.missed(node, now, fatal=True)
+        if self._links and len(unreachable) == len(self._links):
+            raise PeerError(Status.TIMEOUT, "no member of the ring answered the handshake")
+        self.view = self.membership.view()
         if self._prober is None and cfg.transport.probe_interval_s > 0:
             self._prober = asyncio.create_task(self._probe_loop(), name=f"probe-{cfg.node_id}")
+        if self._heart is None and cfg.transport.heartbeat_s > 0 and len(ring) > 1:
+            self._heart = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{cfg.node_id}")
 
     async def close(self, grace: float = 2.0) -> None:
         """Stop probing, fail rounds in flight, stop the server with ``grace`` seconds, close channels."""
         self._closing = True
-        if self._prober is not None:
-            self._prober.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._prober
-            self._prober = None
+        for task in (self._prober, self._heart):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._prober = self._heart = None
         for rnd in list(self._rounds.values()):
             rnd.fail("peer shutting down")
         for fut in self._waiters.values():
@@ -200,6 +259,8 @@ class Peer:
     async def accept_frame(self, frame: Frame) -> None:
         if self._closing:
             raise PeerError(Status.SHUTTING_DOWN, "peer shutting down")
+        if not self.ready:
+            raise PeerError(Status.JOINING, "joining: no training state yet, so no part in rounds")
         if frame.sender not in self._admitted:
             if any(p.node_id == frame.sender for p in self._ring):
                 # a member that handshook with this node's previous process: it must introduce itself again
@@ -207,7 +268,11 @@ class Peer:
                     Status.NEEDS_HANDSHAKE, f"ring member {frame.sender!r} has not handshaken with this process"
                 )
             raise PeerError(Status.UNKNOWN_PEER, f"sender {frame.sender!r} has not completed a handshake")
+        if self.membership is not None:
+            self.membership.heard(frame.sender, time.monotonic(), revive=False)
         rnd = self._rounds.get((frame.group_id, frame.round_id)) or await self._wait_round(frame)
+        # a frame from another view is refused (VIEW_MISMATCH) without touching the round: its sender's
+        # round fails there and that sender's "failed" vote ends ours (a forged frame cannot)
         rnd.deliver(frame)
         link = self._links.get(frame.sender)
         if link is not None:
@@ -218,6 +283,7 @@ class Peer:
         newest = self._next_round.get(frame.group_id, 0)
         if (
             frame.round_id == 0
+            or frame.round_id < self.min_round_id
             or frame.round_id in self._closed_rounds.get(frame.group_id, ())
             or (frame.round_id <= newest)
         ):
@@ -250,6 +316,64 @@ class Peer:
             if rnd is not None and rnd.spec.predecessor == sender:
                 rnd.fail(f"{sender}: {reason}")
 
+    def vote(self, v: Vote) -> None:
+        """A member's outcome of a round (see the module docstring): recorded, and a failure ends ours."""
+        if not self.is_admitted(v.sender):
+            raise PeerError(Status.UNKNOWN_PEER, f"sender {v.sender!r} has not completed a handshake")
+        key = (v.group_id, v.round_id)
+        if self.membership is not None:
+            self.membership.heard(v.sender, time.monotonic(), revive=False)
+        if not v.commit:
+            rnd = self._rounds.get(key)
+            # whatever view it ran in, a member of ours that gave the round up will not help finish it
+            if rnd is not None and v.sender in self._round_members.get(key, ()):
+                rnd.fail(f"{v.sender} reports the round failed there")
+        if key not in self._votes and len(self._votes) >= MAX_VOTE_ROUNDS:
+            del self._votes[next(iter(self._votes))]  # oldest first: dicts keep insertion order
+        self._votes.setdefault(key, {})[v.sender] = v
+        event = self._vote_events.get(key)
+        if event is not None:
+            event.set()
+
+    async def _agree(self, key: tuple[int, int], vid: int, others: list[str], timeout: float) -> None:
+        """Commit our part to every other member, then wait for all of theirs (raises if one failed)."""
+        if not others:
+            return
+        self._announce(key, vid, others, commit=True)
+        event = self._vote_events.setdefault(key, asyncio.Event())
+        deadline = time.monotonic() + max(0.1, timeout)
+        while True:
+            votes = self._votes.get(key, {})
+            missing = []
+            for node in others:
+                v = votes.get(node)
+                if v is not None and not v.commit:
+                    raise RoundAborted(f"{node} reports the round failed there")
+                if v is None or v.view_id != vid:
+                    missing.append(node)
+            if not missing:
+                return
+            gone = [n for n in missing if self.membership is not None and not self.membership.is_alive(n)]
+            if gone:
+                raise RoundAborted(f"member(s) {', '.join(gone)} left before committing")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no commit from {', '.join(missing)} in time")
+            event.clear()
+            # re-check liveness now and then: a member can die without sending anything
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), min(left, 0.5))
+
+    def _announce(self, key: tuple[int, int], vid: int, others: list[str], *, commit: bool) -> None:
+        """Send our vote to every other member without waiting (failures surface through liveness)."""
+        limit = self.config.transport.rpc_deadline_s
+        for node in others:
+            link = self._links.get(node)
+            if link is None:
+                continue
+            task = asyncio.ensure_future(link.vote(key[0], key[1], vid, commit, limit))
+            task.add_done_callback(_quiet)
+
     def is_admitted(self, sender: str) -> bool:
         """Whether ``sender`` completed a handshake with this process (gate for every non-handshake call)."""
         return sender in self._admitted
@@ -258,6 +382,8 @@ class Peer:
         self.frames_rejected += 1
 
     def note_probe(self, sender: str, nbytes: int) -> None:
+        if self.membership is not None and sender in self._admitted:
+            self.membership.heard(sender, time.monotonic(), revive=False)
         link = self._links.get(sender)
         if link is not None:
             link.stats.bytes_received += nbytes
@@ -278,6 +404,8 @@ class Peer:
             resuming=self.resume_steps is not None,
             checkpoint_steps=self.resume_steps or (),
             contributions_refused=self.contributions_refused,
+            live=self.view,
+            view_id=view_id(self.view) if self.view else 0,
         )
 
     def link_snapshots(self) -> list[LinkSnapshot]:
@@ -327,12 +455,46 @@ class Peer:
         numbered 1, 2, ... unless ``round_id`` is given: trainers pass ids derived
         from the step, so a peer restarted from a checkpoint meets the others on the same round ids.
         On failure raises :class:`RoundFailed` and leaves every tensor exactly as it was.
+
+        A failed round (corrupted bytes, a member that died, members that disagreed about who is alive)
+        failed on every member (all-or-none), so every member retries it the same way: once, at once,
+        among the members alive then, under group id ``group_id | RETRY_GROUP_BIT``.
         """
+        if not 0 <= group_id < RETRY_GROUP_BIT:
+            raise ValueError(f"group_id must be in [0, 2**31), got {group_id}")
+        retries = self.config.transport.round_retries
+        for attempt in range(retries + 1):
+            gid = group_id if attempt == 0 else group_id | RETRY_GROUP_BIT
+            try:
+                return await self._allreduce_once(tensors, gid, codec, plan_version, timeout, out, round_id, guard_norm)
+            except RoundFailed as exc:
+                if attempt == retries or self._closing or round_id is None:
+                    raise
+                self.rounds_retried += 1
+                # let failure detection look at every member once more, so the retry runs among the living
+                await self._next_heartbeat()
+                log.info("round %s failed (%s); retrying among %s", exc.key, exc.reason, ", ".join(self.view))
+        raise AssertionError("unreachable")
+
+    async def _allreduce_once(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group_id: int,
+        codec: str | None,
+        plan_version: int,
+        timeout: float | None,
+        out: Sequence[torch.Tensor] | None,
+        round_id: int | None,
+        guard_norm: bool,
+    ) -> RoundResult:
         if not self._ring:
             raise RuntimeError("allreduce before connect(): no ring")
         t0 = time.perf_counter()
-        world = len(self._ring)
-        rank = [p.node_id for p in self._ring].index(self.config.node_id)
+        # the ring re-forms among the members alive now; every frame carries this view's id
+        members = tuple(p for p in self._ring if p.node_id in self.view) if self.view else self._ring
+        vid = view_id([p.node_id for p in members])
+        world = len(members)
+        rank = [p.node_id for p in members].index(self.config.node_id)
         newest = self._next_round.get(group_id, 0)
         if round_id is None:
             round_id = newest + 1
@@ -348,8 +510,8 @@ class Peer:
             log.warning("round %s: not contributing: %s", key, refusal)
             self.contributions_refused += 1
             flat.zero_()
-        succ = self._ring[(rank + 1) % world]
-        pred = self._ring[(rank - 1) % world]
+        succ = members[(rank + 1) % world]
+        pred = members[(rank - 1) % world]
         chunk_bytes = 0
         stream = None
         if world > 1:
@@ -379,17 +541,29 @@ class Peer:
             chunk_elems=max(1, chunk_bytes // 4),
             max_payload=self.max_payload,
             contributes=refusal is None,
+            view_id=vid,
         )
         rnd = RingRound(spec, flat, stream)
         self._rounds[key] = rnd
+        others = [p.node_id for p in members if p.node_id != self.config.node_id]
+        self._round_members[key] = frozenset(p.node_id for p in members)
+        early = [v.sender for v in self._votes.get(key, {}).values() if not v.commit and v.sender in others]
+        if early:  # a member gave this round up before it even opened here
+            rnd.fail(f"{early[0]} reports the round failed there")
         waiter = self._waiters.pop(key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(rnd)
+        limit = timeout or self.config.transport.round_timeout_s
         try:
-            await self._run(rnd, stream, timeout or self.config.transport.round_timeout_s)
+            await self._run(rnd, stream, limit)
+            # all-or-none: the result counts only once every member of the view finished its part
+            await self._agree(key, vid, others, limit - (time.perf_counter() - t0))
         except (PeerError, TimeoutError, RoundAborted) as exc:
             rnd.fail(str(exc))
             self.rounds_failed += 1
+            self._announce(key, vid, others, commit=False)
+            if isinstance(exc, PeerError) and exc.status == Status.VIEW_MISMATCH:
+                log.info("round %s: members disagree about who is alive (%s); skipped", key, exc.detail)
             raise RoundFailed(key, str(exc) or type(exc).__name__) from None
         except BaseException:
             rnd.fail("cancelled")
@@ -397,6 +571,9 @@ class Peer:
         finally:
             self._rounds.pop(key, None)
             self._close_round(key)
+            self._votes.pop(key, None)
+            self._vote_events.pop(key, None)
+            self._round_members.pop(key, None)
         _unflatten(flat, out if out is not None else tensors)
         self.rounds_completed += 1
         return RoundResult(
@@ -491,6 +668,55 @@ class Peer:
                 except PeerError as exc:
                     log.warning("probe of %s failed: %s", link.dest.node_id, exc)
 
+    async def _heartbeat_loop(self) -> None:
+        t = self.config.transport
+        hello = self.hello()
+        while True:
+            await asyncio.sleep(t.heartbeat_s)
+            results = await asyncio.gather(
+                *(link.heartbeat(max(0.5, 2 * t.heartbeat_s)) for link in self._links.values()),
+                return_exceptions=True,
+            )
+            assert self.membership is not None
+            now = time.monotonic()
+            for (node, link), res in zip(list(self._links.items()), results, strict=True):
+                if isinstance(res, asyncio.CancelledError):
+                    raise res
+                if not isinstance(res, BaseException):
+                    if self.membership.heard(node, now):
+                        log.warning("%s answers again: it rejoins the ring", node)
+                        # a restarted process admits nobody yet: introduce ourselves before our frames come
+                        with contextlib.suppress(PeerError):
+                            await link.handshake(hello, t.rpc_deadline_s)
+                    continue
+                refused = isinstance(res, PeerError) and "UNAVAILABLE" in str(res)
+                if self.membership.missed(node, now, fatal=refused):
+                    log.warning("%s is not answering (%s): the ring re-forms without it", node, res)
+            self._set_view(self.membership.view())
+            done, self._beat = self._beat, asyncio.Event()
+            done.set()
+
+    async def _next_heartbeat(self) -> None:
+        """Wait until the heartbeat loop has checked every member once more (no wait without heartbeats)."""
+        t = self.config.transport
+        if self._heart is None or self._heart.done():
+            return
+        tick = self._beat
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(tick.wait(), t.heartbeat_s + max(0.5, 2 * t.heartbeat_s) + 1.0)
+
+    def _set_view(self, view: tuple[str, ...]) -> None:
+        if view == self.view:
+            return
+        self.view = view
+        self.view_changes += 1
+        log.info("members alive: %s", ", ".join(view))
+        for key, rnd in list(self._rounds.items()):
+            # a round that needs a member that is gone cannot finish: fail it now, not at its deadline
+            gone = self._round_members.get(key, frozenset()) - set(view)
+            if gone:
+                rnd.fail(f"member(s) {', '.join(sorted(gone))} left")
+
     async def probe_now(self, burst_bytes: int | None = None) -> list[LinkSnapshot]:
         """Measure every link once (RTT echo + burst) and return the snapshots."""
         for link in self._links.values():
@@ -532,3 +758,9 @@ def _dtype_of(tensors: Sequence[torch.Tensor]) -> DType:
     if dtypes == {torch.bfloat16}:
         return DType.BF16
     return DType.FP32
+
+
+def _quiet(task: asyncio.Future[None]) -> None:
+    """Votes are fire-and-forget: a lost one shows up as a missing commit or a dead member."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("vote not delivered: %s", task.exception())

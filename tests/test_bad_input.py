@@ -35,6 +35,7 @@ from dreamp2p.collective.partition import reduce_scatter_recv, split_segments
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig
 from dreamp2p.errors import RoundFailed, Status
+from dreamp2p.membership import view_id
 from dreamp2p.peer import MAX_PROBE_BYTES, MAX_ROUNDS_AHEAD, Peer
 from dreamp2p.v1 import peer_pb2 as pb
 from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
@@ -183,6 +184,7 @@ def valid_frame(codec: str = "fp32", n: int = N, world: int = 2, rank: int = 1) 
         checksum=xxhash.xxh3_64_intdigest(payload),
         payload=payload,
         sender="p0",
+        view_id=view_id([f"p{r}" for r in range(world)]),
     )
 
 
@@ -955,7 +957,8 @@ WIRE_BAD = [
     pytest.param(lambda f: GARBAGE, "varint longer than 10 bytes", id="garbage"),
     pytest.param(lambda f: f.SerializeToString()[:-1], "truncated message", id="cut-in-payload"),
     pytest.param(lambda f: header_of(f) + b"\x7a" + varint(257) + f.payload, "needs 257 bytes", id="length-past-end"),
-    pytest.param(lambda f: header_of(f)[:-1], "field 16 needs 2 bytes", id="cut-in-sender"),
+    pytest.param(lambda f: header_of(tweak(f, view_id=0))[:-1], "field 16 needs 2 bytes", id="cut-in-sender"),
+    pytest.param(lambda f: header_of(f)[:-1], "truncated message: varint", id="cut-in-view-id"),
     pytest.param(lambda f: b"\x00\x00" + f.SerializeToString(), "field number 0", id="field-0"),
     pytest.param(lambda f: f.SerializeToString() + field(20, 3, b""), "wire type 3", id="group-start"),
     pytest.param(lambda f: f.SerializeToString() + field(20, 6, b""), "wire type 6", id="wire-type-6"),

@@ -50,16 +50,16 @@ def test_empty_dir(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("mine", "others", "want"),
     [
-        ([50, 64], [(True, [50, 65]), (True, [50, 65])], 50),  # stopped one step apart: newest common step
-        ([50, 64], [(True, [50, 64]), (True, [50, 64])], 64),  # stopped together
-        ([50, 64], [(False, []), (False, [])], 64),  # the others kept training: rejoin from our newest
-        ([50, 64], [(True, [50, 65]), (False, [])], 64),  # anyone training decides it
-        ([64], [(True, [65])], None),  # nothing in common
-        ([], [(True, [10])], None),
+        ([50, 64], [[50, 65], [50, 65]], None),  # the others saved a newer state: join them
+        ([50, 65], [[50, 64], [50, 60]], 65),  # ours is the newest: resume from it
+        ([50, 64], [[50, 64], [50, 64]], 64),  # stopped together
+        ([64], [[]], 64),  # a member without checkpoints joins us
+        ([], [[10]], None),
+        ([], [[], []], None),  # nobody saved anything: a fresh start
         ([10, 20], [], 20),  # a ring of one
     ],
 )
-def test_agree_resume_step(mine: list[int], others: list[tuple[bool, list[int]]], want: int | None) -> None:
+def test_agree_resume_step(mine: list[int], others: list[list[int]], want: int | None) -> None:
     from dreamp2p.checkpoint import agree_resume_step
 
     assert agree_resume_step(mine, others) == want

@@ -51,6 +51,7 @@ cluster_id = "demo"
 listen = "0.0.0.0:7070"
 codec = "int8"
 token_env = "DP2P_TEST_TOKEN"
+allow_insecure = true
 ring = [
   { node_id = "eu-west", address = "eu.example.org:7070" },
   { node_id = "us-east", address = "us.example.org:7070" },
@@ -63,6 +64,7 @@ streams_per_link = 4
     )
     cfg = PeerConfig.from_toml(path)
     assert cfg.token == "abc"
+    assert cfg.allow_insecure and cfg.tls is None
     assert cfg.transport.rate_limit == pytest.approx(2.5e6)
     assert cfg.transport.round_timeout_s == 90.0
     assert [p.node_id for p in cfg.ring] == ["eu-west", "us-east"]

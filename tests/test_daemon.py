@@ -7,6 +7,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,8 +38,12 @@ def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
-    configs = write_configs(tmp_path, 3, rate_Bps=20e6, delay_s=0.002, sync=SYNC, task=TASK, checkpoint_every=10)
-    procs = [start_node(c) for c in configs]
+    # the run ends at a step the test writes once the restarted node is back (the others train on meanwhile)
+    task = {**TASK, "steps": 100_000}
+    configs = write_configs(tmp_path, 3, rate_Bps=20e6, delay_s=0.002, sync=SYNC, task=task, checkpoint_every=10)
+    stop_at = tmp_path / "stop-at"
+    procs = [start_node(c, stop_at_file=stop_at) for c in configs]
+    names = ("eu-west", "us-east", "ap-south")
     try:
         # everyone trains together
         assert wait_until(lambda: min(last_step(tmp_path, n) for n in ("eu-west", "us-east", "ap-south")) >= 15, 180)
@@ -84,17 +89,29 @@ def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
         ckpts = list_checkpoints(tmp_path / "us-east" / "checkpoints")
         assert ckpts and ckpts[-1].name == f"ckpt-{stop['step']:010d}.pt"
 
-        # restart with --resume: same step, same parameters, rejoins and the ring finishes the run
-        procs[1] = start_node(configs[1], resume=True)
+        # the others went on without it (the ring re-formed among the two survivors)
+        assert wait_until(lambda: min(last_step(tmp_path, n) for n in ("eu-west", "ap-south")) > stop["step"] + 20, 60)
+
+        # restart with --resume: the cluster trained on, so it joins with the live members' state and step
+        # instead of its older checkpoint, and the ring of three finishes the run together
+        procs[1] = start_node(configs[1], resume=True, stop_at_file=stop_at)
+
+        def joined() -> list[dict[str, Any]]:
+            return [r for r in read_records(tmp_path, "us-east") if r["kind"] == "join"]
+
+        assert wait_until(lambda: bool(joined()), 120)
+        join = joined()[-1]
+        assert join["resumed"] is True and join["step"] > stop["step"] + 20
+        final = max(last_step(tmp_path, n) for n in names) + 40
+        stop_at.write_text(str(final))
         for p in procs:
             assert p.wait(300) == 0
-        resume = [r for r in read_records(tmp_path, "us-east") if r["kind"] == "resume"][-1]
-        assert resume["step"] == stop["step"] and resume["digest"] == stop["digest"]
-        for name in ("eu-west", "us-east", "ap-south"):
+        for name in names:
             records = read_records(tmp_path, name)
-            assert last_step(tmp_path, name) == TASK["steps"] - 1
+            assert last_step(tmp_path, name) == final - 1
             evals = [r["eval_loss"] for r in records if r["kind"] == "eval"]
             assert evals[-1] < evals[0]
+        assert {[r for r in read_records(tmp_path, n) if r["kind"] == "stop"][-1]["step"] for n in names} == {final}
     finally:
         stop_all(procs)
 
@@ -102,12 +119,24 @@ def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_whole_cluster_stopped_steps_apart_resumes_together(tmp_path: Path) -> None:
-    """Nodes stopped at different steps (rounds aborted after the grace) agree on a common checkpoint."""
-    configs = write_configs(tmp_path, 3, rate_Bps=20e6, delay_s=0.002, sync=SYNC, task=TASK, checkpoint_every=10)
+    """Nodes stopped at different steps restart together: the newest saved state wins.
+
+    The first node stopped leaves the others training without it, so they stop later and hold newer
+    checkpoints. On restart the node(s) holding the newest one resume from it and the others join them
+    by state transfer; then all three train on together to the step the test writes.
+    """
+    task = {**TASK, "steps": 100_000}
+    configs = write_configs(tmp_path, 3, rate_Bps=20e6, delay_s=0.002, sync=SYNC, task=task, checkpoint_every=10)
     for c in configs:  # a short grace: peers that already left will not come back to finish a round
         c.write_text("stop_grace_s = 3\n" + c.read_text())
     names = ("eu-west", "us-east", "ap-south")
-    procs = [start_node(c) for c in configs]
+    stop_at = tmp_path / "stop-at"
+    procs = [start_node(c, stop_at_file=stop_at) for c in configs]
+
+    def last(n: str, kind: str) -> dict[str, Any] | None:
+        records = [r for r in read_records(tmp_path, n) if r["kind"] == kind]
+        return records[-1] if records else None
+
     try:
         assert wait_until(lambda: min(last_step(tmp_path, n) for n in names) >= 15, 180)
         procs[0].send_signal(signal.SIGTERM)
@@ -115,13 +144,30 @@ def test_whole_cluster_stopped_steps_apart_resumes_together(tmp_path: Path) -> N
         for p in procs[1:]:
             p.send_signal(signal.SIGTERM)
         assert [p.wait(120) for p in procs[1:]] == [0, 0]
-        stops = {n: [r for r in read_records(tmp_path, n) if r["kind"] == "stop"][-1]["step"] for n in names}
-        procs = [start_node(c, resume=True) for c in configs]
+        stops = {n: last(n, "stop")["step"] for n in names}  # type: ignore[index]
+        newest = max(stops.values())
+        leaders = {n for n in names if stops[n] == newest}
+        assert stops["eu-west"] < newest  # the others trained on without the first one
+
+        procs = [start_node(c, resume=True, stop_at_file=stop_at) for c in configs]
+        came_back = {n: ("resume" if n in leaders else "join") for n in names}
+        assert wait_until(lambda: all(last(n, k) is not None for n, k in came_back.items()), 180)
+        stop_at.write_text(str(max(last_step(tmp_path, n) for n in names) + 40))
         assert [p.wait(300) for p in procs] == [0, 0, 0]
-        resumed = {n: [r for r in read_records(tmp_path, n) if r["kind"] == "resume"][-1]["step"] for n in names}
-        assert len(set(resumed.values())) == 1, (stops, resumed)
-        assert resumed["eu-west"] <= min(stops.values())
-        assert all(last_step(tmp_path, n) == TASK["steps"] - 1 for n in names)
+        final = int(stop_at.read_text())
+        for n in names:
+            records = read_records(tmp_path, n)
+            if n in leaders:
+                # resumed from the newest checkpoint with exactly the parameters it saved there
+                resume = last(n, "resume")
+                assert resume is not None and resume["step"] == newest
+                saved = {r["step"]: r["digest"] for r in records if r["kind"] in ("checkpoint", "stop")}
+                assert resume["digest"] == saved[newest], n
+            else:
+                join = last(n, "join")
+                assert join is not None and join["step"] > newest and join["resumed"] is True
+                assert not [r for r in records if r["kind"] == "resume"]  # its older checkpoint was not used
+            assert last_step(tmp_path, n) == final - 1
     finally:
         stop_all(procs)
 

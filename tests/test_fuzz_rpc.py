@@ -67,6 +67,7 @@ from dreamp2p.collective.partition import all_gather_recv, reduce_scatter_recv, 
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig
 from dreamp2p.errors import RoundFailed, Status
+from dreamp2p.membership import view_id
 from dreamp2p.messages import Hello
 from dreamp2p.peer import MAX_PROBE_BYTES, MAX_ROUNDS_AHEAD, Peer
 from dreamp2p.transport import serde
@@ -150,6 +151,7 @@ ROUND_REFUSALS = {
     Status.CHECKSUM_MISMATCH,
     Status.NON_FINITE,
     Status.STALE_ROUND,
+    Status.VIEW_MISMATCH,
 }
 OVERFLOW = "reduction became non-finite"
 
@@ -752,6 +754,7 @@ def valid_frame(v: Victim, kind: str, zstd: bool, raw: bytes | None = None) -> p
         raw_length=len(raw) if zstd else 0,
         payload=payload,
         sender="p0",
+        view_id=view_id(RING),
     )
 
 

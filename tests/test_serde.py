@@ -101,3 +101,8 @@ def test_status_names_round_trip() -> None:
         assert serde.status_from_details(serde.error_details(PeerError(status, "x"))) == status
     assert serde.status_from_details("garbage") == Status.UNSPECIFIED
     assert serde.status_from_details(None) == Status.UNSPECIFIED
+
+
+def test_every_status_has_a_grpc_code() -> None:
+    # a status without one would turn a precise refusal into an internal error at the edge
+    assert set(serde.GRPC_CODE) == set(Status)

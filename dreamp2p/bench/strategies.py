@@ -54,11 +54,12 @@ def bench_strategies(
     rtt: str = "20ms",
     max_delay: int | None = None,
     codec: str = "fp32",
+    device: str = "cpu",
 ) -> dict[str, Any]:
     names = strategies or ALL
     if max_delay is None:
         max_delay = period - 1  # a sync may overlap up to a whole period of compute
-    common = {"steps": steps, "width": width, "depth": depth, "batch_size": batch, "lr": lr}
+    common = {"steps": steps, "width": width, "depth": depth, "batch_size": batch, "lr": lr, "device": device}
     sync = {"period": period, "codec": codec, "warmup_steps": 5, "control_every": 10, "max_delay": max_delay}
 
     def compute_only() -> tuple[float, list[Any]]:
@@ -66,6 +67,7 @@ def bench_strategies(
         return min(steps / r["wall_s"] for r in runs), runs
 
     compute_sps, base = compute_only()
+    log.info("compute only: %.2f steps/s", compute_sps)
     step_s = 1.0 / compute_sps
     nparams = sum(int(p.size) for p in base[0]["params"])
     model_bytes = 4 * nparams
@@ -88,11 +90,13 @@ def bench_strategies(
         exposed = sum(r["exposed_s"] for r in res)
         out[name] = {
             "steps_per_s": round(sps, 3),
-            "hidden_fraction": round(1.0 - exposed / comm, 3) if comm > 0 else 1.0,
+            # a blocking wait also covers the other peer's lateness, so exposed can exceed comm: none hidden
+            "hidden_fraction": round(max(0.0, 1.0 - exposed / comm), 3) if comm > 0 else 1.0,
             "bytes_per_step": round(sum(r["bytes_sent"] for r in res) / len(res) / steps),
             "loss_at_equal_steps": round(sum(losses[-10:]) / 10, 5),
             "plans": res[0]["plan_history"],
         }
+        log.info("%s: %.2f steps/s, hidden %.2f, loss %.5f", name, sps, out[name]["hidden_fraction"], losses[-1])
     # measured again at the end: on a shared machine the faster of the two is the fair reference
     compute_sps = max(compute_sps, compute_only()[0])
     for row in out.values():
@@ -121,6 +125,8 @@ def bench_strategies(
             "steps": steps,
             "codec": codec,
             "max_delay": max_delay,
+            "device": device,
+            "lr": lr,
         },
         "target_loss": round(target, 5) if target is not None else None,
     }

@@ -69,9 +69,15 @@ def train_job(
     flush: bool = False,
     quiet_steps: int = 0,
     step_sleep: float = 0.0,
+    step_times: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Train the student with ``strategy``; report losses, stats, plans and a parameter digest."""
-    model = student(width, depth, seed=rank)  # different inits on purpose: attach broadcasts rank 0's
+    """Train the student with ``strategy``; report losses, stats, plans and a parameter digest.
+
+    ``device="cuda"`` trains on the GPU (batches are made on the host and uploaded, as a loader would).
+    """
+    # different inits on purpose: attach broadcasts rank 0's
+    model = student(width, depth, seed=rank).to(device)
     opt: torch.optim.Optimizer
     if optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -80,11 +86,12 @@ def train_job(
     s = node.attach(model, opt, strategy=strategy, **(sync or {}))
     init_digest = param_digest(model)
     losses = []
+    stamps: list[float] = []
     t0 = time.perf_counter()
     for step in range(steps):
         if slow_at is not None and step == slow_at:
             node.comm.set_rate_limit(slow_rate)
-        x, y = batch(rank, step, batch_size)
+        x, y = (t.to(device, non_blocking=True) for t in batch(rank, step, batch_size))
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         if step_sleep:
@@ -92,13 +99,15 @@ def train_job(
         s.step()
         s.zero_grad()
         losses.append(loss.item())
+        if step_times:
+            stamps.append(time.time())  # wall clock: comparable with the parent's fault timeline
     wall = time.perf_counter() - t0
     trained_digest = param_digest(model)
     # a full period with no further local progress: only synchronization changes the parameters now
     for group in opt.param_groups:
         group["lr"] = 0.0
     for step in range(steps, steps + quiet_steps):
-        x, y = batch(rank, step, batch_size)
+        x, y = (t.to(device) for t in batch(rank, step, batch_size))
         nn.functional.mse_loss(model(x), y).backward()
         s.step()
         s.zero_grad()
@@ -120,6 +129,9 @@ def train_job(
         "bytes_sent": tot.bytes_sent,
         "hidden_fraction": tot.hidden_fraction,
         "plan_history": list(getattr(s, "plan_history", [])),
+        "step_times": stamps,
+        "view_changes": node.comm.peer.view_changes,
+        "rounds_skipped": s.rounds_skipped,
     }
 
 

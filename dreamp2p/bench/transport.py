@@ -27,7 +27,7 @@ import xxhash
 from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig, parse_rate
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.launch import enter_netns
-from dreamp2p.messages import DType, Frame, Hello, PeerStatus, Phase
+from dreamp2p.messages import DType, Frame, Hello, PeerStatus, Phase, Vote
 from dreamp2p.schedule.chunking import choose_chunk_bytes
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,9 @@ class SinkBackend:
     def note_probe(self, sender: str, nbytes: int) -> None:
         pass
 
+    def vote(self, v: Vote) -> None:
+        raise PeerError(Status.UNKNOWN_PEER, "the transport benchmark's sink takes part in no rounds")
+
     def status(self) -> PeerStatus:
         return PeerStatus("sink", "bench", 1, (), (), 0, 0, 0)
 
@@ -103,7 +106,9 @@ def _receiver(conn: mp.connection.Connection, host: str, netns: str | None, cfg:
         from dreamp2p.transport.server import build_server
 
         sink = SinkBackend(cfg.max_message_bytes - (64 << 10))
-        server, port = build_server(PeerConfig(node_id="sink", listen=f"{host}:0", transport=cfg), sink)
+        # the sink may listen in a network namespace of this machine (--netns): a private link, no TLS
+        sink_cfg = PeerConfig(node_id="sink", listen=f"{host}:0", transport=cfg, allow_insecure=True)
+        server, port = build_server(sink_cfg, sink)
         await server.start()
         conn.send(port)
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)

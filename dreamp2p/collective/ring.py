@@ -8,6 +8,12 @@ Lossy codecs: partial sums are always accumulated in fp32. The owner of a fully 
 encodes the mean once and replaces its own copy by the decoded bytes; all-gather forwards those exact
 bytes, so every peer ends with bit-identical values.
 
+Per-link codecs (bandwidth-aware compression, arXiv 2408.14736; the choice is made by
+``dreamp2p.schedule.linkcodec``): a peer may encode its reduce-scatter frames with the codec chosen for
+its outgoing link, and owners encode all-gather frames with the codec of the ring's slowest link. Every
+frame names its codec and is decoded by it; receivers accept any of the round's allowed codecs, and the
+segment/chunk layout is aligned to all of their blocks so that any of them can encode any chunk.
+
 This module is protocol only: it knows nothing of gRPC. Frames leave through an :class:`OutStream` and
 arrive through :meth:`RingRound.deliver`, which validates every field before touching the buffer.
 """
@@ -18,6 +24,7 @@ import asyncio
 import bisect
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -76,10 +83,56 @@ class RoundSpec:
     max_payload: int = 64 << 20
     contributes: bool = True  # False: our buffer is zeros standing in for a refused contribution
     view_id: int = 0  # hash of the member list this round runs among; frames must carry the same
+    # Per-link codecs (all default to ``codec``: one codec for the whole round, as before).
+    send_codec: Codec | None = None  # reduce-scatter frames we send: the codec of our outgoing link
+    gather_codec: Codec | None = None  # all-gather frames of the segment we own: cross every ring link
+    # Wire ids accepted on received frames besides ``codec``. Every member must pass the same set: the
+    # segment layout is aligned to all of their blocks (see :func:`round_block`).
+    allowed_codecs: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for i in self.allowed_codecs:
+            if i != self.codec.wire_id:
+                get_codec(i)  # UnknownCodecError (a ValueError) for an id no peer could decode
+        accepted = self.accepted_codecs
+        for field, c in (("send_codec", self.send_codec), ("gather_codec", self.gather_codec)):
+            if c is not None and c.wire_id not in accepted:
+                # our successor would refuse every frame we send
+                raise ValueError(f"{field} {c.name} is not among the round's accepted codecs {sorted(accepted)}")
 
     @property
     def key(self) -> tuple[int, int]:
         return (self.group_id, self.round_id)
+
+    @property
+    def rs_codec(self) -> Codec:
+        """Codec of the reduce-scatter frames this peer sends."""
+        return self.send_codec or self.codec
+
+    @property
+    def ag_codec(self) -> Codec:
+        """Codec of the all-gather frames this peer originates (its own segment's mean)."""
+        return self.gather_codec or self.codec
+
+    @property
+    def accepted_codecs(self) -> frozenset[int]:
+        """Wire ids a received frame may carry."""
+        return frozenset((self.codec.wire_id, *self.allowed_codecs))
+
+    @property
+    def block(self) -> int:
+        """Element alignment of the round's segments and chunks."""
+        return round_block(self.codec, self.allowed_codecs)
+
+
+def round_block(codec: Codec, allowed_codecs: tuple[int, ...] = ()) -> int:
+    """Alignment that suits every accepted codec: the LCM of their blocks (``codec.block`` alone by default).
+
+    Chunks start at multiples of it, so a blockwise codec quantizes each chunk exactly as it would inside
+    the whole segment, whichever accepted codec a sender picks.
+    """
+    blocks = [get_codec(i).block for i in allowed_codecs if i != codec.wire_id]
+    return math.lcm(codec.block, *blocks)
 
 
 class RingRound:
@@ -93,7 +146,12 @@ class RingRound:
         self.spec = spec
         self.acc = buffer
         self.out = out
-        self.segments: list[Segment] = split_segments(buffer.numel(), spec.world, spec.codec.block)
+        self._block = spec.block
+        # decoders by wire id; the spec's own codec objects win, so they need not be registered
+        self._codecs: dict[int, Codec] = {i: get_codec(i) for i in spec.accepted_codecs if i != spec.codec.wire_id}
+        for c in (spec.codec, spec.rs_codec, spec.ag_codec):
+            self._codecs[c.wire_id] = c
+        self.segments: list[Segment] = split_segments(buffer.numel(), spec.world, self._block)
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # per (phase, step): sorted chunk starts and their lengths, to refuse overlaps and duplicates
         self._starts: dict[tuple[Phase, int], list[int]] = {}
@@ -120,7 +178,7 @@ class RingRound:
             return
         seg = self.segments[reduce_scatter_send(spec.rank, spec.world, 0)]
         assert self.out is not None
-        for chunk in split_chunks(seg, spec.chunk_elems, spec.codec.block):
+        for chunk in split_chunks(seg, spec.chunk_elems, self._block):
             if self.done.done():
                 return
             frame = self._encode_frame(
@@ -135,17 +193,26 @@ class RingRound:
         return 0 if self.spec.contributes else 1
 
     def _encode_frame(self, phase: Phase, step: int, segment: int, start: int, length: int, excluded: int = 0) -> Frame:
-        spec = self.spec
-        raw = bytes(spec.codec.encode(self.acc[start : start + length]).numpy())
-        return self._frame(phase, step, segment, start, length, raw, excluded)
+        """A reduce-scatter frame of our partial sum, in our outgoing link's codec."""
+        codec = self.spec.rs_codec
+        raw = bytes(codec.encode(self.acc[start : start + length]).numpy())
+        return self._frame(phase, step, segment, start, length, raw, codec, excluded)
 
     def _frame(
-        self, phase: Phase, step: int, segment: int, start: int, length: int, raw: bytes, excluded: int = 0
+        self,
+        phase: Phase,
+        step: int,
+        segment: int,
+        start: int,
+        length: int,
+        raw: bytes,
+        codec: Codec,
+        excluded: int = 0,
     ) -> Frame:
         spec = self.spec
         raw_length = len(raw)
         if spec.zstd is not None:
-            payload = spec.zstd.compress(raw, spec.codec.itemsize)
+            payload = spec.zstd.compress(raw, codec.itemsize)
             use_zstd = len(payload) < raw_length
             if not use_zstd:
                 payload = raw
@@ -160,7 +227,7 @@ class RingRound:
             segment_index=segment,
             chunk_offset=start,
             chunk_length=length,
-            codec=spec.codec.wire_id,
+            codec=codec.wire_id,
             dtype=spec.dtype,
             element_count=self.acc.numel(),
             checksum=checksum(payload),
@@ -182,8 +249,8 @@ class RingRound:
         spec = self.spec
         if self.done.done():
             raise PeerError(Status.STALE_ROUND, f"round {spec.round_id} of group {spec.group_id} already ended")
-        raw, chunk_start, length = self._validate(frame)
-        decoded = self._decode(raw, length)
+        raw, chunk_start, length, codec = self._validate(frame)
+        decoded = self._decode(codec, raw, length)
         self._mark(frame.phase, frame.ring_step, chunk_start, length)
         self.bytes_received += len(frame.payload)
         try:
@@ -212,13 +279,15 @@ class RingRound:
                     raise NonFiniteError("every peer's contribution was refused at its source")
                 self.contributors = min(self.contributors, contributors)
                 view.div_(contributors)
-                out_raw = bytes(spec.codec.encode(view).numpy())
-                if not spec.codec.lossless:
+                # these bytes cross every ring link, so they use the slowest link's codec
+                gather = spec.ag_codec
+                out_raw = bytes(gather.encode(view).numpy())
+                if not gather.lossless:
                     # keep exactly what every other peer will decode
-                    spec.codec.decode(out_raw, length, out=view)
+                    gather.decode(out_raw, length, out=view)
                 seg = all_gather_send(spec.rank, spec.world, 0)
                 # all-gather frames tell everyone how many peers the mean is over
-                self._forward(self._frame(Phase.ALL_GATHER, 0, seg, chunk_start, length, out_raw, excluded))
+                self._forward(self._frame(Phase.ALL_GATHER, 0, seg, chunk_start, length, out_raw, gather, excluded))
         else:
             view.copy_(decoded)
             self.contributors = min(self.contributors, spec.world - frame.excluded)
@@ -232,7 +301,7 @@ class RingRound:
         self.bytes_sent += len(frame.payload)
         self.out.forward(frame)
 
-    def _validate(self, f: Frame) -> tuple[bytes | memoryview, int, int]:
+    def _validate(self, f: Frame) -> tuple[bytes | memoryview, int, int, Codec]:
         spec = self.spec
         if f.view_id != spec.view_id:
             raise PeerError(
@@ -249,12 +318,16 @@ class RingRound:
             raise PeerError(
                 Status.BAD_FRAME, f"element_count {f.element_count} but group buffer has {self.acc.numel()}"
             )
-        if f.codec != spec.codec.wire_id:
+        codec = self._codecs.get(f.codec)
+        if codec is None:
             try:
                 other = get_codec(f.codec).name
             except UnknownCodecError:
                 raise PeerError(Status.UNKNOWN_CODEC, f"unknown codec id {f.codec}") from None
-            raise PeerError(Status.BAD_FRAME, f"codec {other} but round uses {spec.codec.name}")
+            detail = f"codec {other} but round uses {spec.codec.name}"
+            if len(self._codecs) > 1:
+                detail += f" and accepts only {', '.join(self._codecs[i].name for i in sorted(self._codecs))}"
+            raise PeerError(Status.BAD_FRAME, detail)
         if f.dtype != spec.dtype:
             raise PeerError(Status.BAD_FRAME, f"dtype {f.dtype.name} but round uses {spec.dtype.name}")
         if f.ring_step >= spec.world - 1:
@@ -275,7 +348,8 @@ class RingRound:
                 f"segment {f.segment_index} at {f.phase.name} step {f.ring_step}; expected segment {want}",
             )
         seg = self.segments[want]
-        block = spec.codec.block
+        # the round's block, not the frame codec's: chunk boundaries are the same whoever encoded them
+        block = self._block
         if f.chunk_length == 0 or f.chunk_offset < seg.start or f.chunk_offset + f.chunk_length > seg.stop:
             raise PeerError(
                 Status.BAD_FRAME,
@@ -289,7 +363,7 @@ class RingRound:
         self._check_overlap(f.phase, f.ring_step, f.chunk_offset, f.chunk_length)
         if checksum(f.payload) != f.checksum:
             raise PeerError(Status.CHECKSUM_MISMATCH, f"payload checksum mismatch ({len(f.payload)} bytes)")
-        need = spec.codec.encoded_nbytes(f.chunk_length)
+        need = codec.encoded_nbytes(f.chunk_length)
         raw: bytes | memoryview
         if f.zstd:
             if spec.zstd is None:
@@ -297,25 +371,24 @@ class RingRound:
             if f.raw_length != need:
                 raise PeerError(Status.BAD_FRAME, f"raw_length {f.raw_length}, expected {need}")
             try:
-                raw = spec.zstd.decompress(f.payload, need, spec.codec.itemsize, spec.max_payload)
+                raw = spec.zstd.decompress(f.payload, need, codec.itemsize, spec.max_payload)
             except CodecError as exc:
                 raise PeerError(Status.BAD_FRAME, f"zstd: {exc}") from None
         else:
             if len(f.payload) != need:
                 raise PeerError(
                     Status.BAD_FRAME,
-                    f"payload of {len(f.payload)} bytes for {f.chunk_length} {spec.codec.name} elements; "
-                    f"expected {need}",
+                    f"payload of {len(f.payload)} bytes for {f.chunk_length} {codec.name} elements; expected {need}",
                 )
             raw = f.payload
-        return raw, f.chunk_offset, f.chunk_length
+        return raw, f.chunk_offset, f.chunk_length, codec
 
-    def _decode(self, raw: bytes | memoryview, length: int) -> torch.Tensor:
+    def _decode(self, codec: Codec, raw: bytes | memoryview, length: int) -> torch.Tensor:
         if self._scratch.numel() < length:
             self._scratch = torch.empty(length, dtype=torch.float32)
         out = self._scratch[:length]
         try:
-            return self.spec.codec.decode(raw, length, out=out)
+            return codec.decode(raw, length, out=out)
         except NonFiniteError as exc:
             raise PeerError(Status.NON_FINITE, str(exc)) from None
         except CodecError as exc:

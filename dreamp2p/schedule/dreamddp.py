@@ -686,9 +686,7 @@ def _plan_from_jobs(jobs: list[_Job], prof: _Profile, H: int, version: int, effe
 # ------------------------------------------------------------------------------------------------- public API
 
 
-def even_plan(
-    costs: Sequence[LayerCost], H: int, version: int = 0, effective_step: int = 0, delay: int = 0
-) -> Plan:
+def even_plan(costs: Sequence[LayerCost], H: int, version: int = 0, effective_step: int = 0, delay: int = 0) -> Plan:
     """PLSGD baseline and warm-up plan: ceil(L/H) contiguous backward-order layers per iteration, no timing.
 
     Each iteration's layers form one sync with ``start_s = comm_s = 0`` and no predicted wait; iterations

@@ -90,6 +90,7 @@ class Strategy(abc.ABC):
         self.layers: list[Layer] = discover_layers(model)
         self.params: list[nn.Parameter] = [p for layer in self.layers for p in layer.params]
         self.step_count = 0
+        self.rounds_skipped = 0
         self.totals = Totals()
         self._last_end = time.perf_counter()
         self._stats = StepStats(0)
@@ -111,6 +112,14 @@ class Strategy(abc.ABC):
         self.step_count += 1
         self._last_end = end
         self.comm.peer.training = self._training_info()
+        donor = self.comm.peer.state_donor
+        if donor is not None and donor.wanted:
+            # a joining member waits for our state: between two steps it is consistent, so capture it now
+            try:
+                donor.publish(self.state_dict(), self.step_count)
+            except (TypeError, ValueError):
+                # a state the transfer cannot encode must not stop training; the joiner's request times out
+                log.exception("cannot offer the training state of step %d to a joining member", self.step_count)
         return stats
 
     def _training_info(self) -> TrainingInfo:
@@ -118,6 +127,18 @@ class Strategy(abc.ABC):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def plan_version(self) -> int:
+        """Version of the synchronization plan in force (only planned strategies have more than one)."""
+        return self._training_info().plan_version
+
+    def jump_to(self, step: int) -> None:
+        """Continue at ``step`` (a node joining a running cluster starts where the others are)."""
+        if step < self.step_count:
+            raise ValueError(f"cannot jump back from step {self.step_count} to {step}")
+        self.step_count = step
+        self._rearm()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -161,6 +182,9 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def _step(self) -> None: ...
 
+    def _rearm(self) -> None:  # noqa: B027 - strategies without per-step schedule state need nothing
+        """Prepare the schedule of ``step_count`` again after it changed from outside."""
+
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
@@ -181,6 +205,21 @@ class Strategy(abc.ABC):
         self._stats.exposed_s += time.perf_counter() - t0
         self._landed(res)
         return res
+
+    def _try_wait(
+        self, fut: concurrent.futures.Future[RoundResult], timeout: float | None = None
+    ) -> RoundResult | None:
+        """Like :meth:`_wait`, but a failed round is skipped (None) instead of raised.
+
+        Rounds are all-or-none across the members (see `dreamp2p.peer`), so skipping one keeps every
+        replica consistent: nobody applied it. Used by strategies that carry on when a member dies.
+        """
+        try:
+            return self._wait(fut, timeout)
+        except RoundFailed as exc:
+            self.rounds_skipped += 1
+            log.warning("step %d: %s; carrying on without it", self.step_count, exc)
+            return None
 
     def _landed(self, res: RoundResult) -> None:
         self._stats.comm_s += res.seconds

@@ -28,12 +28,13 @@ T = TypeVar("T")
 class CommThread:
     """A started :class:`Peer` living on a private event loop thread."""
 
-    def __init__(self, config: PeerConfig) -> None:
+    def __init__(self, config: PeerConfig, ready: bool = True) -> None:
         self.config = config
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=f"dreamp2p-{config.node_id}", daemon=True)
         self._thread.start()
         self.peer = Peer(config)
+        self.peer.ready = ready  # before the server starts: a joiner takes part in no round before it has state
         self.port = self.call(self.peer.start())
 
     def _run(self) -> None:
@@ -50,16 +51,23 @@ class CommThread:
     def address(self) -> str:
         return self.peer.address
 
-    def connect(self, ring: Sequence[PeerInfo] | None = None, timeout: float | None = None) -> None:
-        self.call(self.peer.connect(ring, timeout))
+    def connect(
+        self, ring: Sequence[PeerInfo] | None = None, timeout: float | None = None, require_all: bool = True
+    ) -> None:
+        self.call(self.peer.connect(ring, timeout, require_all))
 
     @property
     def rank(self) -> int:
-        return [p.node_id for p in self.peer.ring].index(self.config.node_id)
+        """Our position among the members alive now (the ring the next round runs among)."""
+        return self.members.index(self.config.node_id)
 
     @property
     def world(self) -> int:
-        return len(self.peer.ring)
+        return len(self.members)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self.peer.view or tuple(p.node_id for p in self.peer.ring)
 
     def allreduce(
         self,

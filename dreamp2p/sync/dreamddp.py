@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from dreamp2p.compression import get_codec
+from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import TrainingInfo
 from dreamp2p.peer import RoundResult
 from dreamp2p.schedule.cost import LayerCost, LinkModel
@@ -111,7 +112,8 @@ class DreamDDP(Strategy):
         self._layer_of = {id(p): layer.index for layer in self.layers for p in layer.params}
         self._armed: dict[int, set[int]] = {}
         self._pending: dict[int, int] = {}
-        self._control: tuple[int, concurrent.futures.Future[RoundResult], FlatGroup] | None = None
+        # (landing step, round, buffer, members it was packed for)
+        self._control: tuple[int, concurrent.futures.Future[RoundResult], FlatGroup, int] | None = None
         self._basis_bw = math.nan
         self._changed = 0
         self.last_gathered: Gathered | None = None
@@ -163,8 +165,8 @@ class DreamDDP(Strategy):
         for inf in [f for f in self._inflight if f.key == key]:
             # still travelling from the previous period: it must land before its buffers are reused
             self._inflight.remove(inf)
-            self._wait(inf.fut)
-            self._merge(inf)
+            if self._try_wait(inf.fut) is not None:
+                self._merge(inf)
         group = self._groups.get(key)
         if group is None:
             group = FlatGroup([p for li in sync.layers for p in self.layers[li].params], pin=self.pin)
@@ -209,8 +211,9 @@ class DreamDDP(Strategy):
         self._armed.clear()
         for inf in [f for f in self._inflight if f.land_step <= t]:
             self._inflight.remove(inf)
-            self._wait(inf.fut)
-            self._merge(inf)
+            # a failed round failed on every member (all-or-none): the layers keep their local values
+            if self._try_wait(inf.fut) is not None:
+                self._merge(inf)
         self.optimizer.step()
         self._stats.plan_version = self.plan.version
         if self.profiler.active:
@@ -227,23 +230,25 @@ class DreamDDP(Strategy):
     def _control_round(self, t: int) -> None:
         cfg = self.cfg
         if self._control is not None and self._control[0] <= t:
-            _, fut, gathered = self._control
+            _, fut, gathered, world = self._control
             self._control = None
-            self._wait(fut)
-            self._on_gathered(unpack_control(gathered.work, self.comm.world, self._blank), t)
+            if self._try_wait(fut) is not None:
+                self._on_gathered(unpack_control(gathered.work, world, self._blank), t)
         start = max(cfg.warmup_steps, 1)
         if self._control is None and t >= start and (t - start) % cfg.control_every == 0:
             links = {s.peer: s for s in self.comm.links()}
-            ring = [p.node_id for p in self.comm.peer.ring]
-            succ = ring[(self.comm.rank + 1) % len(ring)] if len(ring) > 1 else None
+            ring = list(self.comm.members)
+            succ = ring[(ring.index(self.comm.config.node_id) + 1) % len(ring)] if len(ring) > 1 else None
             snap = links.get(succ) if succ else None
             bw = snap.goodput_Bps if snap is not None and snap.goodput_Bps > 0 else math.nan
             rtt = snap.rtt_s if snap is not None and snap.rtt_s > 0 else math.nan
             costs = self.profiler.costs() if self.profiler.steps else self._blank
-            group = FlatGroup([pack_control(self.comm.rank, self.comm.world, bw, rtt, costs)])
+            members = self.comm.members
+            world, rank = len(members), members.index(self.comm.config.node_id)
+            group = FlatGroup([pack_control(rank, world, bw, rtt, costs)])
             group.snapshot()
             fut = self.comm.allreduce_group(group, GROUP_CONTROL, "fp32", round_id=self._round(), guard_norm=False)
-            self._control = (t + cfg.control_lead, fut, group)
+            self._control = (t + cfg.control_lead, fut, group, world)
 
     def _on_gathered(self, g: Gathered, t: int) -> None:
         """Same inputs on every peer at the same step: the same decision everywhere."""
@@ -280,6 +285,9 @@ class DreamDDP(Strategy):
         self._changed = 0
         log.info("plan v%d computed at step %d from bw %.3g B/s rtt %.3g s", version, t, g.bandwidth_Bps, g.rtt_s)
 
+    def _rearm(self) -> None:
+        self._arm(self.step_count)
+
     def _training_info(self) -> TrainingInfo:
         return TrainingInfo(self.name, self.step_count, self.plan.version, self.plan.effective_step, plan_summary(self))
 
@@ -290,12 +298,14 @@ class DreamDDP(Strategy):
 
     def close(self, timeout: float | None = None) -> None:
         for inf in list(self._inflight):
-            self._wait(inf.fut, timeout)
-            self._merge(inf)
             self._inflight.remove(inf)
+            # a failed round failed on every member (all-or-none): the layers keep their local values
+            if self._try_wait(inf.fut, timeout) is not None:
+                self._merge(inf)
         if self._control is not None:
             # finish the control round but keep it: its result is used at its landing step, as on every peer
-            self._wait(self._control[1], timeout)
+            if self._try_wait(self._control[1], timeout) is None:
+                self._control = None  # failed everywhere: no member will use it
 
     def abandon(self) -> None:
         self._inflight.clear()
@@ -311,9 +321,13 @@ class DreamDDP(Strategy):
             "outer": {li: (theta.clone(), mom.clone()) for li, (theta, mom) in self._outer.items()},
         }
         if self._control is not None:
-            land, fut, group = self._control
-            fut.result(self.cfg.round_timeout_s)
-            state["control"] = {"land": land, "mean": group.work.clone()}
+            land, fut, group, world = self._control
+            try:
+                fut.result(self.cfg.round_timeout_s)
+                state["control"] = {"land": land, "mean": group.work.clone(), "world": world}
+            except RoundFailed:
+                pass  # failed everywhere (all-or-none): no member will use it
+
         return state
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
@@ -332,5 +346,5 @@ class DreamDDP(Strategy):
                 group.work.copy_(control["mean"])
                 done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
                 done.set_result(RoundResult(GROUP_CONTROL, 0, 0.0, 0, 0, group.numel, "fp32", 0))
-                self._control = (int(control["land"]), done, group)
+                self._control = (int(control["land"]), done, group, int(control.get("world", self.comm.world)))
             self._arm(self.step_count)

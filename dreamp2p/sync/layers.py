@@ -92,8 +92,14 @@ class FlatGroup:
                 n = p.numel()
                 avg = self.work[offset : offset + n].view(p.shape)
                 snap = self.snap[offset : offset + n].view(p.shape)
-                local = p.detach().to("cpu", torch.float32) - snap
-                p.copy_((avg + local).to(p.device, p.dtype, non_blocking=True))
+                if p.device.type == "cpu":
+                    p.copy_(avg + (p.detach().to(torch.float32) - snap))
+                else:
+                    # on the accelerator: two uploads from (pinned) host memory, queued on the current stream
+                    # and so done before the next snapshot's event; no download, no host sync
+                    avg_d = avg.to(p.device, non_blocking=True)
+                    snap_d = snap.to(p.device, non_blocking=True)
+                    p.copy_(avg_d + (p.detach().to(torch.float32) - snap_d))
                 offset += n
 
     def read(self, target: torch.Tensor) -> None:

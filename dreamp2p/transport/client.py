@@ -21,6 +21,7 @@ from grpc import aio
 from dreamp2p.config import PeerInfo, TLSConfig, TransportConfig
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import Frame, Hello, PeerStatus
+from dreamp2p.state.meta import StateManifest, StateRange
 from dreamp2p.transport import serde
 from dreamp2p.transport.auth import token_metadata
 from dreamp2p.transport.limiter import TokenBucket
@@ -119,18 +120,34 @@ class Link:
             raise rpc_error(exc) from None
         return serde.status_from_proto(reply)
 
-    async def vote(self, group_id: int, round_id: int, view_id: int, timeout: float) -> None:
-        """Tell this member that our part of a round finished (all-or-none application, see Peer)."""
+    async def vote(self, group_id: int, round_id: int, view_id: int, commit: bool, timeout: float) -> None:
+        """Tell this member how our part of a round ended (all-or-none application, see Peer)."""
         if self.delay_s:  # the emulated link delays the vote like any other message
             await asyncio.sleep(self.delay_s)
         try:
             await self._stubs[0].Vote(
-                serde.vote_request(self.me, group_id, round_id, view_id),
+                serde.vote_request(self.me, group_id, round_id, view_id, commit),
                 timeout=max(0.05, timeout),
                 metadata=self._metadata,
             )
         except aio.AioRpcError as exc:
             raise rpc_error(exc) from None
+
+    async def heartbeat(self, timeout: float) -> float:
+        """A tiny echo with a short deadline (failure detection); returns and records the RTT.
+
+        Raises PeerError; a refused connection comes back as UNAVAILABLE right away.
+        """
+        t0 = time.perf_counter()
+        try:
+            await self._stubs[0].Probe(
+                serde.probe_request(next(_nonces), b"", 0, self.me), timeout=timeout, metadata=self._metadata
+            )
+        except aio.AioRpcError as exc:
+            raise rpc_error(exc) from None
+        rtt = time.perf_counter() - t0 + 2 * self.delay_s
+        self.stats.observe_rtt(rtt)
+        return rtt
 
     async def _timed_probe(self, burst: bytes) -> float:
         """Seconds for one Probe call carrying ``burst``, as the (emulated) link would take it."""
@@ -176,6 +193,41 @@ class Link:
 
     async def close(self) -> None:
         await asyncio.gather(*(ch.close(grace=None) for ch in self._channels), return_exceptions=True)
+
+    async def state_manifest(self, timeout: float) -> StateManifest:
+        """The state snapshot this peer offers; it may wait up to ``timeout`` for its trainer to publish one."""
+        try:
+            reply = await self._stubs[0].GetStateManifest(
+                serde.state_manifest_request(self.me), timeout=max(0.05, timeout), metadata=self._metadata
+            )
+        except aio.AioRpcError as exc:
+            raise rpc_error(exc) from None
+        return serde.state_manifest_from_proto(reply)
+
+    async def fetch_state_range(self, snapshot_id: int, tensor: str, offset: int, length: int, timeout: float) -> bytes:
+        """Bytes ``[offset, offset + length)`` of one snapshot tensor; PeerError unless exactly those arrive."""
+        request = serde.state_chunk_request(StateRange(self.me, snapshot_id, tensor, offset, length))
+        call = self._stubs[0].FetchState(request, timeout=max(0.05, timeout), metadata=self._metadata)
+        parts: list[bytes] = []
+        got = 0
+        try:
+            async for chunk in call:
+                at, data = serde.state_chunk_from_proto(chunk)
+                if at != offset + got:
+                    raise PeerError(Status.BAD_FRAME, f"state chunk at offset {at}, expected {offset + got}")
+                if got + len(data) > length:
+                    raise PeerError(Status.OVERSIZE, f"donor sent more than the {length} bytes requested")
+                parts.append(data)
+                got += len(data)
+                self.stats.bytes_received += len(data)
+        except aio.AioRpcError as exc:
+            raise rpc_error(exc) from None
+        finally:
+            call.cancel()  # a no-op once the stream ended; stops it when we refuse what it sends
+        if got != length:
+            raise PeerError(Status.BAD_FRAME, f"state stream ended after {got} of {length} bytes")
+        self.stats.last_activity = time.monotonic()
+        return b"".join(parts)
 
 
 class OutboundStream:

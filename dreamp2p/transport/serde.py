@@ -11,7 +11,18 @@ from typing import Any
 import grpc
 
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, Phase, TrainingInfo
+from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, Phase, TrainingInfo, Vote
+from dreamp2p.state.meta import (
+    MAX_RANGE_BYTES,
+    MAX_SKELETON_BYTES,
+    MAX_TENSORS,
+    MAX_TOTAL_BYTES,
+    StateManifest,
+    StateRange,
+    TensorMeta,
+    check_manifest,
+    check_name,
+)
 from dreamp2p.v1 import peer_pb2 as pb
 
 # Application status -> the standard gRPC code a generic client understands.
@@ -35,6 +46,7 @@ GRPC_CODE: dict[Status, grpc.StatusCode] = {
     Status.NEEDS_HANDSHAKE: grpc.StatusCode.FAILED_PRECONDITION,
     Status.VIEW_MISMATCH: grpc.StatusCode.ABORTED,
     Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Status.JOINING: grpc.StatusCode.UNAVAILABLE,
 }
 
 # Prefix of every error detail string, so clients can recover the application status from it.
@@ -348,17 +360,123 @@ def probe_response(nonce: int, received: int, reply_bytes: int) -> pb.ProbeRespo
     return pb.ProbeResponse(nonce=nonce, received_bytes=received, burst=bytes(reply_bytes))
 
 
-def vote_request(sender: str, group_id: int, round_id: int, view_id: int) -> pb.VoteRequest:
-    return pb.VoteRequest(sender=sender, group_id=group_id, round_id=round_id, view_id=view_id)
+def vote_request(sender: str, group_id: int, round_id: int, view_id: int, commit: bool) -> pb.VoteRequest:
+    return pb.VoteRequest(sender=sender, group_id=group_id, round_id=round_id, view_id=view_id, commit=commit)
 
 
-def vote_from_proto(m: pb.VoteRequest) -> tuple[str, int, int, int]:
+def vote_from_proto(m: pb.VoteRequest) -> Vote:
     if not m.sender:
         raise PeerError(Status.BAD_FRAME, "vote without a sender")
     if m.round_id == 0:
         raise PeerError(Status.BAD_FRAME, "vote for round 0")
-    return m.sender, m.group_id, m.round_id, m.view_id
+    return Vote(m.sender, m.group_id, m.round_id, m.view_id, m.commit)
 
 
 def push_ack(frames: int, payload_bytes: int) -> pb.PushAck:
     return pb.PushAck(status=pb.STATUS_OK, frames=frames, payload_bytes=payload_bytes)
+
+
+# ------------------------------------------------------------------ state transfer (see dreamp2p.state)
+
+# Bounds a sender id, so a request cannot make us log or look up megabytes.
+_MAX_SENDER_CHARS = 256
+# StateChunk: offset is field 1 (varint), data is field 2 (length-delimited).
+_CHUNK_OFFSET_TAG = bytes([(1 << 3) | 0])
+_CHUNK_DATA_TAG = bytes([(2 << 3) | 2])
+
+
+def _state_sender(sender: str) -> str:
+    if not sender:
+        raise PeerError(Status.BAD_FRAME, "state request without a sender")
+    if len(sender) > _MAX_SENDER_CHARS:
+        raise PeerError(Status.BAD_FRAME, f"sender id of {len(sender)} characters exceeds {_MAX_SENDER_CHARS}")
+    return sender
+
+
+def state_manifest_request(sender: str) -> pb.StateManifestRequest:
+    return pb.StateManifestRequest(sender=sender)
+
+
+def state_manifest_request_from_proto(m: pb.StateManifestRequest) -> str:
+    """The validated sender of a manifest request."""
+    return _state_sender(m.sender)
+
+
+def state_manifest_to_proto(manifest: StateManifest, manifest_hash: bytes) -> pb.StateManifest:
+    return pb.StateManifest(
+        status=pb.STATUS_OK,
+        snapshot_id=manifest.snapshot_id,
+        step=manifest.step,
+        skeleton=manifest.skeleton,
+        tensors=[
+            pb.TensorEntry(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes, sha256=t.sha256)
+            for t in manifest.tensors
+        ],
+        manifest_hash=manifest_hash,
+    )
+
+
+def state_manifest_from_proto(m: pb.StateManifest) -> StateManifest:
+    """Structural validation of a donor's manifest (names, dtypes, shapes, sizes, hashes, bounds)."""
+    if m.status != pb.STATUS_OK:
+        try:
+            status = Status(m.status)
+        except ValueError:
+            status = Status.UNSPECIFIED
+        raise PeerError(status, f"donor refused: {m.detail[:200]}")
+    if len(m.skeleton) > MAX_SKELETON_BYTES:
+        raise PeerError(Status.OVERSIZE, f"state skeleton of {len(m.skeleton)} bytes exceeds {MAX_SKELETON_BYTES}")
+    if len(m.tensors) > MAX_TENSORS:
+        raise PeerError(Status.OVERSIZE, f"state manifest lists {len(m.tensors)} tensors, more than {MAX_TENSORS}")
+    manifest = StateManifest(
+        snapshot_id=m.snapshot_id,
+        step=m.step,
+        skeleton=bytes(m.skeleton),
+        tensors=tuple(
+            TensorMeta(e.name, e.dtype, tuple(int(d) for d in e.shape), e.nbytes, bytes(e.sha256)) for e in m.tensors
+        ),
+        manifest_hash=bytes(m.manifest_hash),
+    )
+    try:
+        check_manifest(manifest)
+    except ValueError as exc:
+        raise PeerError(Status.BAD_FRAME, f"malformed state manifest: {exc}") from None
+    return manifest
+
+
+def state_chunk_request(r: StateRange) -> pb.StateChunkRequest:
+    return pb.StateChunkRequest(
+        sender=r.sender, snapshot_id=r.snapshot_id, tensor=r.tensor, offset=r.offset, length=r.length
+    )
+
+
+def state_range_from_proto(m: pb.StateChunkRequest) -> StateRange:
+    """Structural validation of a FetchState request; whether the range exists is the donor's to say."""
+    sender = _state_sender(m.sender)
+    if m.snapshot_id == 0:
+        raise PeerError(Status.BAD_FRAME, "state request without a snapshot id")
+    try:
+        check_name(m.tensor)
+    except ValueError as exc:
+        raise PeerError(Status.BAD_FRAME, f"state request: {exc}") from None
+    if m.length == 0:
+        raise PeerError(Status.BAD_FRAME, "state request for an empty byte range")
+    if m.length > MAX_RANGE_BYTES:
+        raise PeerError(Status.OVERSIZE, f"state request for {m.length} bytes, more than {MAX_RANGE_BYTES} per call")
+    if m.offset > MAX_TOTAL_BYTES:
+        raise PeerError(Status.BAD_FRAME, f"state request at offset {m.offset}, beyond any tensor")
+    return StateRange(sender, m.snapshot_id, m.tensor, m.offset, m.length)
+
+
+def state_chunk_to_wire(offset: int, data: bytes | memoryview) -> bytes:
+    """Serialize a ``StateChunk`` copying ``data`` once (the standard encoding, as ``frame_to_wire``)."""
+    parts: list[bytes | memoryview] = []
+    if offset:  # proto3 leaves zero fields out
+        parts += [_CHUNK_OFFSET_TAG, _varint(offset)]
+    if len(data):
+        parts += [_CHUNK_DATA_TAG, _varint(len(data)), data]
+    return b"".join(parts)
+
+
+def state_chunk_from_proto(m: pb.StateChunk) -> tuple[int, bytes]:
+    return m.offset, m.data

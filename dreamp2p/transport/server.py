@@ -7,20 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import grpc
 from grpc import aio
 
 from dreamp2p.config import PeerConfig
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import Frame, Hello, PeerStatus
+from dreamp2p.messages import Frame, Hello, PeerStatus, Vote
+from dreamp2p.state.meta import STREAM_CHUNK_BYTES
 from dreamp2p.transport import serde
 from dreamp2p.transport.auth import TokenAuthInterceptor
+from dreamp2p.transport.budget import SenderBudget
 from dreamp2p.transport.options import server_credentials, server_options
 from dreamp2p.v1 import peer_pb2 as pb
 from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # the donor module needs torch; the transport does not import it at run time
+    from dreamp2p.state.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +48,33 @@ class PeerBackend(Protocol):
 
     def status(self) -> PeerStatus: ...
 
+    def vote(self, v: Vote) -> None: ...
+
+
+@runtime_checkable
+class StateBackend(Protocol):
+    """What serving state needs from the backend besides `PeerBackend` (a backend without it serves none)."""
+
+    config: PeerConfig
+    state_donor: Any  # a StateSource, or None where this node does not serve its state
+
+    def is_admitted(self, sender: str) -> bool: ...
+
+
+class StateSource(Protocol):
+    """What the servicer needs from a node's state donor (see `dreamp2p.state.donor.StateDonor`)."""
+
+    async def manifest(self, timeout: float) -> Snapshot: ...
+
+    def chunks(
+        self, snapshot_id: int, tensor: str, offset: int, length: int, chunk_bytes: int
+    ) -> Iterator[tuple[int, memoryview]]: ...
+
 
 class PeerServicer(pb_grpc.PeerServicer):
     def __init__(self, backend: PeerBackend) -> None:
         self._b = backend
+        self._budget = SenderBudget.for_backend(backend)  # bytes each sender has waiting in Push
 
     async def Handshake(self, request: pb.HandshakeRequest, context: aio.ServicerContext) -> pb.HandshakeResponse:
         await _refuse_undecodable(request, context)
@@ -66,7 +94,9 @@ class PeerServicer(pb_grpc.PeerServicer):
             async for message in request_iterator:
                 frame = serde.frame_from_wire(message, self._b.max_payload)
                 sender = frame.sender
-                await self._b.accept_frame(frame)
+                # a frame ahead of its round waits in accept_frame: bounded per sender across its streams
+                with self._budget.holding(sender, len(frame.payload)):
+                    await self._b.accept_frame(frame)
                 keys.add((frame.group_id, frame.round_id))
                 frames += 1
                 nbytes += len(frame.payload)
@@ -89,6 +119,53 @@ class PeerServicer(pb_grpc.PeerServicer):
     async def Status(self, request: pb.StatusRequest, context: aio.ServicerContext) -> pb.StatusResponse:
         await _refuse_undecodable(request, context)
         return serde.status_to_proto(self._b.status())
+
+    async def Vote(self, request: pb.VoteRequest, context: aio.ServicerContext) -> pb.VoteReply:
+        await _refuse_undecodable(request, context)
+        try:
+            self._b.vote(serde.vote_from_proto(request))
+        except PeerError as err:
+            await _abort(context, err)
+        return pb.VoteReply(status=pb.STATUS_OK)
+
+    async def GetStateManifest(
+        self, request: pb.StateManifestRequest, context: aio.ServicerContext
+    ) -> pb.StateManifest:
+        """Describe a snapshot of this node's state, waiting (bounded) for the trainer to publish one."""
+        await _refuse_undecodable(request, context)
+        try:
+            backend, donor = self._state_donor(serde.state_manifest_request_from_proto(request))
+            wait = backend.config.transport.rpc_deadline_s
+            left = context.time_remaining()
+            snapshot = await donor.manifest(wait if left is None else min(wait, left))
+        except PeerError as err:
+            await _abort(context, err)
+        return serde.state_manifest_to_proto(snapshot.manifest, backend.config.manifest_hash)
+
+    async def FetchState(self, request: pb.StateChunkRequest, context: aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Stream one byte range of one snapshot tensor as pre-serialized StateChunks (see `add_to_server`)."""
+        await _refuse_undecodable(request, context)
+        try:
+            r = serde.state_range_from_proto(request)
+            _, donor = self._state_donor(r.sender)
+            chunk = min(self._b.max_payload, STREAM_CHUNK_BYTES)
+            pieces = donor.chunks(r.snapshot_id, r.tensor, r.offset, r.length, chunk)
+        except PeerError as err:
+            await _abort(context, err)
+        for offset, data in pieces:
+            yield serde.state_chunk_to_wire(offset, data)
+
+    def _state_donor(self, sender: str) -> tuple[StateBackend, StateSource]:
+        """The backend and its donor, once ``sender`` is known to be admitted here."""
+        b = self._b
+        if not isinstance(b, StateBackend):
+            raise PeerError(Status.NOT_FOUND, "this node does not serve state")
+        if not b.is_admitted(sender):
+            raise PeerError(Status.UNKNOWN_PEER, f"{sender!r} has not completed a handshake with this process")
+        donor: StateSource | None = b.state_donor
+        if donor is None:
+            raise PeerError(Status.NOT_FOUND, "this node does not serve state")
+        return b, donor
 
 
 class _Undecodable:
@@ -119,7 +196,7 @@ async def _abort(context: aio.ServicerContext, err: PeerError) -> None:
 
 
 def add_to_server(servicer: PeerServicer, server: aio.Server) -> None:
-    """Register the Peer service like the generated helper, but hand Push its request bytes unparsed."""
+    """Register the Peer service like the generated helper; Push gets raw bytes, FetchState yields them."""
     handlers = {
         "Handshake": grpc.unary_unary_rpc_method_handler(
             servicer.Handshake,
@@ -138,6 +215,20 @@ def add_to_server(servicer: PeerServicer, server: aio.Server) -> None:
             servicer.Status,
             request_deserializer=_decoder(pb.StatusRequest),
             response_serializer=pb.StatusResponse.SerializeToString,
+        ),
+        "Vote": grpc.unary_unary_rpc_method_handler(
+            servicer.Vote,
+            request_deserializer=_decoder(pb.VoteRequest),
+            response_serializer=pb.VoteReply.SerializeToString,
+        ),
+        "GetStateManifest": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStateManifest,
+            request_deserializer=_decoder(pb.StateManifestRequest),
+            response_serializer=pb.StateManifest.SerializeToString,
+        ),
+        # chunks are serialized by serde with one copy of the tensor bytes: no serializer here
+        "FetchState": grpc.unary_stream_rpc_method_handler(
+            servicer.FetchState, request_deserializer=_decoder(pb.StateChunkRequest), response_serializer=None
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("dreamp2p.v1.Peer", handlers),))

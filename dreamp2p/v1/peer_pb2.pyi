@@ -28,6 +28,7 @@ class StatusCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATUS_NEEDS_HANDSHAKE: _ClassVar[StatusCode]
     STATUS_VIEW_MISMATCH: _ClassVar[StatusCode]
     STATUS_NOT_FOUND: _ClassVar[StatusCode]
+    STATUS_JOINING: _ClassVar[StatusCode]
 
 class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -70,6 +71,7 @@ STATUS_DUPLICATE_CHUNK: StatusCode
 STATUS_NEEDS_HANDSHAKE: StatusCode
 STATUS_VIEW_MISMATCH: StatusCode
 STATUS_NOT_FOUND: StatusCode
+STATUS_JOINING: StatusCode
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_FP16: Codec
@@ -258,16 +260,18 @@ class StatusResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., ring: _Optional[_Iterable[str]] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., uptime_s: _Optional[float] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_effective_step: _Optional[int] = ..., plan_summary: _Optional[str] = ..., strategy: _Optional[str] = ..., resuming: _Optional[bool] = ..., checkpoint_steps: _Optional[_Iterable[int]] = ..., contributions_refused: _Optional[int] = ..., live: _Optional[_Iterable[str]] = ..., view_id: _Optional[int] = ...) -> None: ...
 
 class VoteRequest(_message.Message):
-    __slots__ = ("sender", "group_id", "round_id", "view_id")
+    __slots__ = ("sender", "group_id", "round_id", "view_id", "commit")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     sender: str
     group_id: int
     round_id: int
     view_id: int
-    def __init__(self, sender: _Optional[str] = ..., group_id: _Optional[int] = ..., round_id: _Optional[int] = ..., view_id: _Optional[int] = ...) -> None: ...
+    commit: bool
+    def __init__(self, sender: _Optional[str] = ..., group_id: _Optional[int] = ..., round_id: _Optional[int] = ..., view_id: _Optional[int] = ..., commit: _Optional[bool] = ...) -> None: ...
 
 class VoteReply(_message.Message):
     __slots__ = ("status", "detail")

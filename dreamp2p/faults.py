@@ -1,0 +1,212 @@
+"""Fault injection with real processes on loopback: a peer killed with SIGKILL mid-run, then restarted.
+
+The parent starts N trainer processes (the regression task of `bench.training`, DreamDDP by default),
+kills one with SIGKILL once every rank is past ``kill_at`` (rounds are in flight all the time), checks
+that the survivors keep stepping, restarts the victim as a joining node (state transfer from the live
+members, start at the cluster's step), and finally has every rank train to the same step, then run a
+quiet stretch with learning rate 0 so that every layer is averaged with nothing local on top: the
+replicas must then hold identical parameters. Used by the fault tests (issue 5) and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing.sharedctypes import Synchronized
+from typing import Any
+
+from dreamp2p.config import PeerInfo
+from dreamp2p.launch import node_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FaultReport:
+    results: list[dict[str, Any]]  # per rank (the victim's from its restarted process)
+    steps_at_kill: list[int]
+    survivor_steps_after_kill: list[int]  # where the survivors were before the victim came back
+    seconds_to_progress: float  # from the kill until every survivor had made `progress` more steps
+    joined_at: int  # the step the restarted victim started at
+
+
+def _child(
+    rank: int,
+    conn: Any,
+    step_box: Synchronized[int],
+    config: dict[str, Any],
+    ring: list[tuple[str, str]],
+    join: bool,
+    args: dict[str, Any],
+) -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s p{rank} %(name)s %(levelname)s %(message)s")
+    import math
+
+    import torch
+    from torch import nn
+
+    from dreamp2p.bench.training import batch, student
+    from dreamp2p.manifest import param_digest
+    from dreamp2p.node import Node
+
+    torch.set_num_threads(1)
+    node = Node(node_config(rank, config), joining=join)
+    try:
+        node.connect([PeerInfo(n, a) for n, a in ring], require_all=not join)
+        model = student(args["width"], args["depth"], seed=rank)
+        opt = torch.optim.SGD(model.parameters(), lr=args["lr"])
+        s = node.attach(model, opt, strategy=args["strategy"], join=join, **args["sync"])
+        conn.send(("started", s.step_count))
+        losses: list[tuple[int, float]] = []
+        final: int | None = None
+        quiet = args["quiet_steps"]
+        while final is None or s.step_count < final + quiet:
+            if final is None and conn.poll():
+                final = int(conn.recv())
+            step = s.step_count
+            if final is not None and step == final:
+                for group in opt.param_groups:
+                    group["lr"] = 0.0  # from here on only averaging changes the parameters
+            x, y = batch(rank, step, args["batch_size"])
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            time.sleep(args["step_sleep"])
+            s.step()
+            s.zero_grad()
+            if not math.isfinite(loss.item()):
+                raise RuntimeError(f"loss became {loss.item()} at step {step}")
+            losses.append((step, loss.item()))
+            step_box.value = s.step_count
+        s.close()
+        conn.send(("done", None))
+        conn.recv()  # every rank is done: nobody sends to us any more
+        conn.send(
+            (
+                "ok",
+                {
+                    "losses": losses,
+                    "digest": param_digest(model),
+                    "step": s.step_count,
+                    "skipped": s.rounds_skipped,
+                    "view_changes": node.comm.peer.view_changes,
+                },
+            )
+        )
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        node.close()
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _recv(conn: Any, kind: str, deadline: float, who: str) -> Any:
+    left = deadline - time.monotonic()
+    if left <= 0 or not conn.poll(left):
+        raise RuntimeError(f"{who}: no {kind!r} before the deadline")
+    try:
+        got, value = conn.recv()
+    except EOFError:
+        raise RuntimeError(f"{who}: exited before {kind!r}") from None
+    if got == "error":
+        raise RuntimeError(f"{who} failed: {value}")
+    if got != kind:
+        raise RuntimeError(f"{who}: expected {kind!r}, got {got!r}")
+    return value
+
+
+def kill_and_rejoin(
+    n: int = 4,
+    victim: int = 3,
+    kill_at: int = 30,
+    progress: int = 20,
+    after_join: int = 40,
+    sync: dict[str, Any] | None = None,
+    transport: dict[str, Any] | None = None,
+    strategy: str = "dreamddp",
+    step_sleep: float = 0.02,
+    timeout: float = 240.0,
+) -> FaultReport:
+    """Run the scenario in the module docstring; raises RuntimeError with the failing rank's reason."""
+    sync = sync or {"period": 5, "warmup_steps": 3, "control_every": 5, "max_delay": 2}
+    period = int(sync.get("period", 10))
+    args = {
+        "width": 64,
+        "depth": 3,
+        "lr": 0.05,
+        "batch_size": 32,
+        "strategy": strategy,
+        "sync": sync,
+        "step_sleep": step_sleep,
+        # every layer syncs once per period and may land max_delay later: two periods leave no doubt
+        "quiet_steps": 2 * period + int(sync.get("max_delay", 0)) + 1,
+    }
+    config = {"transport": {"heartbeat_s": 0.5, "round_timeout_s": 30.0, **(transport or {})}}
+    ports = _free_ports(n)
+    ring = [(f"p{r}", f"127.0.0.1:{ports[r]}") for r in range(n)]
+    ctx = mp.get_context("spawn")
+    boxes = [ctx.Value("q", 0) for _ in range(n)]
+    procs: list[Any] = [None] * n
+    pipes: list[Any] = [None] * n
+    deadline = time.monotonic() + timeout
+
+    def spawn(rank: int, join: bool) -> None:
+        parent, child = ctx.Pipe()
+        cfg = {**config, "listen": ring[rank][1]}
+        p = ctx.Process(target=_child, args=(rank, child, boxes[rank], cfg, ring, join, args), daemon=True)
+        p.start()
+        child.close()
+        procs[rank], pipes[rank] = p, parent
+
+    try:
+        for rank in range(n):
+            spawn(rank, join=False)
+        for rank in range(n):
+            _recv(pipes[rank], "started", deadline, f"rank {rank}")
+        while min(b.value for b in boxes) < kill_at:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ranks did not reach step {kill_at}: {[b.value for b in boxes]}")
+            time.sleep(0.05)
+        os.kill(procs[victim].pid, signal.SIGKILL)  # no goodbye: rounds with it are in flight
+        t_kill = time.monotonic()
+        at_kill = [b.value for b in boxes]
+        procs[victim].join(10)
+        survivors = [r for r in range(n) if r != victim]
+        while any(boxes[r].value < at_kill[r] + progress for r in survivors):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"survivors stalled after the kill: {[b.value for b in boxes]} (at kill {at_kill})")
+            time.sleep(0.05)
+        to_progress = time.monotonic() - t_kill
+        after_kill = [boxes[r].value for r in range(n)]
+        spawn(victim, join=True)
+        joined_at = int(_recv(pipes[victim], "started", deadline, f"rank {victim} (restarted)"))
+        final = max(b.value for b in boxes) + after_join
+        for rank in range(n):
+            pipes[rank].send(final)
+        for rank in range(n):
+            _recv(pipes[rank], "done", deadline, f"rank {rank}")
+        for rank in range(n):
+            pipes[rank].send("close")
+        results = [_recv(pipes[rank], "ok", deadline, f"rank {rank}") for rank in range(n)]
+        return FaultReport(results, at_kill, after_kill, to_progress, joined_at)
+    finally:
+        for p in procs:
+            if p is not None and p.is_alive():
+                p.kill()
+                p.join(5)

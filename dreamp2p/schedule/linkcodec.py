@@ -1,0 +1,141 @@
+"""Bandwidth-aware codec choice per ring link, so that a slow link does not stall the round.
+
+Bandwidth-aware compression (arXiv 2408.14736, ALGORITHMS.md) sets each client's compression ratio
+from its own bandwidth so that all uploads finish at about the same time: fast links send more, slow
+links send less instead of straggling. Here the "clients" are the links of a ring all-reduce: link
+``i`` carries what ring member ``i`` sends to member ``i + 1``. Every link gets the least lossy codec
+whose transfer time (wire bytes / bandwidth) stays within ``1 + tolerance`` of the fastest link's time
+with the base codec, so every peer finishes its part at about the same time.
+
+The base codec is the accuracy the run asked for, so a link is never given a less lossy codec than
+the base: the policy only ever removes bytes from a link, it never makes a round longer. All-gather
+bytes are forwarded unchanged around the whole ring (that is what keeps every peer bit-identical), so
+they cross the slowest link too: their codec is the slowest link's choice.
+
+Pure: no I/O, no clock. Every peer that feeds in the same bandwidths (from the DreamDDP control round)
+derives the same plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dreamp2p.compression import get_codec
+
+# Elements used to measure a codec's wire ratio: many whole 64-element blocks, so per-block scales
+# count at their steady-state share and a partial last block does not skew the ratio.
+_RATIO_ELEMS = 1 << 16
+
+
+def wire_ratio(codec: str) -> float:
+    """Wire bytes per fp32 byte of ``codec`` on a long buffer (fp32 1.0, bf16 0.5, int8 ~0.266)."""
+    return get_codec(codec).encoded_nbytes(_RATIO_ELEMS) / (4 * _RATIO_ELEMS)
+
+
+def _known(bandwidth: float) -> bool:
+    """A usable measurement: finite and positive (NaN and 0 mean "not measured yet")."""
+    return isinstance(bandwidth, int | float) and not isinstance(bandwidth, bool) and 0 < bandwidth < math.inf
+
+
+def usable_codecs(base: str, candidates: Sequence[str]) -> tuple[str, ...]:
+    """The candidates a link may use: ``base`` and those after it (more lossy), canonical names.
+
+    Raises ValueError when ``base`` is not a candidate, a name repeats, or the wire ratio grows along the
+    order (candidates must go from least to most lossy, i.e. never send more bytes than the one before).
+    """
+    names = [get_codec(c).name for c in candidates]
+    base_name = get_codec(base).name
+    if len(set(names)) != len(names):
+        raise ValueError(f"candidate codecs repeat: {list(candidates)}")
+    if base_name not in names:
+        raise ValueError(f"base codec {base_name} is not among the candidates {names}")
+    ratios = [wire_ratio(n) for n in names]
+    for (a, ra), (b, rb) in itertools.pairwise(zip(names, ratios, strict=True)):
+        if rb > ra:
+            # first-fit below relies on this order: it is what makes slower links never get more bytes
+            raise ValueError(f"candidates must be ordered least to most lossy: {b} sends more bytes than {a}")
+    return tuple(names[names.index(base_name) :])
+
+
+def choose_link_codecs(
+    base: str,
+    candidates: Sequence[str],
+    bandwidths: Sequence[float],
+    tolerance: float = 0.25,
+) -> tuple[str, ...]:
+    """Codec name per link for links of ``bandwidths`` bytes/s (NaN or 0: unknown).
+
+    A link of bandwidth ``b`` gets the least lossy usable codec ``c`` with
+    ``ratio(c) / b <= (1 + tolerance) * ratio(base) / b_max`` (``b_max``: the fastest known link), or,
+    when none fits, the one sending the fewest bytes (least lossy among equals). Unknown links keep the
+    base codec, as does every link when none is known: without a measurement there is nothing to
+    equalize against.
+    """
+    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not 0 <= tolerance < math.inf:
+        raise ValueError(f"tolerance must be finite and >= 0, got {tolerance!r}")
+    usable = usable_codecs(base, candidates)
+    ratios = [wire_ratio(c) for c in usable]
+    known = [b for b in bandwidths if _known(b)]
+    if not known:
+        return tuple(usable[0] for _ in bandwidths)
+    fastest = max(known)
+    fewest = ratios.index(min(ratios))
+    # ratio(c) / b <= (1 + tol) * ratio(base) / fastest, multiplied out so that a link as fast as the
+    # fastest compares the base codec against itself and always keeps it.
+    budget = (1.0 + tolerance) * ratios[0]
+    out = []
+    for b in bandwidths:
+        if not _known(b):
+            out.append(usable[0])
+            continue
+        pick = next((i for i, r in enumerate(ratios) if r * fastest <= budget * b), fewest)
+        out.append(usable[pick])
+    return tuple(out)
+
+
+def gather_codec(base: str, candidates: Sequence[str], choices: Sequence[str]) -> str:
+    """The ring-wide all-gather codec: the most lossy of the per-link ``choices`` (``base`` when empty).
+
+    All-gather bytes cross every link of the ring, so they must fit the slowest one; by monotonicity of
+    :func:`choose_link_codecs` the most lossy choice is the slowest known link's.
+    """
+    usable = usable_codecs(base, candidates)
+    picked = [get_codec(c).name for c in choices]
+    for name in picked:
+        if name not in usable:
+            raise ValueError(f"choice {name} is not a usable codec {list(usable)}")
+    return max(picked, key=usable.index, default=usable[0])
+
+
+@dataclass(frozen=True)
+class RingCodecPlan:
+    """Codecs of one ring all-reduce, the same at every member that saw the same bandwidths.
+
+    ``send[i]``: reduce-scatter codec of ring member ``i`` (its link to member ``i + 1``).
+    ``gather``: all-gather codec of every segment owner. ``allowed``: every codec a member may receive,
+    the base codec first; it depends only on the configuration, not on measurements, so members whose
+    measurements differ still agree on it (and on the segment layout derived from its blocks).
+    """
+
+    send: tuple[str, ...]
+    gather: str
+    allowed: tuple[str, ...]
+
+
+def plan_ring_codecs(
+    base: str,
+    candidates: Sequence[str],
+    bandwidths: Sequence[float],
+    tolerance: float = 0.25,
+) -> RingCodecPlan:
+    """Per-link reduce-scatter codecs, the all-gather codec and the accepted set for one ring.
+
+    ``bandwidths[i]`` is the measured goodput of the link from ring member ``i`` to member ``i + 1``.
+    """
+    send = choose_link_codecs(base, candidates, bandwidths, tolerance)
+    return RingCodecPlan(
+        send=send, gather=gather_codec(base, candidates, send), allowed=usable_codecs(base, candidates)
+    )

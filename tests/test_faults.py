@@ -1,0 +1,36 @@
+"""Failures with real processes (issue 5): kill -9 one of 4 peers mid-run, survivors go on, it rejoins."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dreamp2p.faults import kill_and_rejoin
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_kill_one_of_four_survivors_continue_and_it_rejoins() -> None:
+    rep = kill_and_rejoin(n=4, victim=3, kill_at=30, progress=25, after_join=40, timeout=300)
+    # survivors went on without the dead peer, within a bounded time (heartbeats 0.5 s, 3 misses)
+    assert rep.seconds_to_progress < 30, rep
+    for rank in (0, 1, 2):
+        losses = [loss for step, loss in rep.results[rank]["losses"]]
+        assert all(math.isfinite(x) for x in losses)
+        after_kill = [loss for step, loss in rep.results[rank]["losses"] if step >= rep.steps_at_kill[rank]]
+        before = [loss for step, loss in rep.results[rank]["losses"] if step < 10]
+        # still learning after the kill: the loss keeps falling
+        assert _mean(after_kill[-10:]) < _mean(before), (rank, _mean(before), _mean(after_kill[-10:]))
+        assert rep.results[rank]["view_changes"] >= 2  # the ring lost the victim and got it back
+    # the restarted victim took the cluster's state and step instead of starting over
+    assert rep.joined_at > max(rep.survivor_steps_after_kill[r] for r in (0, 1, 2))
+    assert rep.results[3]["losses"][0][0] == rep.joined_at
+    assert _mean([x for _, x in rep.results[3]["losses"][:5]]) < _mean([x for _, x in rep.results[0]["losses"][:5]])
+    # after a quiet stretch (learning rate 0) every layer was averaged among all four: identical replicas
+    assert len({r["step"] for r in rep.results}) == 1
+    assert len({r["digest"] for r in rep.results}) == 1, [r["digest"][:12] for r in rep.results]

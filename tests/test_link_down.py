@@ -1,0 +1,79 @@
+"""A WAN link taken down for 30 s between two network namespaces (issue 5): both sides keep training alone,
+then find each other again and re-synchronize. Needs root (network namespaces, as in deploy/netns-wan.sh).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dreamp2p.launch import run_local
+
+SCRIPT = Path(__file__).resolve().parents[1] / "deploy" / "netns-wan.sh"
+JOB = "dreamp2p.bench.training:train_job"
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_link_down_30s_both_sides_train_on_and_resync() -> None:
+    prefix = f"dpl{os.getpid() % 100000}"
+    subnet = f"10.203.{os.getpid() % 200 + 20}"
+    _sh("bash", str(SCRIPT), "up", "--prefix", prefix, "--rate", "200mbit", "--subnet", subnet)
+    try:
+        hosts = [(f"{prefix}-a", f"{subnet}.1"), (f"{prefix}-b", f"{subnet}.2")]
+        timeline: dict[str, float] = {}
+
+        def cut_link() -> None:
+            time.sleep(8.0)  # trained together for a while (start-up included)
+            _sh("ip", "-n", f"{prefix}-a", "link", "set", f"{prefix}-va", "down")
+            timeline["down"] = time.time()
+            time.sleep(30.0)
+            _sh("ip", "-n", f"{prefix}-a", "link", "set", f"{prefix}-va", "up")
+            timeline["up"] = time.time()
+
+        cutter = threading.Thread(target=cut_link, daemon=True)
+        cutter.start()
+        sync = {"period": 5, "warmup_steps": 3, "control_every": 5, "max_delay": 2}
+        config = {"transport": {"heartbeat_s": 0.5, "round_timeout_s": 20.0}}
+        results = run_local(
+            2,
+            JOB,
+            {
+                "strategy": "dreamddp",
+                "steps": 1300,
+                "sync": sync,
+                "step_sleep": 0.04,
+                "quiet_steps": 2 * sync["period"] + sync["max_delay"] + 1,
+                "step_times": True,
+            },
+            config,
+            node_job=True,
+            timeout=240,
+            hosts=hosts,  # type: ignore[arg-type]
+        )
+        cutter.join(60)
+        assert "down" in timeline and "up" in timeline, "the run ended before the link came back"
+        for r in results:
+            assert all(math.isfinite(x) for x in r["losses"])
+            stamps = r["step_times"]
+            during = [t for t in stamps if timeline["down"] + 10 < t < timeline["up"]]
+            # training went on alone while the link was down (after failure detection)
+            assert len(during) > 100, len(during)
+            after = [t for t in stamps if t > timeline["up"] + 10]
+            assert len(after) > 50, "too little training after the link healed"
+            assert r["view_changes"] >= 2  # lost the other side, then found it again
+        # re-synchronized: after the quiet stretch at the end (learning rate 0) both hold the same parameters
+        assert results[0]["digest"] == results[1]["digest"]
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "down", "--prefix", prefix], capture_output=True, timeout=30, check=False)
