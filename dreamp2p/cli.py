@@ -206,7 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = sub.add_parser("node", help="run one region's daemon (trainer + peer) from a TOML config")
     n.add_argument("--config", required=True, help="path to the node's TOML file (see nodes/)")
-    n.add_argument("--resume", action="store_true", help="continue from the newest checkpoint, if any")
+    n.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint (or join the members if they trained on without this node)",
+    )
     n.add_argument(
         "--join",
         action="store_true",

@@ -35,6 +35,7 @@ from dreamp2p.errors import PeerError, RoundFailed, Status
 from dreamp2p.membership import Membership, view_id
 from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, TrainingInfo, Vote
 from dreamp2p.schedule.chunking import choose_chunk_bytes
+from dreamp2p.schedule.linkcodec import RingCodecPlan
 from dreamp2p.transport.client import Link, OutboundStream
 from dreamp2p.transport.server import build_server
 
@@ -440,7 +441,7 @@ class Peer:
         self,
         tensors: Sequence[torch.Tensor],
         group_id: int = 0,
-        codec: str | None = None,
+        codec: str | RingCodecPlan | None = None,
         plan_version: int = 0,
         timeout: float | None = None,
         out: Sequence[torch.Tensor] | None = None,
@@ -480,7 +481,7 @@ class Peer:
         self,
         tensors: Sequence[torch.Tensor],
         group_id: int,
-        codec: str | None,
+        codec: str | RingCodecPlan | None,
         plan_version: int,
         timeout: float | None,
         out: Sequence[torch.Tensor] | None,
@@ -502,7 +503,11 @@ class Peer:
             raise ValueError(f"round {round_id} of group {group_id} is not after this peer's newest round {newest}")
         self._next_round[group_id] = round_id
         key = (group_id, round_id)
-        codec_obj = get_codec(codec or self.config.codec)
+        links: RingCodecPlan | None = None
+        if isinstance(codec, RingCodecPlan):
+            links, codec_obj = codec, get_codec(codec.allowed[0])
+        else:
+            codec_obj = get_codec(codec or self.config.codec)
         flat = _flatten(tensors)
         refusal = self._refuse_contribution(group_id, flat, guard_norm)
         if refusal is not None:
@@ -542,6 +547,7 @@ class Peer:
             max_payload=self.max_payload,
             contributes=refusal is None,
             view_id=vid,
+            **_link_codec_fields(links, rank, world),
         )
         rnd = RingRound(spec, flat, stream)
         self._rounds[key] = rnd
@@ -758,6 +764,23 @@ def _dtype_of(tensors: Sequence[torch.Tensor]) -> DType:
     if dtypes == {torch.bfloat16}:
         return DType.BF16
     return DType.FP32
+
+
+def _link_codec_fields(links: RingCodecPlan | None, rank: int, world: int) -> dict[str, Any]:
+    """RoundSpec fields for per-link codecs: our link's send codec, the all-gather codec, what we accept.
+
+    The choice was made for a ring of ``len(links.send)``; in a ring of another size (a member left or
+    came back since) we send with the base codec until the next choice, but still accept every allowed
+    codec, so members that disagree about the choice still finish the round.
+    """
+    if links is None:
+        return {}
+    fitting = len(links.send) == world
+    return {
+        "send_codec": get_codec(links.send[rank]) if fitting else None,
+        "gather_codec": get_codec(links.gather) if fitting else None,
+        "allowed_codecs": tuple(get_codec(c).wire_id for c in links.allowed),
+    }
 
 
 def _quiet(task: asyncio.Future[None]) -> None:

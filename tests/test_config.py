@@ -100,3 +100,27 @@ def test_transport_limits() -> None:
         TransportConfig(chunk_min_bytes=10 << 20, chunk_max_bytes=1 << 20)
     with pytest.raises(ValueError, match="headroom"):
         TransportConfig(max_message_bytes=4 << 20, chunk_max_bytes=4 << 20)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"link_codecs": ["bf16", "int8"]}, "sync.link_codecs: base codec fp32 is not among the candidates"),
+        ({"link_codecs": ["fp32", "int8", "bf16"]}, "must be ordered least to most lossy"),
+        ({"link_codecs": ["fp32", "zip"]}, "sync.link_codecs"),
+        ({"link_codecs": "fp32,int8"}, "must be a list of codec names"),
+        ({"link_codecs": ["fp32", "int8"], "link_codec_tolerance": -1}, "tolerance must be finite and >= 0"),
+    ],
+)
+def test_bad_link_codecs_are_refused(data: dict[str, object], message: str) -> None:
+    from dreamp2p.sync.config import SyncConfig
+
+    with pytest.raises(ValueError, match=message):
+        SyncConfig.from_dict(data)
+
+
+def test_link_codecs_from_a_toml_array_become_a_tuple() -> None:
+    from dreamp2p.sync.config import SyncConfig
+
+    cfg = SyncConfig.from_dict({"link_codecs": ["fp32", "bf16", "int8"]})
+    assert cfg.link_codecs == ("fp32", "bf16", "int8")

@@ -495,3 +495,33 @@ async def test_default_round_keeps_its_old_refusal() -> None:
         rnd.deliver(frame_for(rnd, "int8"))
     assert info.value.status == Status.BAD_FRAME
     assert info.value.detail == "codec int8 but round uses fp32"
+
+
+@pytest.mark.parametrize(
+    ("bandwidths", "want"),
+    [
+        ([100e6, 100e6, 100e6], 100e6),  # equal links keep the base codec: the measured bandwidth itself
+        ([math.nan, math.nan], math.nan),  # nothing measured
+    ],
+)
+def test_effective_bandwidth_of_uniform_rings(bandwidths: list[float], want: float) -> None:
+    from dreamp2p.schedule.linkcodec import effective_bandwidth
+
+    plan = plan_ring_codecs("fp32", ["fp32", "bf16", "int8"], bandwidths)
+    got = effective_bandwidth(plan, bandwidths)
+    assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want)
+
+
+def test_effective_bandwidth_beats_the_slowest_link_when_it_compresses() -> None:
+    from dreamp2p.schedule.linkcodec import effective_bandwidth, wire_ratio
+
+    bws = [100e6, 100e6, 10e6]  # one link 10x slower
+    plan = plan_ring_codecs("fp32", ["fp32", "bf16", "int8", "int4"], bws)
+    assert plan.send[2] != "fp32" and plan.gather == plan.send[2]
+    eff = effective_bandwidth(plan, bws)
+    # faster than a ring of base-codec frames paced by the slow link, slower than the fast links
+    assert 10e6 < eff < 100e6
+    # and exactly the pace of its slowest hop in each phase
+    rs = max(wire_ratio(c) / b for c, b in zip(plan.send, bws, strict=True))
+    ag = wire_ratio(plan.gather) / min(bws)
+    assert eff == pytest.approx(2 * wire_ratio("fp32") / (rs + ag))

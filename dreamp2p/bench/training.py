@@ -66,6 +66,7 @@ def train_job(
     sync: dict[str, Any] | None = None,
     slow_at: int | None = None,
     slow_rate: float | None = None,
+    slow_ranks: list[int] | None = None,
     flush: bool = False,
     quiet_steps: int = 0,
     step_sleep: float = 0.0,
@@ -89,8 +90,8 @@ def train_job(
     stamps: list[float] = []
     t0 = time.perf_counter()
     for step in range(steps):
-        if slow_at is not None and step == slow_at:
-            node.comm.set_rate_limit(slow_rate)
+        if slow_at is not None and step == slow_at and (slow_ranks is None or rank in slow_ranks):
+            node.comm.set_rate_limit(slow_rate)  # this rank's outgoing link(s)
         x, y = (t.to(device, non_blocking=True) for t in batch(rank, step, batch_size))
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -132,6 +133,7 @@ def train_job(
         "step_times": stamps,
         "view_changes": node.comm.peer.view_changes,
         "rounds_skipped": s.rounds_skipped,
+        "link_codecs": list(rc.send) if (rc := getattr(s, "ring_codecs", None)) is not None else None,
     }
 
 

@@ -139,3 +139,19 @@ def plan_ring_codecs(
     return RingCodecPlan(
         send=send, gather=gather_codec(base, candidates, send), allowed=usable_codecs(base, candidates)
     )
+
+
+def effective_bandwidth(plan: RingCodecPlan, bandwidths: Sequence[float]) -> float:
+    """The bandwidth at which a ring using only the base codec would take as long as one using ``plan``.
+
+    A ring all-reduce is paced by its slowest hop: reduce-scatter by the largest ``ratio(send[i]) / b[i]``,
+    all-gather by ``ratio(gather) / min(b)``, each carrying (N-1)/N of the buffer. The planner's link model
+    (one bandwidth, the base codec's ratio) then predicts the per-link round's time. NaN when no link is
+    measured.
+    """
+    known = [(c, b) for c, b in zip(plan.send, bandwidths, strict=True) if _known(b)]
+    if not known:
+        return math.nan
+    rs_pace = max(wire_ratio(c) / b for c, b in known)
+    ag_pace = wire_ratio(plan.gather) / min(b for _, b in known)
+    return 2.0 * wire_ratio(plan.allowed[0]) / (rs_pace + ag_pace)

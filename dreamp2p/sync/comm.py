@@ -19,6 +19,7 @@ import torch
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.messages import LinkSnapshot, PeerStatus
 from dreamp2p.peer import Peer, RoundResult
+from dreamp2p.schedule.linkcodec import RingCodecPlan
 from dreamp2p.sync.layers import FlatGroup
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class CommThread:
         self,
         tensors: Sequence[torch.Tensor],
         group_id: int,
-        codec: str | None = None,
+        codec: str | RingCodecPlan | None = None,
         plan_version: int = 0,
         timeout: float | None = None,
     ) -> concurrent.futures.Future[RoundResult]:
@@ -84,7 +85,7 @@ class CommThread:
         self,
         group: FlatGroup,
         group_id: int,
-        codec: str | None = None,
+        codec: str | RingCodecPlan | None = None,
         plan_version: int = 0,
         round_id: int | None = None,
         guard_norm: bool = True,
@@ -130,7 +131,7 @@ async def _allreduce_group(
     peer: Peer,
     group: FlatGroup,
     group_id: int,
-    codec: str | None,
+    codec: str | RingCodecPlan | None,
     plan_version: int,
     round_id: int | None,
     guard_norm: bool,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dreamp2p.schedule.linkcodec import choose_link_codecs
+
 STRATEGIES = ("none", "ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp")
 
 
@@ -39,6 +41,12 @@ class SyncConfig:
     # optional outer optimizer per layer group (Nesterov, as DiLoCo's); lr 1 + momentum 0 is plain averaging
     group_outer_lr: float = 1.0
     group_outer_momentum: float = 0.0
+    # Bandwidth-aware compression per ring link (DreamDDP's layer syncs): candidates from least to most
+    # lossy, ``codec`` among them; each link sends with the least lossy one that keeps its transfer within
+    # (1 + link_codec_tolerance) of the fastest link's, from the bandwidths of the control round. Empty:
+    # every link uses ``codec``. Every node must use the same list (it fixes the segment layout).
+    link_codecs: tuple[str, ...] = ()
+    link_codec_tolerance: float = 0.25
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -69,6 +77,14 @@ class SyncConfig:
             raise ValueError(f"sync.group_outer_lr must be in (0, 2], got {self.group_outer_lr}")
         if not 0.0 <= self.group_outer_momentum < 1.0:
             raise ValueError(f"sync.group_outer_momentum must be in [0, 1), got {self.group_outer_momentum}")
+        if isinstance(self.link_codecs, str) or not all(isinstance(c, str) for c in self.link_codecs):
+            raise ValueError(f"sync.link_codecs must be a list of codec names, got {self.link_codecs!r}")
+        object.__setattr__(self, "link_codecs", tuple(self.link_codecs))  # a TOML array arrives as a list
+        if self.link_codecs:
+            try:
+                choose_link_codecs(self.codec, self.link_codecs, [], self.link_codec_tolerance)
+            except ValueError as exc:
+                raise ValueError(f"sync.link_codecs: {exc}") from None
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> SyncConfig:

@@ -34,6 +34,7 @@ from dreamp2p.messages import TrainingInfo
 from dreamp2p.peer import RoundResult
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import GroupSync, Plan, even_plan, plan_dreamddp
+from dreamp2p.schedule.linkcodec import RingCodecPlan, effective_bandwidth, plan_ring_codecs
 from dreamp2p.sync.base import GROUP_CONTROL, GROUP_PLAN_BASE, Strategy
 from dreamp2p.sync.layers import FlatGroup
 from dreamp2p.sync.profiler import LayerProfiler
@@ -57,6 +58,8 @@ class Gathered:
     bandwidth_Bps: float  # slowest measured link (inf if none measured yet)
     rtt_s: float  # largest measured RTT
     costs: tuple[LayerCost, ...]
+    # per rank of the control round: its link to the next rank (NaN where not measured yet)
+    link_bandwidths: tuple[float, ...] = ()
 
 
 def pack_control(rank: int, world: int, bw: float, rtt: float, costs: list[LayerCost]) -> torch.Tensor:
@@ -82,7 +85,8 @@ def unpack_control(mean: torch.Tensor, world: int, template: list[LayerCost]) ->
     costs = tuple(
         LayerCost(c.name, max(0.0, float(fwd[i])), max(0.0, float(bwd[i])), c.nbytes) for i, c in enumerate(template)
     )
-    return Gathered(min(bws) if bws else math.inf, max(rtts) if rtts else 0.0, costs)
+    links = tuple(float(b) if float(b) > 0 else math.nan for b in slots[:, 0])
+    return Gathered(min(bws) if bws else math.inf, max(rtts) if rtts else 0.0, costs, links)
 
 
 def plan_summary(s: DreamDDP) -> str:
@@ -94,6 +98,8 @@ def plan_summary(s: DreamDDP) -> str:
             names = f"{s.layers[sync.layers[0]].name}..{s.layers[sync.layers[-1]].name}"
             parts.append(names + (f" (+{sync.delay})" if sync.delay else "") + (" [repeat]" if sync.repeat else ""))
         lines.append(f"h{h}: " + (", ".join(parts) if parts else "-"))
+    if s.ring_codecs is not None and s.ring_codecs.send:
+        lines.append(f"link codecs: {', '.join(s.ring_codecs.send)}; all-gather {s.ring_codecs.gather}")
     return "\n".join(lines)
 
 
@@ -118,6 +124,13 @@ class DreamDDP(Strategy):
         self._changed = 0
         self.last_gathered: Gathered | None = None
         self._ratio = get_codec(self.cfg.codec).encoded_nbytes(1 << 20) / float(4 << 20)
+        # per-link codecs (bandwidth-aware compression), re-chosen at every control round; until the first
+        # one every link sends the base codec, but rounds already accept (and are laid out for) all of them
+        self.ring_codecs: RingCodecPlan | None = (
+            plan_ring_codecs(self.cfg.codec, self.cfg.link_codecs, [], self.cfg.link_codec_tolerance)
+            if self.cfg.link_codecs
+            else None
+        )
         self._outer_on = self.cfg.group_outer_lr != 1.0 or self.cfg.group_outer_momentum != 0.0
         # per layer: outer weights and momentum (created at the layer's first landing, from that average)
         self._outer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -174,7 +187,7 @@ class DreamDDP(Strategy):
         group.snapshot()
         gid = GROUP_PLAN_BASE + self.plan.version * 1000 + idx
         fut = self.comm.allreduce_group(
-            group, gid, self.cfg.codec, plan_version=self.plan.version, round_id=self._round()
+            group, gid, self.ring_codecs or self.cfg.codec, plan_version=self.plan.version, round_id=self._round()
         )
         self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, sync.layers, fut))
 
@@ -253,6 +266,14 @@ class DreamDDP(Strategy):
     def _on_gathered(self, g: Gathered, t: int) -> None:
         """Same inputs on every peer at the same step: the same decision everywhere."""
         self.last_gathered = g
+        bandwidth = g.bandwidth_Bps
+        if self.ring_codecs is not None and g.link_bandwidths:
+            self.ring_codecs = plan_ring_codecs(
+                self.cfg.codec, self.cfg.link_codecs, g.link_bandwidths, self.cfg.link_codec_tolerance
+            )
+            # slow links compress more: the ring runs as fast as an all-base-codec ring on this bandwidth
+            effective = effective_bandwidth(self.ring_codecs, g.link_bandwidths)
+            bandwidth = effective if math.isfinite(effective) else bandwidth
         # the first measured plan waits for a measured link: planning for an unknown one as if it were free
         # would pick no delay at all and expose every sync until the next re-plan
         measured = math.isfinite(g.bandwidth_Bps) or self.comm.world == 1
@@ -265,9 +286,9 @@ class DreamDDP(Strategy):
         if not replan:
             return
         link = LinkModel(
-            bandwidth_Bps=g.bandwidth_Bps if math.isfinite(g.bandwidth_Bps) else 1e12,
+            bandwidth_Bps=bandwidth if math.isfinite(bandwidth) else 1e12,
             rtt_s=g.rtt_s,
-            world=self.comm.world,
+            world=len(g.link_bandwidths) or self.comm.world,
             codec_ratio=self._ratio,
             margin=1.0 + self.cfg.plan_margin,
         )
@@ -302,10 +323,10 @@ class DreamDDP(Strategy):
             # a failed round failed on every member (all-or-none): the layers keep their local values
             if self._try_wait(inf.fut, timeout) is not None:
                 self._merge(inf)
-        if self._control is not None:
-            # finish the control round but keep it: its result is used at its landing step, as on every peer
-            if self._try_wait(self._control[1], timeout) is None:
-                self._control = None  # failed everywhere: no member will use it
+        # finish the control round but keep it: its result is used at its landing step, as on every peer;
+        # one that failed did so everywhere, and no member will use it
+        if self._control is not None and self._try_wait(self._control[1], timeout) is None:
+            self._control = None
 
     def abandon(self) -> None:
         self._inflight.clear()
