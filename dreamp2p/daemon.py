@@ -171,6 +171,7 @@ def run_node(
     model = task.model()
     node_cfg = dataclasses.replace(node_cfg, manifest_hash=manifest_hash(model.state_dict().items()))
     metrics = NodeMetrics(node_cfg.node_id, cfg.metrics.run_dir)
+    metrics.record("start", device=device, params=sum(p.numel() for p in model.parameters()), resume=resume, join=join)
     if cfg.metrics.listen:
         port = metrics.serve(cfg.metrics.listen)
         log.info("metrics on %s (port %d)", cfg.metrics.listen, port)

@@ -20,7 +20,7 @@ from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 from dreamp2p.config import PeerInfo
-from dreamp2p.launch import node_config
+from dreamp2p.launch import expect_message, node_config
 
 log = logging.getLogger(__name__)
 
@@ -116,21 +116,6 @@ def _free_ports(n: int) -> list[int]:
             sock.close()
 
 
-def _recv(conn: Any, kind: str, deadline: float, who: str) -> Any:
-    left = deadline - time.monotonic()
-    if left <= 0 or not conn.poll(left):
-        raise RuntimeError(f"{who}: no {kind!r} before the deadline")
-    try:
-        got, value = conn.recv()
-    except EOFError:
-        raise RuntimeError(f"{who}: exited before {kind!r}") from None
-    if got == "error":
-        raise RuntimeError(f"{who} failed: {value}")
-    if got != kind:
-        raise RuntimeError(f"{who}: expected {kind!r}, got {got!r}")
-    return value
-
-
 def kill_and_rejoin(
     n: int = 4,
     victim: int = 3,
@@ -178,7 +163,7 @@ def kill_and_rejoin(
         for rank in range(n):
             spawn(rank, join=False)
         for rank in range(n):
-            _recv(pipes[rank], "started", deadline, f"rank {rank}")
+            expect_message(pipes[rank], "started", deadline, f"rank {rank}")
         while min(b.value for b in boxes) < kill_at:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"ranks did not reach step {kill_at}: {[b.value for b in boxes]}")
@@ -195,15 +180,15 @@ def kill_and_rejoin(
         to_progress = time.monotonic() - t_kill
         after_kill = [boxes[r].value for r in range(n)]
         spawn(victim, join=True)
-        joined_at = int(_recv(pipes[victim], "started", deadline, f"rank {victim} (restarted)"))
+        joined_at = int(expect_message(pipes[victim], "started", deadline, f"rank {victim} (restarted)"))
         final = max(b.value for b in boxes) + after_join
         for rank in range(n):
             pipes[rank].send(final)
         for rank in range(n):
-            _recv(pipes[rank], "done", deadline, f"rank {rank}")
+            expect_message(pipes[rank], "done", deadline, f"rank {rank}")
         for rank in range(n):
             pipes[rank].send("close")
-        results = [_recv(pipes[rank], "ok", deadline, f"rank {rank}") for rank in range(n)]
+        results = [expect_message(pipes[rank], "ok", deadline, f"rank {rank}") for rank in range(n)]
         return FaultReport(results, at_kill, after_kill, to_progress, joined_at)
     finally:
         for p in procs:

@@ -163,15 +163,15 @@ def run_local(
         procs.append(p)
     deadline = time.monotonic() + timeout
     try:
-        ports = [_expect(pipes[r], "port", r, deadline) for r in range(n)]
+        ports = [expect_message(pipes[r], "port", deadline, f"rank {r}") for r in range(n)]
         ring = [(f"p{r}", f"{hosts[r][1]}:{ports[r]}") for r in range(n)]
         for pipe in pipes:
             pipe.send(ring)
         for r in range(n):
-            _expect(pipes[r], "done", r, deadline)
+            expect_message(pipes[r], "done", deadline, f"rank {r}")
         for pipe in pipes:
             pipe.send("close")
-        results = [_expect(pipes[r], "ok", r, deadline) for r in range(n)]
+        results = [expect_message(pipes[r], "ok", deadline, f"rank {r}") for r in range(n)]
         for p in procs:
             p.join(max(1.0, deadline - time.monotonic()))
         return results
@@ -184,16 +184,17 @@ def run_local(
             pipe.close()
 
 
-def _expect(pipe: mp.connection.Connection, kind: str, rank: int, deadline: float) -> Any:
+def expect_message(pipe: mp.connection.Connection, kind: str, deadline: float, who: str) -> Any:
+    """The next ``(kind, value)`` message of a child process; RuntimeError naming ``who`` otherwise."""
     left = deadline - time.monotonic()
     if left <= 0 or not pipe.poll(left):
-        raise RuntimeError(f"rank {rank}: no {kind!r} message before the deadline")
+        raise RuntimeError(f"{who}: no {kind!r} message before the deadline")
     try:
         got, value = pipe.recv()
     except EOFError:
-        raise RuntimeError(f"rank {rank}: process exited before sending {kind!r}") from None
+        raise RuntimeError(f"{who}: process exited before sending {kind!r}") from None
     if got == "error":
-        raise RuntimeError(f"rank {rank} failed: {value}")
+        raise RuntimeError(f"{who} failed: {value}")
     if got != kind:
-        raise RuntimeError(f"rank {rank}: expected {kind!r}, got {got!r}")
+        raise RuntimeError(f"{who}: expected {kind!r}, got {got!r}")
     return value

@@ -129,7 +129,7 @@ _OPTIONAL: dict[str, dict[str, _Check]] = {
 
 
 # Records the daemon writes about its own lifecycle: known, but not plotted.
-_LIFECYCLE = frozenset({"resume", "stop"})
+_LIFECYCLE = frozenset({"start", "resume", "join", "checkpoint", "stop"})
 
 
 def _parse_record(line: str) -> tuple[str, dict[str, Any] | None, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -135,3 +136,37 @@ def test_slow_link_gets_a_more_compressive_codec_and_replicas_still_agree() -> N
     assert len({r["digest"] for r in results}) == 1  # lossy frames on some links, identical replicas
     for r in results:
         assert mean(r["losses"][-10:]) < 0.6 * mean(r["losses"][:10])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stalled_peer_holds_the_others_only_for_a_bounded_wait() -> None:
+    """A peer whose trainer stops for 8 s (its process alive, answering heartbeats) must not stop the
+    others for 8 s: their rounds with it time out after ``round_timeout_s`` (retried once) and are skipped
+    everywhere, they keep stepping, and after it is back and a quiet period all replicas agree again."""
+    config = {"transport": {"round_timeout_s": 1.0, "heartbeat_s": 0.5}}
+    sync = {"period": 4, "warmup_steps": 3, "control_every": 4, "max_delay": 2}
+    stall_at, stall_s = 20, 8.0
+    results = train(
+        3,
+        "dreamddp",
+        config,
+        steps=60,
+        sync=sync,
+        step_sleep=0.01,
+        stall=(2, stall_at, stall_s),
+        step_times=True,
+        quiet_steps=4 + 2 + 1,  # a period plus the longest delay
+    )
+    for r in results[:2]:
+        stamps = r["step_times"]
+        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        # bounded: a round waits at most 1 s, plus one retry and a heartbeat; never the whole stall
+        assert max(gaps) < stall_s / 2, max(gaps)
+        assert r["rounds_skipped"] > 0
+        stalled_from = results[2]["step_times"][stall_at - 1]
+        assert sum(1 for t in stamps if stalled_from < t < stalled_from + stall_s) >= 3  # still stepping
+    for r in results:
+        assert all(np.isfinite(r["losses"]))
+        assert mean(r["losses"][-10:]) < 0.6 * mean(r["losses"][:10])
+    assert len({r["digest"] for r in results}) == 1  # the skipped rounds were skipped everywhere

@@ -67,6 +67,7 @@ def train_job(
     slow_at: int | None = None,
     slow_rate: float | None = None,
     slow_ranks: list[int] | None = None,
+    stall: tuple[int, int, float] | None = None,
     flush: bool = False,
     quiet_steps: int = 0,
     step_sleep: float = 0.0,
@@ -76,6 +77,8 @@ def train_job(
     """Train the student with ``strategy``; report losses, stats, plans and a parameter digest.
 
     ``device="cuda"`` trains on the GPU (batches are made on the host and uploaded, as a loader would).
+    ``stall=(rank, step, seconds)``: that rank's trainer stops for that long before that step (a slow
+    peer whose process stays alive and keeps answering heartbeats).
     """
     # different inits on purpose: attach broadcasts rank 0's
     model = student(width, depth, seed=rank).to(device)
@@ -92,6 +95,8 @@ def train_job(
     for step in range(steps):
         if slow_at is not None and step == slow_at and (slow_ranks is None or rank in slow_ranks):
             node.comm.set_rate_limit(slow_rate)  # this rank's outgoing link(s)
+        if stall is not None and (rank, step) == (stall[0], stall[1]):
+            time.sleep(stall[2])
         x, y = (t.to(device, non_blocking=True) for t in batch(rank, step, batch_size))
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
