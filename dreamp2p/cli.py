@@ -141,6 +141,7 @@ def _demo(args: argparse.Namespace) -> int:
         codec=args.codec,
         strategy=args.strategy,
         out=args.out,
+        device=args.device,
     )
 
 
@@ -254,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--codec", default="int8")
     d.add_argument("--strategy", default="dreamddp")
     d.add_argument("--out", default=None, help="run folder (default runs/demo-TIMESTAMP)")
+    d.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the daemons train (auto: CUDA if any)"
+    )
     d.set_defaults(func=_demo)
     return p
 

@@ -47,6 +47,7 @@ def run_demo(
     codec: str = "int8",
     strategy: str = "dreamddp",
     out: str | None = None,
+    device: str = "auto",
 ) -> int:
     rate = parse_rate(link)
     delay = parse_duration(rtt) / 2
@@ -61,7 +62,9 @@ def run_demo(
         "control_every": 20,
     }
     task: dict[str, Any] = {"steps": 1_000_000, "eval_every": 50}
-    configs = write_configs(run_dir, nodes, rate_Bps=rate, delay_s=delay, sync=sync, task=task, checkpoint_every=500)
+    configs = write_configs(
+        run_dir, nodes, rate_Bps=rate, delay_s=delay, sync=sync, task=task, checkpoint_every=500, device=device
+    )
     stop_file = run_dir / "stop_at"
     print(
         f"dreamp2p demo: {nodes} node daemons on 127.0.0.1, links {link} with {rtt} RTT per hop, "

@@ -65,6 +65,7 @@ def write_configs(
     metrics: bool = True,
     threads: int = 1,
     token: str | None = "local-demo-token",
+    device: str = "cpu",
 ) -> list[Path]:
     """One TOML per node, all on 127.0.0.1, sharing a ring; returns their paths."""
     if not 1 <= nodes <= len(NAMES):
@@ -90,7 +91,7 @@ def write_configs(
             "metrics": {"run_dir": str(run_dir), **({"listen": f"127.0.0.1:{ports[nodes + i]}"} if metrics else {})},
         }
         path = run_dir / f"{name}.toml"
-        path.write_text(dump_toml(tables, {"device": "cpu", "threads": threads}))
+        path.write_text(dump_toml(tables, {"device": device, "threads": threads}))
         paths.append(path)
     return paths
 

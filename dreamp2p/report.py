@@ -269,6 +269,13 @@ def _finite(values: Sequence[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
 
 
+def _harmonic_mean(rates: Sequence[float]) -> float | None:
+    """Tokens over time for per-step rates of equal-sized steps (an arithmetic mean of rates would let
+    the many quick steps outweigh the few that waited on the network)."""
+    positive = [r for r in _finite(rates) if r > 0]
+    return len(positive) / math.fsum(1.0 / r for r in positive) if positive else None
+
+
 def _mean(values: Sequence[float]) -> float | None:
     good = _finite(values)
     return math.fsum(good) / len(good) if good else None
@@ -328,7 +335,9 @@ def summarize(logs: Mapping[str, NodeLog]) -> dict[str, dict[str, Any]]:
             "eval_loss_first": evals[0] if evals else None,
             "eval_loss_last": evals[-1] if evals else None,
             "evals": len(node.evals),
-            "mean_tokens_per_s": _json_num(_mean([r["tokens_per_s"] for r in node.steps if "tokens_per_s" in r])),
+            "mean_tokens_per_s": _json_num(
+                _harmonic_mean([r["tokens_per_s"] for r in node.steps if "tokens_per_s" in r])
+            ),
             "mean_hidden_fraction": _json_num(
                 _mean([r["hidden_fraction"] for r in node.steps if "hidden_fraction" in r])
             ),

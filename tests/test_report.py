@@ -286,3 +286,19 @@ def test_running_mean() -> None:
 def test_import_does_not_load_matplotlib() -> None:
     code = "import sys, dreamp2p.report; assert 'matplotlib' not in sys.modules, 'matplotlib imported eagerly'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("rates", "want"),
+    [
+        ([100.0, 100.0], 100.0),
+        ([1000.0, 1000.0, 1000.0, 10.0], 4 / (3 / 1000 + 1 / 10)),  # one slow step weighs its time
+        ([], None),
+        ([0.0, float("nan")], None),
+    ],
+)
+def test_mean_tokens_per_second_is_tokens_over_time(rates: list[float], want: float | None) -> None:
+    from dreamp2p.report import _harmonic_mean
+
+    got = _harmonic_mean(rates)
+    assert got == pytest.approx(want) if want is not None else got is None

@@ -696,6 +696,13 @@ async def test_bad_requests_get_precise_statuses() -> None:
         with pytest.raises(PeerError, match="does not serve state") as err:
             await joiner.link("d1").state_manifest(5.0)
         assert err.value.status == Status.NOT_FOUND
+        # a peer that is joining itself says so at once (no wait for a snapshot it cannot have)
+        peers["d0"].ready = False
+        t0 = time.monotonic()
+        with pytest.raises(PeerError, match="no training state to give yet") as err:
+            await link.state_manifest(5.0)
+        assert err.value.status == Status.JOINING and time.monotonic() - t0 < 2.0
+        peers["d0"].ready = True
         # a caller that never handshook (right token, no admission)
         stranger = Link("stranger", PeerInfo("d0", peers["d0"].address), FAST, None, TOKEN)
         try:

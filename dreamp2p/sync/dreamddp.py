@@ -243,10 +243,12 @@ class DreamDDP(Strategy):
     def _control_round(self, t: int) -> None:
         cfg = self.cfg
         if self._control is not None and self._control[0] <= t:
-            _, fut, gathered, world = self._control
+            land, fut, gathered, world = self._control
             self._control = None
             if self._try_wait(fut) is not None:
-                self._on_gathered(unpack_control(gathered.work, world, self._blank), t)
+                # decided as of the agreed landing step, not the step we got here: a node that joined with
+                # this round in flight and started past it adopts the plan with the members' phase
+                self._on_gathered(unpack_control(gathered.work, world, self._blank), land)
         start = max(cfg.warmup_steps, 1)
         if self._control is None and t >= start and (t - start) % cfg.control_every == 0:
             links = {s.peer: s for s in self.comm.links()}

@@ -57,6 +57,7 @@ class StateBackend(Protocol):
 
     config: PeerConfig
     state_donor: Any  # a StateSource, or None where this node does not serve its state
+    ready: bool  # False while this node is joining itself: it has no state to give yet
 
     def is_admitted(self, sender: str) -> bool: ...
 
@@ -165,6 +166,9 @@ class PeerServicer(pb_grpc.PeerServicer):
         donor: StateSource | None = b.state_donor
         if donor is None:
             raise PeerError(Status.NOT_FOUND, "this node does not serve state")
+        if not b.ready:
+            # answered at once, so a joiner turns to the members that have a state instead of waiting
+            raise PeerError(Status.JOINING, "joining itself: no training state to give yet")
         return b, donor
 
 
