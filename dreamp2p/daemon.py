@@ -178,8 +178,7 @@ def run_node(
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.task.lr)
     if join and resume:
         raise ValueError("--join and --resume exclude each other: a joining node takes the live members' state")
-    # a resuming node stays out of the members' rounds until it knows whether it must join instead
-    node = Node(node_cfg, joining=join or resume)
+    node = Node(node_cfg, joining=join)
     try:
         node.connect(require_all=not join)
         restored: tuple[Path, dict[str, Any]] | None = None
@@ -188,9 +187,8 @@ def run_node(
             if restored is _JOIN:
                 # the cluster trained on without us: our checkpoint is older than its state
                 log.warning("members are training: joining them instead of resuming from our checkpoint")
+                node.stand_aside()
                 join, restored = True, None
-            else:
-                node.mark_ready()
         sync = node.attach(model, opt, sync=cfg.sync, broadcast=restored is None, join=join)
         if join:
             metrics.record("join", step=sync.step_count, digest=param_digest(model), resumed=resume)

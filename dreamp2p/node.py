@@ -176,9 +176,9 @@ class Node:
                 )
             time.sleep(max(0.05, t.heartbeat_s / 4))
 
-    def mark_ready(self) -> None:
-        """Take part in rounds from now on (a node built with ``joining=True`` that resumes on its own)."""
-        self.comm.on_loop(setattr, self.comm.peer, "ready", True)
+    def stand_aside(self) -> None:
+        """Stop taking part in rounds until :meth:`join` is done (a resuming node that must join instead)."""
+        self.comm.on_loop(self.comm.peer.stand_aside)
 
     def close(self) -> None:
         try:

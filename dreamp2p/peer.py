@@ -375,6 +375,16 @@ class Peer:
             task = asyncio.ensure_future(link.vote(key[0], key[1], vid, commit, limit))
             task.add_done_callback(_quiet)
 
+    def stand_aside(self) -> None:
+        """Take part in no round until ``ready`` again (a node that turns out to be joining): refuse new frames
+        (JOINING) and fail the frames already waiting here for a round we would never open, so the members'
+        rounds fail now instead of at their deadline."""
+        self.ready = False
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(PeerError(Status.JOINING, "joining: no training state yet, so no part in rounds"))
+                fut.exception()
+
     def is_admitted(self, sender: str) -> bool:
         """Whether ``sender`` completed a handshake with this process (gate for every non-handshake call)."""
         return sender in self._admitted
