@@ -20,7 +20,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Literal
 
 import torch
 
@@ -183,12 +183,14 @@ def run_node(
         node.connect(require_all=not join)
         restored: tuple[Path, dict[str, Any]] | None = None
         if resume:
-            restored = _agree_and_load(cfg, node)
-            if restored is _JOIN:
+            decided = _agree_and_load(cfg, node)
+            if decided == JOIN:
                 # the cluster trained on without us: our checkpoint is older than its state
                 log.warning("members are training: joining them instead of resuming from our checkpoint")
                 node.stand_aside()
-                join, restored = True, None
+                join = True
+            else:
+                restored = decided
         sync = node.attach(model, opt, sync=cfg.sync, broadcast=restored is None, join=join)
         if join:
             metrics.record("join", step=sync.step_count, digest=param_digest(model), resumed=resume)
@@ -225,14 +227,14 @@ def _abort_when_stuck(stop: StopFlag, done: threading.Event, grace: float, node:
 
 
 # _agree_and_load's answer when members are training: take their state (Node.join), not our checkpoint
-_JOIN: tuple[Path, dict[str, Any]] = (Path(), {})
+JOIN: Final = "join"
 
 
-def _agree_and_load(cfg: DaemonConfig, node: Node) -> tuple[Path, dict[str, Any]] | None:
+def _agree_and_load(cfg: DaemonConfig, node: Node) -> tuple[Path, dict[str, Any]] | Literal["join"] | None:
     """Decide with the other nodes where to resume from, then load that checkpoint.
 
     Publishes our checkpoint steps through the Status call, then asks every other member. As soon as one
-    is training, the cluster went on without us: we join it (returns ``_JOIN``; our checkpoint is older
+    is training, the cluster went on without us: we join it (returns ``JOIN``; our checkpoint is older
     than its state). If all are resuming too, the nodes holding the newest checkpoint of the wave resume
     from it and the others join them (:func:`agree_resume_step`); None when nobody has one (fresh start).
     """
@@ -254,7 +256,7 @@ def _agree_and_load(cfg: DaemonConfig, node: Node) -> tuple[Path, dict[str, Any]
             steps = list(st.checkpoint_steps)
             # a resumed member that trained well past its checkpoints since is no longer in this restart wave
             if st.training is not None and (not st.resuming or st.training.step > max(steps, default=0) + 2):
-                return _JOIN
+                return JOIN
             if st.resuming:
                 others[member] = steps
         if len(others) < len(members):
@@ -268,7 +270,7 @@ def _agree_and_load(cfg: DaemonConfig, node: Node) -> tuple[Path, dict[str, Any]
         return load_step(cfg.checkpoint.dir, step)
     if any(others.values()):
         log.info("another node saved a newer state than ours (%s): joining it", mine)
-        return _JOIN
+        return JOIN
     log.info("no node has a checkpoint: starting fresh")
     return None
 

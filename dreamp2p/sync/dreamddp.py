@@ -131,6 +131,7 @@ class DreamDDP(Strategy):
             if self.cfg.link_codecs
             else None
         )
+        self._summary: tuple[object, str] = (None, "")  # (plan version, link codecs) -> plan_summary text
         self._outer_on = self.cfg.group_outer_lr != 1.0 or self.cfg.group_outer_momentum != 0.0
         # per layer: outer weights and momentum (created at the layer's first landing, from that average)
         self._outer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -312,7 +313,11 @@ class DreamDDP(Strategy):
         self._arm(self.step_count)
 
     def _training_info(self) -> TrainingInfo:
-        return TrainingInfo(self.name, self.step_count, self.plan.version, self.plan.effective_step, plan_summary(self))
+        # published every step: the summary text is rebuilt only when the plan or the link codecs change
+        key = (self.plan.version, self.ring_codecs)
+        if self._summary[0] != key:
+            self._summary = (key, plan_summary(self))
+        return TrainingInfo(self.name, self.step_count, self.plan.version, self.plan.effective_step, self._summary[1])
 
     def _forget_old_groups(self) -> None:
         live = {f.key for f in self._inflight}
