@@ -30,6 +30,7 @@ class Status(enum.IntEnum):
     VIEW_MISMATCH = 17
     NOT_FOUND = 18
     JOINING = 19
+    CONFIG_MISMATCH = 20
 
 
 class PeerError(Exception):
@@ -44,7 +45,8 @@ class PeerError(Exception):
 class RoundFailed(RuntimeError):
     """An averaging round did not complete; the caller's tensors were left untouched."""
 
-    def __init__(self, key: tuple[int, int], reason: str) -> None:
-        super().__init__(f"round (group={key[0]}, round={key[1]}) failed: {reason}")
-        self.key = key
+    def __init__(self, key: tuple[int, int] | None, reason: str) -> None:
+        where = f"round (group={key[0]}, round={key[1]})" if key is not None else "a round"
+        super().__init__(f"{where} failed: {reason}")
+        self.key = key  # (group id, round id); None where the caller does not know them
         self.reason = reason

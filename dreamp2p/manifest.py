@@ -23,3 +23,13 @@ def param_digest(model: torch.nn.Module) -> str:
     for p in model.parameters():
         h.update(p.detach().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def state_digest(model: torch.nn.Module) -> str:
+    """xxh3 digest of every parameter's and buffer's bytes (frozen ones and BatchNorm statistics too)."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for t in (*model.parameters(), *model.buffers()):
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()

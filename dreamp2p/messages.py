@@ -66,6 +66,8 @@ class Hello:
     manifest_hash: bytes
     codecs: tuple[int, ...]
     advertise_address: str = ""
+    # training settings every member must share, sorted (name, value) pairs; empty before attach
+    settings: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from dreamp2p.messages import PeerStatus
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.state.fetch import fetch_state
 from dreamp2p.state.snapshot import unflatten_state
-from dreamp2p.sync.base import Strategy, broadcast_parameters
+from dreamp2p.sync.agreement import inner_momentum, is_adaptive, training_settings
+from dreamp2p.sync.base import Strategy, broadcast_state
 from dreamp2p.sync.baselines import CO2, SSGD, DiLoCo, LocalSGD, NoSync, StreamingDiLoCo
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.config import SyncConfig
@@ -86,8 +87,11 @@ class Node:
         join: bool = False,
         **overrides: Any,
     ) -> Strategy:
-        """Wrap ``optimizer`` with a synchronization strategy; replicas start from rank 0's parameters.
+        """Wrap ``optimizer`` with a synchronization strategy; replicas start from rank 0's state.
 
+        Before anything is averaged, every live member's settings and model layout are compared with
+        ours: a difference raises PeerError(CONFIG_MISMATCH) naming the setting and both values, here
+        and on the other side. Then rank 0's parameters (frozen ones too) and buffers are broadcast.
         ``join=True``: take the state from the live members instead (see the module docstring).
         """
         cfg = sync or SyncConfig()
@@ -95,16 +99,43 @@ class Node:
             overrides["strategy"] = strategy
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
+        cfg = self._outer_defaults(cfg, optimizer)
         if not self._connected:
             self.connect(require_all=not join)
+        timeout = self.config.transport.round_timeout_s
+        self.comm.agree(training_settings(cfg, model), self.config.transport.connect_timeout_s)
         if broadcast and not join:  # a node resuming from its checkpoint keeps its own parameters
-            params = [p for p in model.parameters() if p.requires_grad]
-            broadcast_parameters(self.comm, params, cfg.round_timeout_s)
+            broadcast_state(self.comm, model, timeout)
         strat = STRATEGY_CLASSES[cfg.strategy](model, optimizer, self.comm, cfg)
         self.strategy = strat
         if join:
-            self.join(strat, timeout=cfg.round_timeout_s)
+            self.join(strat, timeout=timeout)
         return strat
+
+    @staticmethod
+    def _outer_defaults(cfg: SyncConfig, optimizer: torch.optim.Optimizer) -> SyncConfig:
+        """Resolve the outer optimizer left unset from the inner one, and warn about a known bad pairing."""
+        resolved = cfg.with_outer_defaults(is_adaptive(optimizer))
+        if cfg.strategy in ("diloco", "streaming"):
+            lr, momentum = resolved.outer
+            log.info(
+                "%s outer optimizer: lr %g, momentum %g (%s for a %s inner optimizer)",
+                cfg.strategy,
+                lr,
+                momentum,
+                "set" if cfg.outer_lr is not None else "default",
+                type(optimizer).__name__,
+            )
+            if momentum > 0 and not is_adaptive(optimizer) and inner_momentum(optimizer) > 0:
+                log.warning(
+                    "%s: outer momentum %g over an inner %s with momentum %g compounds two momenta and "
+                    "usually overshoots; outer_lr = 1, outer_momentum = 0 (the default for SGD) suits it",
+                    cfg.strategy,
+                    momentum,
+                    type(optimizer).__name__,
+                    inner_momentum(optimizer),
+                )
+        return resolved
 
     def join(self, strategy: Strategy, timeout: float) -> None:
         """Load the live members' state into ``strategy``, start at their step, then take part in rounds.

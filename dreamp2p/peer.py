@@ -36,6 +36,7 @@ from dreamp2p.membership import Membership, view_id
 from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, TrainingInfo, Vote
 from dreamp2p.schedule.chunking import choose_chunk_bytes
 from dreamp2p.schedule.linkcodec import RingCodecPlan
+from dreamp2p.settings import settings_mismatch
 from dreamp2p.transport.client import Link, OutboundStream
 from dreamp2p.transport.server import build_server
 
@@ -117,6 +118,10 @@ class Peer:
         # Afterwards it refuses rounds from before the step it starts at.
         self.ready = True
         self.min_round_id = 0
+        # training settings every member must share (see `dreamp2p.settings`); empty until declared
+        self._settings: tuple[tuple[str, str], ...] = ()
+        # members we refused for their settings: our own agree() fails on them without asking again
+        self._conflicts: dict[str, str] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -145,6 +150,7 @@ class Peer:
             manifest_hash=self.config.manifest_hash,
             codecs=tuple(get_codec(n).wire_id for n in codec_names()),
             advertise_address=self.address,
+            settings=self._settings,
         )
 
     async def connect(
@@ -202,6 +208,42 @@ class Peer:
         if self._heart is None and cfg.transport.heartbeat_s > 0 and len(ring) > 1:
             self._heart = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{cfg.node_id}")
 
+    async def agree(self, settings: dict[str, str], timeout: float) -> None:
+        """Declare our training settings and check them against every live member's, before training.
+
+        Each member is handshaken again with the settings; a member that has declared its own compares
+        them and refuses on a difference (CONFIG_MISMATCH), and its reply carries its settings, which we
+        compare too, so both sides of a disagreement fail with the differing settings named. A member
+        that has not declared yet (it has not attached its model) is asked again until ``timeout``.
+        """
+        self._settings = tuple(sorted(settings.items()))
+        me = self.config.node_id
+        pending = [node for node in self.view if node != me and node in self._links]
+        deadline = time.monotonic() + timeout
+        t = self.config.transport
+        while pending:
+            waiting = []
+            for node in pending:
+                if node in self._conflicts:  # it asked first, and we refused it
+                    raise PeerError(Status.CONFIG_MISMATCH, self._conflicts[node])
+                left = max(0.1, deadline - time.monotonic())
+                reply = await self._links[node].handshake(self.hello(), min(left, t.rpc_deadline_s))
+                if not reply.settings:
+                    waiting.append(node)
+                    continue
+                differ = settings_mismatch(settings, dict(reply.settings), me, node)
+                if differ is not None:
+                    raise PeerError(Status.CONFIG_MISMATCH, differ)
+            pending = waiting
+            if pending:
+                if time.monotonic() > deadline:
+                    raise PeerError(
+                        Status.TIMEOUT,
+                        f"{', '.join(pending)} declared no training settings within {timeout:.0f} s "
+                        "(have they attached a model?)",
+                    )
+                await asyncio.sleep(0.1)
+
     async def close(self, grace: float = 2.0) -> None:
         """Stop probing, fail rounds in flight, stop the server with ``grace`` seconds, close channels."""
         self._closing = True
@@ -254,6 +296,11 @@ class Peer:
         codec = get_codec(self.config.codec).wire_id
         if codec not in hello.codecs:
             raise PeerError(Status.UNKNOWN_CODEC, f"peer cannot decode codec {self.config.codec}")
+        differ = settings_mismatch(dict(self._settings), dict(hello.settings), self.config.node_id, hello.node_id)
+        if differ is not None:
+            log.error("refusing %s: %s", hello.node_id, differ)
+            self._conflicts[hello.node_id] = differ
+            raise PeerError(Status.CONFIG_MISMATCH, differ)
         self._admitted[hello.node_id] = hello
         return mine
 
@@ -686,7 +733,6 @@ class Peer:
 
     async def _heartbeat_loop(self) -> None:
         t = self.config.transport
-        hello = self.hello()
         while True:
             await asyncio.sleep(t.heartbeat_s)
             results = await asyncio.gather(
@@ -703,7 +749,7 @@ class Peer:
                         log.warning("%s answers again: it rejoins the ring", node)
                         # a restarted process admits nobody yet: introduce ourselves before our frames come
                         with contextlib.suppress(PeerError):
-                            await link.handshake(hello, t.rpc_deadline_s)
+                            await link.handshake(self.hello(), t.rpc_deadline_s)
                     continue
                 refused = isinstance(res, PeerError) and "UNAVAILABLE" in str(res)
                 if self.membership.missed(node, now, fatal=refused):

@@ -3,6 +3,11 @@
 The user's loop stays theirs: forward, ``loss.backward()``, then ``sync.step()`` in place of
 ``optimizer.step()``. A strategy decides what is averaged when, launches it on the comm thread, and
 blocks only where its method requires; time spent blocked is the step's exposed wait.
+
+One failure policy for every strategy: a round that fails (after the peer's retry) failed on every member
+(rounds are all-or-none, see `dreamp2p.peer`), so it is skipped everywhere and training goes on; nobody
+applied it, so the replicas stay consistent. Buffers (BatchNorm statistics) are synced alongside, see
+`dreamp2p.sync.buffers`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from torch import nn
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import TrainingInfo
 from dreamp2p.peer import RoundResult
+from dreamp2p.sync.buffers import BufferSync, frozen_parameters, model_buffers
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.layers import FlatGroup, Layer, discover_layers
@@ -30,7 +36,11 @@ log = logging.getLogger(__name__)
 GROUP_INIT = 1
 GROUP_GRADS = 2
 GROUP_PARAMS = 3
+# 4 is GROUP_BUFFERS (dreamp2p.sync.buffers)
+GROUP_FLUSH = 5
 GROUP_CONTROL = 9
+# flush() tries this many rounds before it gives up (it promises identical replicas, so it cannot skip)
+FLUSH_ATTEMPTS = 3
 GROUP_FRAGMENT_BASE = 100
 GROUP_PLAN_BASE = 1_000_000
 
@@ -81,6 +91,11 @@ class Strategy(abc.ABC):
     """Base of every synchronization strategy; subclasses implement :meth:`_step`."""
 
     name = "base"
+    # when buffers are synced: every step (ssgd, like DDP) or at the end of each period; a blocking
+    # strategy lands them in the same step, the others one step later so the round hides behind compute
+    buffers_every_step = False
+    buffers_inline = True
+    syncs_buffers = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
         self.model = model
@@ -95,6 +110,8 @@ class Strategy(abc.ABC):
         self._last_end = time.perf_counter()
         self._stats = StepStats(0)
         self.pin = any(p.device.type == "cuda" for p in self.params)
+        self.buffers = model_buffers(model) if self.syncs_buffers else []
+        self._bufsync = BufferSync(comm, self.buffers, cfg.buffers, self.pin) if self.buffers else None
         self._setup()
 
     # ------------------------------------------------------------------ user API
@@ -103,7 +120,14 @@ class Strategy(abc.ABC):
         """Apply this step's local update and whatever synchronization the strategy schedules now."""
         t0 = time.perf_counter()
         self._stats = StepStats(self.step_count, compute_s=t0 - self._last_end)
+        self._land_buffers()  # launched at the end of an earlier period (not inline)
+        due = self._bufsync is not None and (self.buffers_every_step or (self.step_count + 1) % self.cfg.period == 0)
+        if due and self._bufsync is not None:
+            # launched before the strategy's own round so that both travel at once
+            self._bufsync.launch(self._round())
         self._step()
+        if due and self.buffers_inline:
+            self._land_buffers()
         end = time.perf_counter()
         stats = self._stats
         # time inside step() that was not waiting on the network is local work (optimizer, merges)
@@ -157,27 +181,47 @@ class Strategy(abc.ABC):
         self.step_count = int(state["step"])
         self._load_extra_state(state.get("extra", {}))
 
-    def close(self, timeout: float | None = None) -> None:  # noqa: B027 - nothing in flight by default
+    def close(self, timeout: float | None = None) -> None:
         """Wait for collectives still in flight (they are collective: peers expect us to finish them).
 
-        With ``timeout``, raises RoundFailed if they cannot finish in time (peers gone); see abandon().
+        Rounds that failed are skipped (as everywhere else). With ``timeout``, raises RoundFailed if they
+        cannot finish in time (peers gone): call :meth:`abandon` then.
         """
+        self._finish(timeout)
+        self._land_buffers(timeout)
 
-    def abandon(self) -> None:  # noqa: B027 - nothing in flight by default
+    def abandon(self) -> None:
         """Forget collectives in flight without applying them (after the peer aborted its rounds)."""
+        self._drop()
+        if self._bufsync is not None:
+            self._bufsync.take()
 
     def flush(self) -> None:
-        """Average every parameter once now, blocking: all peers end with identical parameters."""
+        """Average every parameter and buffer once now, blocking: all peers end with identical state.
+
+        A failed round is tried again (up to FLUSH_ATTEMPTS in all); RoundFailed if none completes.
+        """
         self.close()
-        group = FlatGroup(self.params, pin=self.pin)
-        group.snapshot()
-        self._wait(self.comm.allreduce_group(group, GROUP_PARAMS, self.cfg.codec))
-        group.merge()
+        tensors = list(self.params) + list(self.buffers)
+        group = FlatGroup(tensors, pin=self.pin)
+        for attempt in range(1, FLUSH_ATTEMPTS + 1):
+            group.snapshot()
+            if self._wait(self.comm.allreduce_group(group, GROUP_FLUSH, self.cfg.codec)) is not None:
+                group.merge()
+                return
+            log.warning("flush: round %d of %d failed; trying again", attempt, FLUSH_ATTEMPTS)
+        raise RoundFailed(None, f"flush: no averaging round completed in {FLUSH_ATTEMPTS} attempts")
 
     # ------------------------------------------------------------------ for subclasses
 
     def _setup(self) -> None:  # noqa: B027 - strategies without state of their own need nothing
         """Build strategy state once the base attributes exist (instead of overriding __init__)."""
+
+    def _finish(self, timeout: float | None) -> None:  # noqa: B027 - nothing in flight by default
+        """Land the strategy's own rounds still in flight (see :meth:`close`)."""
+
+    def _drop(self) -> None:  # noqa: B027 - nothing in flight by default
+        """Forget the strategy's own rounds in flight (see :meth:`abandon`)."""
 
     @abc.abstractmethod
     def _step(self) -> None: ...
@@ -195,31 +239,33 @@ class Strategy(abc.ABC):
         """Round id for a collective launched during this step: the same on every peer, also after a resume."""
         return self.step_count + 1
 
-    def _wait(self, fut: concurrent.futures.Future[RoundResult], timeout: float | None = None) -> RoundResult:
-        """Block on a collective, charging the blocked time to exposed wait."""
+    def _wait(self, fut: concurrent.futures.Future[RoundResult], timeout: float | None = None) -> RoundResult | None:
+        """Block on a collective, charging the blocked time to exposed wait; None if the round failed.
+
+        Rounds are all-or-none across the members (see `dreamp2p.peer`), so a failed round was applied
+        nowhere and skipping it keeps every replica consistent. A round still without a result after
+        ``timeout`` (default: the peer's round timeout plus a margin) is still in flight, so that raises
+        RoundFailed: the caller must abort it (see :meth:`abandon`).
+        """
         t0 = time.perf_counter()
+        limit = timeout if timeout is not None else self.comm.round_timeout_s + 30
         try:
-            res = fut.result(timeout=timeout if timeout is not None else self.cfg.round_timeout_s + 30)
+            res = fut.result(timeout=limit)
         except concurrent.futures.TimeoutError:
-            raise RoundFailed((0, 0), "no result from the comm thread in time") from None
+            raise RoundFailed(None, f"no result from the comm thread within {limit:.0f} s") from None
+        except RoundFailed as exc:
+            self._stats.exposed_s += time.perf_counter() - t0
+            self.rounds_skipped += 1
+            log.warning("step %d: %s; skipped on every member, training goes on", self.step_count, exc)
+            return None
         self._stats.exposed_s += time.perf_counter() - t0
         self._landed(res)
         return res
 
-    def _try_wait(
-        self, fut: concurrent.futures.Future[RoundResult], timeout: float | None = None
-    ) -> RoundResult | None:
-        """Like :meth:`_wait`, but a failed round is skipped (None) instead of raised.
-
-        Rounds are all-or-none across the members (see `dreamp2p.peer`), so skipping one keeps every
-        replica consistent: nobody applied it. Used by strategies that carry on when a member dies.
-        """
-        try:
-            return self._wait(fut, timeout)
-        except RoundFailed as exc:
-            self.rounds_skipped += 1
-            log.warning("step %d: %s; carrying on without it", self.step_count, exc)
-            return None
+    def _land_buffers(self, timeout: float | None = None) -> None:
+        fut = self._bufsync.take() if self._bufsync is not None else None
+        if fut is not None and self._wait(fut, timeout) is not None and self._bufsync is not None:
+            self._bufsync.apply()
 
     def _landed(self, res: RoundResult) -> None:
         self._stats.comm_s += res.seconds
@@ -227,11 +273,18 @@ class Strategy(abc.ABC):
         self._stats.syncs += 1
 
 
-def broadcast_parameters(comm: CommThread, params: list[nn.Parameter], timeout: float) -> None:
-    """Make every replica hold rank 0's parameters (bit-identical on all peers afterwards)."""
-    if comm.world == 1 or not params:
+def broadcast_state(comm: CommThread, model: nn.Module, timeout: float) -> None:
+    """Make every replica hold rank 0's parameters, frozen ones included, and buffers (bit-identical)."""
+    tensors: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+    tensors += frozen_parameters(model) + model_buffers(model)
+    broadcast_tensors(comm, tensors, timeout)
+
+
+def broadcast_tensors(comm: CommThread, tensors: list[torch.Tensor], timeout: float) -> None:
+    """Make every replica hold rank 0's values of ``tensors`` (bit-identical on all peers afterwards)."""
+    if comm.world == 1 or not tensors:
         return
-    group = FlatGroup(params)
+    group = FlatGroup(tensors)
     group.snapshot()
     # rank 0 contributes N x its values, the others zero: the mean is rank 0's values on every peer
     group.snap.mul_(float(comm.world) if comm.rank == 0 else 0.0)

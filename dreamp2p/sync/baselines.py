@@ -1,10 +1,14 @@
 """The baseline strategies, all on the same transport so benchmarks compare like with like.
 
+A round that fails is skipped by every member (see `dreamp2p.sync.base`): S-SGD then skips that step's
+update everywhere, the others skip that average or outer step and carry on locally.
+
 - ``none``: local training only, the compute-only reference.
 - ``ssgd``: data-parallel S-SGD, gradients averaged every step (blocking).
 - ``localsgd``: local SGD, whole model averaged every H steps (blocking).
 - ``diloco``: DiLoCo (Douillard et al., arXiv 2311.08455): H inner steps, then the mean pseudo-gradient
-  (global - local) drives an outer Nesterov SGD step (lr 0.7, momentum 0.9).
+  (global - local) drives an outer Nesterov SGD step (lr 0.7, momentum 0.9 over an adaptive inner
+  optimizer as in the paper; plain averaging, lr 1 and momentum 0, over SGD: see `sync.config`).
 - ``streaming``: Streaming DiLoCo (arXiv 2501.18512): P strided fragments, each synced once per H steps
   at staggered offsets; its 4-bit outer gradient travels while training goes on for tau steps, then
   theta <- alpha * local + (1 - alpha) * outer.
@@ -30,13 +34,15 @@ from dreamp2p.sync.layers import FlatGroup
 
 def _outer_sgd(shadow: nn.Parameter, cfg: SyncConfig) -> torch.optim.Optimizer:
     """The DiLoCo outer optimizer: SGD with Nesterov momentum over the global copy."""
-    return torch.optim.SGD([shadow], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
+    lr, momentum = cfg.outer
+    return torch.optim.SGD([shadow], lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
 class NoSync(Strategy):
     """No communication at all: the compute-only reference that utilization is measured against."""
 
     name = "none"
+    syncs_buffers = False
 
     def _step(self) -> None:
         self.optimizer.step()
@@ -44,6 +50,7 @@ class NoSync(Strategy):
 
 class SSGD(Strategy):
     name = "ssgd"
+    buffers_every_step = True  # as DDP: replicas hold the same buffers after every step
 
     def _setup(self) -> None:
         self._grads = FlatGroup(self.params, pin=self.pin)
@@ -51,7 +58,9 @@ class SSGD(Strategy):
     def _step(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self._grads.snapshot(grads)
-        self._wait(self.comm.allreduce_group(self._grads, GROUP_GRADS, self.cfg.codec, round_id=self._round()))
+        res = self._wait(self.comm.allreduce_group(self._grads, GROUP_GRADS, self.cfg.codec, round_id=self._round()))
+        if res is None:
+            return  # the round failed on every member: every member skips this update alike
         with torch.no_grad():
             offset = 0
             for p in self.params:
@@ -75,8 +84,9 @@ class LocalSGD(Strategy):
         self.optimizer.step()
         if (self.step_count + 1) % self.cfg.period == 0:
             self._group.snapshot()
-            self._wait(self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round()))
-            self._group.merge()
+            fut = self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round())
+            if self._wait(fut) is not None:
+                self._group.merge()
 
 
 class DiLoCo(Strategy):
@@ -97,7 +107,9 @@ class DiLoCo(Strategy):
         self._group.read(local)
         # pseudo-gradient: how far this replica moved away from the global parameters
         self._group.snapshot([self._global - local])
-        self._wait(self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round()))
+        fut = self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round())
+        if self._wait(fut) is None:
+            return  # no outer step anywhere; the next period's pseudo-gradient covers both
         self._shadow.grad = self._group.work.clone()
         self._outer.step()
         with torch.no_grad():
@@ -117,6 +129,7 @@ class DiLoCo(Strategy):
 
 class StreamingDiLoCo(Strategy):
     name = "streaming"
+    buffers_inline = False
 
     def _setup(self) -> None:
         nfrag = min(self.cfg.fragments, len(self.layers))
@@ -143,14 +156,13 @@ class StreamingDiLoCo(Strategy):
         for p, (land, fut) in sorted(self._inflight.items()):
             if land == t:
                 del self._inflight[p]
-                self._wait(fut)
-                self._apply(p)
+                if self._wait(fut) is not None:
+                    self._apply(p)
         # fragments become due only after a full period of local steps
         if t + 1 >= self.cfg.period:
             for p in fragments_due(t + 1, self.offsets, self.cfg.period):
-                if p in self._inflight:  # its previous sync has not landed: finish it first
-                    self._wait(self._inflight.pop(p)[1])
-                    self._apply(p)
+                if p in self._inflight and self._wait(self._inflight.pop(p)[1]) is not None:
+                    self._apply(p)  # its previous sync had not landed: finish it first
                 g = self._groups[p]
                 local = torch.empty_like(self._global[p])
                 g.read(local)
@@ -159,8 +171,8 @@ class StreamingDiLoCo(Strategy):
                     g, GROUP_FRAGMENT_BASE + p, self.cfg.stream_codec, round_id=self._round()
                 )
                 if self.cfg.stream_delay == 0:
-                    self._wait(fut)
-                    self._apply(p)
+                    if self._wait(fut) is not None:
+                        self._apply(p)
                 else:
                     self._inflight[p] = (t + self.cfg.stream_delay, fut)
 
@@ -175,18 +187,19 @@ class StreamingDiLoCo(Strategy):
         a = self.cfg.mix_alpha
         g.write(local.mul_(a).add_(self._global[p], alpha=1 - a))
 
-    def close(self, timeout: float | None = None) -> None:
+    def _finish(self, timeout: float | None) -> None:
         for p in sorted(self._inflight):
-            self._wait(self._inflight[p][1], timeout)
-            self._apply(p)
+            if self._wait(self._inflight[p][1], timeout) is not None:
+                self._apply(p)
             del self._inflight[p]
 
-    def abandon(self) -> None:
+    def _drop(self) -> None:
         self._inflight.clear()
 
 
 class CO2(Strategy):
     name = "co2"
+    buffers_inline = False
 
     def _setup(self) -> None:
         self._group = FlatGroup(self.params, pin=self.pin)
@@ -209,8 +222,11 @@ class CO2(Strategy):
     def _land(self, timeout: float | None = None) -> None:
         if self._fut is None or self._launched is None:
             return
-        self._wait(self._fut, timeout)
+        res = self._wait(self._fut, timeout)
         self._fut = None
+        if res is None:
+            self._launched = None  # failed everywhere: no outer step this time
+            return
         avg = self._group.work
         local = torch.empty_like(avg)
         self._group.read(local)
@@ -227,10 +243,10 @@ class CO2(Strategy):
         self._group.write(self._outer_params + progress)
         self._launched = None
 
-    def close(self, timeout: float | None = None) -> None:
+    def _finish(self, timeout: float | None) -> None:
         self._land(timeout)
 
-    def abandon(self) -> None:
+    def _drop(self) -> None:
         self._fut = None
         self._launched = None
 

@@ -58,6 +58,15 @@ class CommThread:
         self.call(self.peer.connect(ring, timeout, require_all))
 
     @property
+    def round_timeout_s(self) -> float:
+        """How long the peer lets one round run before it fails (``[node.transport] round_timeout_s``)."""
+        return self.config.transport.round_timeout_s
+
+    def agree(self, settings: dict[str, str], timeout: float) -> None:
+        """Declare the training settings and check them against every live member's (see Peer.agree)."""
+        self.call(self.peer.agree(settings, timeout), timeout + 30)
+
+    @property
     def rank(self) -> int:
         """Our position among the members alive now (the ring the next round runs among)."""
         return self.members.index(self.config.node_id)

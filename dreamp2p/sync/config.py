@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from dreamp2p.schedule.linkcodec import choose_link_codecs
 
 STRATEGIES = ("none", "ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp")
+# How model buffers (BatchNorm running statistics, any registered buffer) are kept equal across members
+# whenever a strategy syncs parameters: their mean, or rank 0's values (DDP's ``broadcast_buffers``).
+BUFFER_MODES = ("average", "broadcast")
+# Outer optimizer defaults by inner optimizer: DiLoCo's Nesterov outer step (lr 0.7, momentum 0.9) is
+# tuned for an adaptive inner optimizer (AdamW); over SGD with momentum it compounds two momenta and
+# overshoots, so plain averaging of the pseudo-gradient (lr 1, momentum 0) is the default there.
+ADAPTIVE_OUTER = (0.7, 0.9)
+PLAIN_OUTER = (1.0, 0.0)
+REMOVED_KEYS = {
+    "round_timeout_s": "sync rounds are governed by [node.transport] round_timeout_s; set it there",
+}
 
 
 @dataclass(frozen=True)
@@ -15,10 +26,11 @@ class SyncConfig:
     strategy: str = "dreamddp"
     period: int = 10  # H: every layer (or the whole model) is averaged once per H steps
     codec: str = "fp32"  # wire codec for parameter averaging (the [node] codec is the handshake default)
-    round_timeout_s: float = 300.0
-    # DiLoCo / Streaming DiLoCo outer optimizer (Nesterov SGD)
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    buffers: str = "average"  # see BUFFER_MODES
+    # DiLoCo / Streaming DiLoCo outer optimizer (Nesterov SGD); None: chosen by the inner optimizer at
+    # attach (ADAPTIVE_OUTER for Adam-like inner optimizers, PLAIN_OUTER otherwise), see with_outer_defaults
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
     # Streaming DiLoCo
     fragments: int = 2  # P strided fragments
     stream_delay: int = 1  # tau: steps the fragment's outer gradient travels while training goes on
@@ -65,10 +77,14 @@ class SyncConfig:
             raise ValueError("sync.control_lead must be < sync.control_every")
         if not 0.0 <= self.mix_alpha <= 1.0:
             raise ValueError(f"sync.mix_alpha must be in [0, 1], got {self.mix_alpha}")
-        if self.round_timeout_s <= 0 or self.outer_lr <= 0 or self.co2_lr <= 0:
-            raise ValueError("sync.round_timeout_s, outer_lr and co2_lr must be > 0")
-        if not 0.0 <= self.outer_momentum < 1.0 or not 0.0 <= self.co2_momentum < 1.0:
-            raise ValueError("momentum values must be in [0, 1)")
+        if self.buffers not in BUFFER_MODES:
+            raise ValueError(f"sync.buffers must be one of {', '.join(BUFFER_MODES)}; got {self.buffers!r}")
+        if (self.outer_lr is not None and self.outer_lr <= 0) or self.co2_lr <= 0:
+            raise ValueError("sync.outer_lr and sync.co2_lr must be > 0")
+        if self.outer_momentum is not None and not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"sync.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if not 0.0 <= self.co2_momentum < 1.0:
+            raise ValueError(f"sync.co2_momentum must be in [0, 1), got {self.co2_momentum}")
         if self.replan_threshold <= 0:
             raise ValueError("sync.replan_threshold must be > 0")
         if not 0.0 <= self.plan_margin <= 9.0:
@@ -86,8 +102,31 @@ class SyncConfig:
             except ValueError as exc:
                 raise ValueError(f"sync.link_codecs: {exc}") from None
 
+    @property
+    def outer(self) -> tuple[float, float]:
+        """(lr, momentum) of the outer optimizer; :meth:`with_outer_defaults` must have resolved them."""
+        if self.outer_lr is None or self.outer_momentum is None:
+            raise ValueError("sync.outer_lr/outer_momentum are unresolved: call with_outer_defaults(optimizer)")
+        return self.outer_lr, self.outer_momentum
+
+    def with_outer_defaults(self, adaptive_inner: bool) -> SyncConfig:
+        """Fill the outer optimizer settings left unset from the kind of inner optimizer (see PLAIN_OUTER)."""
+        lr, momentum = ADAPTIVE_OUTER if adaptive_inner else PLAIN_OUTER
+        return replace(
+            self,
+            outer_lr=self.outer_lr if self.outer_lr is not None else lr,
+            outer_momentum=self.outer_momentum if self.outer_momentum is not None else momentum,
+        )
+
+    def shared_settings(self) -> dict[str, str]:
+        """Every setting, as strings: all of them must be equal on every member (see `dreamp2p.settings`)."""
+        return {f"sync.{f.name}": str(getattr(self, f.name)) for f in fields(self)}
+
     @staticmethod
     def from_dict(data: dict[str, Any]) -> SyncConfig:
+        for key, why in REMOVED_KEYS.items():
+            if key in data:
+                raise ValueError(f"sync.{key} is no longer a setting: {why}")
         known = {f.name for f in fields(SyncConfig)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -105,6 +105,7 @@ def plan_summary(s: DreamDDP) -> str:
 
 class DreamDDP(Strategy):
     name = "dreamddp"
+    buffers_inline = False  # buffer rounds hide behind the next step like the layer syncs
 
     def _setup(self) -> None:
         self.profiler = LayerProfiler(self.layers)
@@ -179,7 +180,7 @@ class DreamDDP(Strategy):
         for inf in [f for f in self._inflight if f.key == key]:
             # still travelling from the previous period: it must land before its buffers are reused
             self._inflight.remove(inf)
-            if self._try_wait(inf.fut) is not None:
+            if self._wait(inf.fut) is not None:
                 self._merge(inf)
         group = self._groups.get(key)
         if group is None:
@@ -226,7 +227,7 @@ class DreamDDP(Strategy):
         for inf in [f for f in self._inflight if f.land_step <= t]:
             self._inflight.remove(inf)
             # a failed round failed on every member (all-or-none): the layers keep their local values
-            if self._try_wait(inf.fut) is not None:
+            if self._wait(inf.fut) is not None:
                 self._merge(inf)
         self.optimizer.step()
         self._stats.plan_version = self.plan.version
@@ -246,7 +247,7 @@ class DreamDDP(Strategy):
         if self._control is not None and self._control[0] <= t:
             land, fut, gathered, world = self._control
             self._control = None
-            if self._try_wait(fut) is not None:
+            if self._wait(fut) is not None:
                 # decided as of the agreed landing step, not the step we got here: a node that joined with
                 # this round in flight and started past it adopts the plan with the members' phase
                 self._on_gathered(unpack_control(gathered.work, world, self._blank), land)
@@ -324,18 +325,18 @@ class DreamDDP(Strategy):
         for key in [k for k in self._groups if k[0] != self.plan.version and k not in live]:
             del self._groups[key]
 
-    def close(self, timeout: float | None = None) -> None:
+    def _finish(self, timeout: float | None) -> None:
         for inf in list(self._inflight):
             self._inflight.remove(inf)
             # a failed round failed on every member (all-or-none): the layers keep their local values
-            if self._try_wait(inf.fut, timeout) is not None:
+            if self._wait(inf.fut, timeout) is not None:
                 self._merge(inf)
         # finish the control round but keep it: its result is used at its landing step, as on every peer;
         # one that failed did so everywhere, and no member will use it
-        if self._control is not None and self._try_wait(self._control[1], timeout) is None:
+        if self._control is not None and self._wait(self._control[1], timeout) is None:
             self._control = None
 
-    def abandon(self) -> None:
+    def _drop(self) -> None:
         self._inflight.clear()
         self._control = None
 
@@ -351,7 +352,7 @@ class DreamDDP(Strategy):
         if self._control is not None:
             land, fut, group, world = self._control
             try:
-                fut.result(self.cfg.round_timeout_s)
+                fut.result(self.comm.round_timeout_s)
                 state["control"] = {"land": land, "mean": group.work.clone(), "world": world}
             except RoundFailed:
                 pass  # failed everywhere (all-or-none): no member will use it

@@ -46,7 +46,9 @@ def discover_layers(model: nn.Module) -> list[Layer]:
 
 
 class FlatGroup:
-    """Parameters of several layers viewed as one flat fp32 host buffer.
+    """Parameters (or any tensors: buffers, gradients) of several layers viewed as one flat fp32 host buffer.
+
+    Integer and bool tensors (BatchNorm's ``num_batches_tracked``) travel as fp32 and are rounded back.
 
     ``snapshot()`` copies the live parameters into ``snap`` (host); ``merge()`` sets them to
     ``avg + (params - snap)``, which keeps any local progress made since the snapshot (DESIGN.md: merge
@@ -93,13 +95,13 @@ class FlatGroup:
                 avg = self.work[offset : offset + n].view(p.shape)
                 snap = self.snap[offset : offset + n].view(p.shape)
                 if p.device.type == "cpu":
-                    p.copy_(avg + (p.detach().to(torch.float32) - snap))
+                    _assign(p, avg + (p.detach().to(torch.float32) - snap))
                 else:
                     # on the accelerator: two uploads from (pinned) host memory, queued on the current stream
                     # and so done before the next snapshot's event; no download, no host sync
                     avg_d = avg.to(p.device, non_blocking=True)
                     snap_d = snap.to(p.device, non_blocking=True)
-                    p.copy_(avg_d + (p.detach().to(torch.float32) - snap_d))
+                    _assign(p, avg_d + (p.detach().to(torch.float32) - snap_d))
                 offset += n
 
     def read(self, target: torch.Tensor) -> None:
@@ -117,5 +119,13 @@ class FlatGroup:
         with torch.no_grad():
             for p in self.params:
                 n = p.numel()
-                p.copy_(source[offset : offset + n].view(p.shape))
+                _assign(p, source[offset : offset + n].view(p.shape))
                 offset += n
+
+
+def _assign(target: torch.Tensor, value: torch.Tensor) -> None:
+    """target <- value (fp32), rounding for integer and bool tensors (a cast would truncate 2.9999998 to 2)."""
+    if target.is_floating_point() or target.is_complex():
+        target.copy_(value)
+    else:
+        target.copy_(value.round())

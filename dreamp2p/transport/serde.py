@@ -47,6 +47,7 @@ GRPC_CODE: dict[Status, grpc.StatusCode] = {
     Status.VIEW_MISMATCH: grpc.StatusCode.ABORTED,
     Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Status.JOINING: grpc.StatusCode.UNAVAILABLE,
+    Status.CONFIG_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 # Prefix of every error detail string, so clients can recover the application status from it.
@@ -248,6 +249,7 @@ def hello_to_proto(h: Hello) -> pb.HandshakeRequest:
         manifest_hash=h.manifest_hash,
         codecs=_enum(list(h.codecs)),
         advertise_address=h.advertise_address,
+        settings=dict(h.settings),
     )
 
 
@@ -259,6 +261,7 @@ def hello_from_proto(m: pb.HandshakeRequest) -> Hello:
         manifest_hash=bytes(m.manifest_hash),
         codecs=tuple(int(c) for c in m.codecs),
         advertise_address=m.advertise_address,
+        settings=_settings(m.settings),
     )
 
 
@@ -269,6 +272,7 @@ def hello_reply(h: Hello) -> pb.HandshakeResponse:
         protocol_version=h.protocol_version,
         codecs=_enum(list(h.codecs)),
         manifest_hash=h.manifest_hash,
+        settings=dict(h.settings),
     )
 
 
@@ -279,7 +283,22 @@ def hello_from_reply(m: pb.HandshakeResponse) -> Hello:
         node_id=m.node_id,
         manifest_hash=bytes(m.manifest_hash),
         codecs=tuple(int(c) for c in m.codecs),
+        settings=_settings(m.settings),
     )
+
+
+# Bounds on the settings map a peer may send (names and values are short strings; this is no data channel).
+MAX_SETTINGS = 256
+MAX_SETTING_CHARS = 256
+
+
+def _settings(m: Any) -> tuple[tuple[str, str], ...]:
+    if len(m) > MAX_SETTINGS:
+        raise PeerError(Status.BAD_FRAME, f"{len(m)} settings in a handshake; at most {MAX_SETTINGS}")
+    for k, v in m.items():
+        if len(k) > MAX_SETTING_CHARS or len(v) > MAX_SETTING_CHARS:
+            raise PeerError(Status.BAD_FRAME, f"setting {k[:40]!r} longer than {MAX_SETTING_CHARS} characters")
+    return tuple(sorted((str(k), str(v)) for k, v in m.items()))
 
 
 def status_to_proto(s: PeerStatus) -> pb.StatusResponse:

@@ -29,6 +29,7 @@ class StatusCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATUS_VIEW_MISMATCH: _ClassVar[StatusCode]
     STATUS_NOT_FOUND: _ClassVar[StatusCode]
     STATUS_JOINING: _ClassVar[StatusCode]
+    STATUS_CONFIG_MISMATCH: _ClassVar[StatusCode]
 
 class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -72,6 +73,7 @@ STATUS_NEEDS_HANDSHAKE: StatusCode
 STATUS_VIEW_MISMATCH: StatusCode
 STATUS_NOT_FOUND: StatusCode
 STATUS_JOINING: StatusCode
+STATUS_CONFIG_MISMATCH: StatusCode
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_FP16: Codec
@@ -88,36 +90,54 @@ PHASE_REDUCE_SCATTER: Phase
 PHASE_ALL_GATHER: Phase
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("cluster_id", "protocol_version", "node_id", "manifest_hash", "codecs", "advertise_address")
+    __slots__ = ("cluster_id", "protocol_version", "node_id", "manifest_hash", "codecs", "advertise_address", "settings")
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
     ADVERTISE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     protocol_version: int
     node_id: str
     manifest_hash: bytes
     codecs: _containers.RepeatedScalarFieldContainer[Codec]
     advertise_address: str
-    def __init__(self, cluster_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., manifest_hash: _Optional[bytes] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., advertise_address: _Optional[str] = ...) -> None: ...
+    settings: _containers.ScalarMap[str, str]
+    def __init__(self, cluster_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., manifest_hash: _Optional[bytes] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., advertise_address: _Optional[str] = ..., settings: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("status", "detail", "node_id", "protocol_version", "codecs", "manifest_hash")
+    __slots__ = ("status", "detail", "node_id", "protocol_version", "codecs", "manifest_hash", "settings")
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     status: StatusCode
     detail: str
     node_id: str
     protocol_version: int
     codecs: _containers.RepeatedScalarFieldContainer[Codec]
     manifest_hash: bytes
-    def __init__(self, status: _Optional[_Union[StatusCode, str]] = ..., detail: _Optional[str] = ..., node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., manifest_hash: _Optional[bytes] = ...) -> None: ...
+    settings: _containers.ScalarMap[str, str]
+    def __init__(self, status: _Optional[_Union[StatusCode, str]] = ..., detail: _Optional[str] = ..., node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., manifest_hash: _Optional[bytes] = ..., settings: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DataFrame(_message.Message):
     __slots__ = ("round_id", "plan_version", "group_id", "phase", "ring_step", "segment_index", "chunk_offset", "chunk_length", "codec", "dtype", "element_count", "checksum", "zstd", "raw_length", "payload", "sender", "excluded", "view_id")

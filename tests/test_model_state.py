@@ -1,0 +1,77 @@
+"""Every strategy keeps all model state consistent, and nodes that disagree refuse each other at start.
+
+Issue: attach() used to broadcast and average only trainable parameters (frozen ones kept each rank's
+init, BatchNorm statistics drifted), and nodes with different settings started and then hung on rounds
+that could never match. Real processes on loopback, real gRPC.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dreamp2p.launch import run_local
+
+STATE_JOB = "dreamp2p.bench.statejobs:model_state_job"
+ATTACH_JOB = "dreamp2p.bench.statejobs:attach_job"
+SYNC = {"period": 4, "warmup_steps": 2, "control_every": 4}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp"])
+def test_parameters_frozen_parameters_and_buffers_agree(strategy: str) -> None:
+    results = run_local(3, STATE_JOB, {"strategy": strategy, "sync": SYNC}, node_job=True, timeout=200)
+    assert len({r["before"] for r in results}) == 3  # each rank started from its own init, buffers too
+    assert len({r["attached"] for r in results}) == 1  # attach broadcast rank 0's whole state
+    if strategy == "ssgd":
+        # gradients and buffers are averaged every step, as under DDP
+        assert len({r["trained"] for r in results}) == 1
+    assert len({r["flushed"] for r in results}) == 1
+    # BatchNorm saw per-rank input scales; after averaging every rank holds the same running statistics
+    assert len({tuple(r["running_mean"]) for r in results}) == 1
+    assert {r["batches_tracked"] for r in results} == {12}
+    assert all(r["rounds_skipped"] == 0 for r in results)
+
+
+def _attach(sync_by_rank: list[dict[str, Any]], channels: list[int] | None = None) -> list[dict[str, Any]]:
+    # a long round timeout: only the up-front agreement can make this return quickly
+    config = {"transport": {"round_timeout_s": 300.0, "connect_timeout_s": 60.0}}
+    args = {"sync_by_rank": sync_by_rank, "channels_by_rank": channels or [4] * len(sync_by_rank)}
+    return run_local(len(sync_by_rank), ATTACH_JOB, args, config, node_job=True, timeout=120)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("sync_by_rank", "channels", "named"),
+    [
+        (
+            [{"strategy": "dreamddp", "period": 5}, {"strategy": "dreamddp", "period": 10}],
+            None,
+            ["sync.period", "5", "10"],
+        ),
+        ([{"strategy": "ssgd"}, {"strategy": "dreamddp"}], None, ["sync.strategy", "ssgd", "dreamddp"]),
+        (
+            [{"link_codecs": ["fp32", "int8"]}, {"link_codecs": ["fp32", "int4"]}],
+            None,
+            ["sync.link_codecs", "int8", "int4"],
+        ),
+        ([{}, {}], [4, 6], ["model.manifest", "model.trainable_elements"]),
+    ],
+    ids=["period", "strategy", "codec-list", "model"],
+)
+def test_nodes_with_different_settings_refuse_each_other_at_start(
+    sync_by_rank: list[dict[str, Any]], channels: list[int] | None, named: list[str]
+) -> None:
+    results = _attach(sync_by_rank, channels)
+    for rank, r in enumerate(results):
+        assert r["status"] == "CONFIG_MISMATCH", (rank, r)
+        for word in named:
+            assert word in r["error"], (rank, word, r["error"])
+
+
+@pytest.mark.timeout(150)
+def test_nodes_with_equal_settings_attach() -> None:
+    results = _attach([{"strategy": "diloco", "period": 5}] * 2)
+    assert [r["status"] for r in results] == ["OK", "OK"]
