@@ -27,7 +27,7 @@ class BatchNormNet(nn.Module):
         self.register_buffer("gain", torch.rand(1) + 0.5)  # registered, never trained
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.bn(self.conv(x))) * self.gain + self.bias.view(1, -1, 1, 1)
+        h = torch.relu(self.bn(self.conv(x))) * self.get_buffer("gain") + self.bias.view(1, -1, 1, 1)
         return self.head(h.flatten(1))
 
 
@@ -61,8 +61,8 @@ def model_state_job(
         "trained": trained,
         "trained_params": trained_params,
         "flushed": state_digest(model),
-        "running_mean": model.bn.running_mean.tolist(),
-        "batches_tracked": int(model.bn.num_batches_tracked),
+        "running_mean": [float(v) for v in model.bn.get_buffer("running_mean")],
+        "batches_tracked": int(model.bn.get_buffer("num_batches_tracked")),
         "rounds_skipped": s.rounds_skipped,
     }
 
