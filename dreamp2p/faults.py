@@ -82,6 +82,8 @@ def _child(
             losses.append((step, loss.item()))
             step_box.value = s.step_count
         s.close()
+        if args.get("flush"):
+            s.flush()
         conn.send(("done", None))
         conn.recv()  # every rank is done: nobody sends to us any more
         conn.send(
@@ -139,6 +141,9 @@ def kill_and_rejoin(
         "strategy": strategy,
         "sync": sync,
         "step_sleep": step_sleep,
+        # Streaming DiLoCo keeps a share (mix_alpha) of each replica's own parameters at every fragment
+        # sync, so replicas approach each other but only an explicit average makes them identical
+        "flush": strategy == "streaming",
         # every layer syncs once per period and may land max_delay later: two periods leave no doubt
         "quiet_steps": 2 * period + int(sync.get("max_delay", 0)) + 1,
     }

@@ -120,8 +120,9 @@ class Peer:
         self.min_round_id = 0
         # training settings every member must share (see `dreamp2p.settings`); empty until declared
         self._settings: tuple[tuple[str, str], ...] = ()
-        # members we refused for their settings: our own agree() fails on them without asking again
-        self._conflicts: dict[str, str] = {}
+        # members we refused for their model or settings: our own handshakes with them fail at once, with
+        # the same words, instead of retrying a member that already gave up (see _introduce)
+        self._conflicts: dict[str, PeerError] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -175,7 +176,7 @@ class Peer:
         hello = self.hello()
         limit = timeout if timeout is not None else cfg.transport.connect_timeout_s
         replies = await asyncio.gather(
-            *(link.handshake(hello, limit) for link in self._links.values()), return_exceptions=not require_all
+            *(self._introduce(link, hello, limit) for link in self._links.values()), return_exceptions=not require_all
         )
         unreachable = []
         for link, reply in zip(self._links.values(), replies, strict=True):
@@ -208,6 +209,27 @@ class Peer:
         if self._heart is None and cfg.transport.heartbeat_s > 0 and len(ring) > 1:
             self._heart = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{cfg.node_id}")
 
+    async def _introduce(self, link: Link, hello: Hello, timeout: float) -> Hello:
+        """Handshake with ``link``'s member, but fail at once if we refused that member meanwhile.
+
+        Two nodes that disagree handshake each other at about the same time; the one refused first exits,
+        and our own handshake with it would then retry a closed port until its timeout. Having refused it
+        ourselves, we know the answer: fail now with the words we refused it with.
+        """
+        node = link.dest.node_id
+        task = asyncio.ensure_future(link.handshake(hello, timeout))
+        try:
+            while not task.done():
+                if node in self._conflicts:
+                    raise self._conflicts[node]
+                await asyncio.wait({task}, timeout=0.1)
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, PeerError):
+                    await task
+
     async def agree(self, settings: dict[str, str], timeout: float) -> None:
         """Declare our training settings and check them against every live member's, before training.
 
@@ -224,10 +246,8 @@ class Peer:
         while pending:
             waiting = []
             for node in pending:
-                if node in self._conflicts:  # it asked first, and we refused it
-                    raise PeerError(Status.CONFIG_MISMATCH, self._conflicts[node])
                 left = max(0.1, deadline - time.monotonic())
-                reply = await self._links[node].handshake(self.hello(), min(left, t.rpc_deadline_s))
+                reply = await self._introduce(self._links[node], self.hello(), min(left, t.rpc_deadline_s))
                 if not reply.settings:
                     waiting.append(node)
                     continue
@@ -286,10 +306,14 @@ class Peer:
                 f"protocol version {hello.protocol_version}, this peer speaks {PROTOCOL_VERSION}",
             )
         if hello.manifest_hash != mine.manifest_hash:
-            raise PeerError(
+            err = PeerError(
                 Status.MANIFEST_MISMATCH,
-                f"model manifest {hello.manifest_hash.hex()[:16]} differs from {mine.manifest_hash.hex()[:16]}",
+                f"{hello.node_id}'s model manifest {hello.manifest_hash.hex()[:16]} differs from "
+                f"{mine.node_id}'s {mine.manifest_hash.hex()[:16]} (names, shapes or dtypes of the model state)",
             )
+            log.error("refusing %s: %s", hello.node_id, err.detail)
+            self._conflicts[hello.node_id] = err
+            raise err
         allowed = {p.node_id for p in (self._ring or self.config.ring)}
         if allowed and hello.node_id not in allowed:
             raise PeerError(Status.UNKNOWN_PEER, f"node {hello.node_id!r} is not a member of this ring")
@@ -299,8 +323,9 @@ class Peer:
         differ = settings_mismatch(dict(self._settings), dict(hello.settings), self.config.node_id, hello.node_id)
         if differ is not None:
             log.error("refusing %s: %s", hello.node_id, differ)
-            self._conflicts[hello.node_id] = differ
-            raise PeerError(Status.CONFIG_MISMATCH, differ)
+            self._conflicts[hello.node_id] = PeerError(Status.CONFIG_MISMATCH, differ)
+            raise self._conflicts[hello.node_id]
+        self._conflicts.pop(hello.node_id, None)  # it came back with matching settings
         self._admitted[hello.node_id] = hello
         return mine
 

@@ -118,7 +118,8 @@ def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_whole_cluster_stopped_steps_apart_resumes_together(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["dreamddp", "ssgd", "localsgd", "diloco", "streaming", "co2"])
+def test_whole_cluster_stopped_steps_apart_resumes_together(tmp_path: Path, strategy: str) -> None:
     """Nodes stopped at different steps restart together: the newest saved state wins.
 
     The first node stopped leaves the others training without it, so they stop later and hold newer
@@ -126,7 +127,8 @@ def test_whole_cluster_stopped_steps_apart_resumes_together(tmp_path: Path) -> N
     by state transfer; then all three train on together to the step the test writes.
     """
     task = {**TASK, "steps": 100_000}
-    configs = write_configs(tmp_path, 3, rate_Bps=20e6, delay_s=0.002, sync=SYNC, task=task, checkpoint_every=10)
+    sync = {**SYNC, "strategy": strategy}
+    configs = write_configs(tmp_path, 3, rate_Bps=20e6, delay_s=0.002, sync=sync, task=task, checkpoint_every=10)
     for c in configs:  # a short grace: peers that already left will not come back to finish a round
         c.write_text("stop_grace_s = 3\n" + c.read_text())
     names = ("eu-west", "us-east", "ap-south")

@@ -1,4 +1,8 @@
-"""Failures with real processes (issue 5): kill -9 one of 4 peers mid-run, survivors go on, it rejoins."""
+"""Failures with real processes: kill -9 one of 4 peers mid-run, survivors go on, it rejoins.
+
+Every strategy shares one failure policy (a failed round is skipped everywhere), so the scenario runs
+under each of them.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,18 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+STRATEGIES = ["dreamddp", "ssgd", "localsgd", "diloco", "streaming", "co2"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_kill_one_of_four_survivors_continue_and_it_rejoins() -> None:
-    rep = kill_and_rejoin(n=4, victim=3, kill_at=30, progress=25, after_join=40, timeout=300)
-    # survivors went on without the dead peer, within a bounded time (heartbeats 0.5 s, 3 misses)
-    assert rep.seconds_to_progress < 30, rep
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_kill_one_of_four_survivors_continue_and_it_rejoins(strategy: str) -> None:
+    rep = kill_and_rejoin(n=4, victim=3, kill_at=30, progress=25, after_join=40, strategy=strategy, timeout=300)
+    # survivors went on without the dead peer: kill_and_rejoin raises if they had not made `progress`
+    # steps before its deadline (no wall-clock bound here: this machine is shared; the recovery time
+    # itself, rep.seconds_to_progress, is a benchmark figure)
+    assert all(rep.survivor_steps_after_kill[r] >= rep.steps_at_kill[r] + 25 for r in (0, 1, 2)), rep
     for rank in (0, 1, 2):
         losses = [loss for step, loss in rep.results[rank]["losses"]]
         assert all(math.isfinite(x) for x in losses)

@@ -7,6 +7,7 @@ that could never match. Real processes on loopback, real gRPC.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -75,3 +76,34 @@ def test_nodes_with_different_settings_refuse_each_other_at_start(
 def test_nodes_with_equal_settings_attach() -> None:
     results = _attach([{"strategy": "diloco", "period": 5}] * 2)
     assert [r["status"] for r in results] == ["OK", "OK"]
+
+
+async def test_peers_with_different_models_both_fail_fast_naming_both_manifests() -> None:
+    """Each side refuses the other's manifest; neither waits out its connect timeout on a peer that left."""
+    from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig
+    from dreamp2p.errors import PeerError, Status
+    from dreamp2p.peer import Peer
+
+    transport = TransportConfig(connect_timeout_s=120.0, probe_interval_s=3600.0, heartbeat_s=0.0)
+    peers = [Peer(PeerConfig(node_id=f"p{i}", manifest_hash=bytes([i]) * 32, transport=transport)) for i in range(2)]
+    for p in peers:
+        await p.start()
+    ring = [PeerInfo(p.config.node_id, p.address) for p in peers]
+
+    async def connect_or_leave(peer: Peer) -> None:
+        try:
+            await peer.connect(ring)
+        except PeerError:
+            await peer.close(grace=0)  # as a daemon exits: its port is gone for the other side's retries
+            raise
+
+    try:
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(connect_or_leave(p) for p in peers), return_exceptions=True), timeout=60
+        )
+    finally:
+        for p in peers:
+            await p.close()
+    for out in outcomes:
+        assert isinstance(out, PeerError) and out.status == Status.MANIFEST_MISMATCH, out
+        assert "p0's model manifest" in str(out) or "p1's model manifest" in str(out)

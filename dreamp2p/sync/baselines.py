@@ -196,6 +196,28 @@ class StreamingDiLoCo(Strategy):
     def _drop(self) -> None:
         self._inflight.clear()
 
+    def _extra_state(self) -> dict[str, Any]:
+        # the global copy and outer momentum per fragment: a joiner or a resumed node must continue the
+        # same outer trajectory (fragments in flight are not carried: they fail everywhere, see Node.join)
+        return {
+            "global": [g.clone() for g in self._global],
+            "outer": [o.state_dict() for o in self._outer],
+        }
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if "global" not in state:
+            return
+        if len(state["global"]) != len(self._global):
+            raise ValueError(f"state has {len(state['global'])} fragments, this strategy {len(self._global)}")
+        for glob, shadow, outer, saved, saved_outer in zip(
+            self._global, self._shadow, self._outer, state["global"], state["outer"], strict=True
+        ):
+            glob.copy_(saved)
+            with torch.no_grad():
+                shadow.copy_(glob)
+            outer.load_state_dict(saved_outer)
+        self._inflight.clear()
+
 
 class CO2(Strategy):
     name = "co2"
