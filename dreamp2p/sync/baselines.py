@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from dreamp2p.errors import RoundFailed
 from dreamp2p.peer import RoundResult
 from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided_fragments
-from dreamp2p.sync.base import GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, Strategy
+from dreamp2p.sync.base import GROUP_CO2_GAP, GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, Strategy, landed
 from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.layers import FlatGroup
 
@@ -154,7 +155,7 @@ class StreamingDiLoCo(Strategy):
         self.optimizer.step()
         t = self.step_count
         for p, (land, fut) in sorted(self._inflight.items()):
-            if land == t:
+            if land <= t:  # earlier only for a joiner, which starts a few steps after its state's step
                 del self._inflight[p]
                 if self._wait(fut) is not None:
                     self._apply(p)
@@ -198,10 +199,19 @@ class StreamingDiLoCo(Strategy):
 
     def _extra_state(self) -> dict[str, Any]:
         # the global copy and outer momentum per fragment: a joiner or a resumed node must continue the
-        # same outer trajectory (fragments in flight are not carried: they fail everywhere, see Node.join)
+        # same outer trajectory; fragments in flight land later on every member that took part, so their
+        # results travel too and land at the same step here
+        inflight = {}
+        for p, (land, fut) in self._inflight.items():
+            try:
+                fut.result(self.comm.round_timeout_s)
+            except RoundFailed:
+                continue  # failed everywhere (all-or-none): nobody applies it
+            inflight[p] = (land, self._groups[p].work.clone())
         return {
             "global": [g.clone() for g in self._global],
             "outer": [o.state_dict() for o in self._outer],
+            "inflight": inflight,
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
@@ -217,9 +227,20 @@ class StreamingDiLoCo(Strategy):
                 shadow.copy_(glob)
             outer.load_state_dict(saved_outer)
         self._inflight.clear()
+        for p, (land, avg) in state.get("inflight", {}).items():
+            self._groups[p].work.copy_(avg)
+            self._inflight[int(p)] = (int(land), landed(self._groups[p].numel))
 
 
 class CO2(Strategy):
+    """CO2 with a staleness-gap penalty every member computes alike.
+
+    The gap (local progress while the average travelled, relative to the outer gradient) differs per
+    replica; a penalty taken from each replica's own gap would steer each replica's outer momentum apart
+    for good. So each member's gap travels in a one-element round beside the parameters, and a landing
+    uses the mean gap of the previous landing: one period stale, identical everywhere.
+    """
+
     name = "co2"
     buffers_inline = False
 
@@ -230,6 +251,9 @@ class CO2(Strategy):
         self._momentum = torch.zeros_like(self._outer_params)
         self._launched: torch.Tensor | None = None  # local parameters sent in the round in flight
         self._fut: concurrent.futures.Future[RoundResult] | None = None
+        self._gap = FlatGroup([torch.zeros(1)])  # this member's last gap, averaged with the parameters
+        self._gap_fut: concurrent.futures.Future[RoundResult] | None = None
+        self._mean_gap = 0.0
         self.last_penalty = 1.0
 
     def _step(self) -> None:
@@ -240,13 +264,17 @@ class CO2(Strategy):
         self._group.snapshot()
         self._launched = self._group.snap.clone()
         self._fut = self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round())
+        self._gap_fut = self.comm.allreduce_group(
+            self._gap, GROUP_CO2_GAP, "fp32", round_id=self._round(), guard_norm=False
+        )
 
     def _land(self, timeout: float | None = None) -> None:
         if self._fut is None or self._launched is None:
             return
         res = self._wait(self._fut, timeout)
-        self._fut = None
-        if res is None:
+        gap_res = self._wait(self._gap_fut, timeout) if self._gap_fut is not None else None
+        self._fut = self._gap_fut = None
+        if res is None or gap_res is None:
             self._launched = None  # failed everywhere: no outer step this time
             return
         avg = self._group.work
@@ -254,9 +282,10 @@ class CO2(Strategy):
         self._group.read(local)
         progress = local - self._launched  # local work done while the average travelled
         outer_grad = self._outer_params - avg
-        # staleness gap: the more the replica moved meanwhile, the smaller the stale outer step
-        gap = float(progress.norm()) / (float(outer_grad.norm()) + 1e-12)
-        penalty = 1.0 + self.cfg.co2_gap_penalty * gap
+        # staleness gap: the more the replicas moved meanwhile, the smaller the stale outer step; the mean
+        # gap of the previous landing, so that every member takes the same step
+        penalty = 1.0 + self.cfg.co2_gap_penalty * float(self._gap.work[0])
+        self._gap.snap.fill_(float(progress.norm()) / (float(outer_grad.norm()) + 1e-12))
         self.last_penalty = penalty
         self._momentum.mul_(self.cfg.co2_momentum).add_(outer_grad, alpha=1.0 / penalty)
         if self.cfg.co2_clip > 0:
@@ -269,13 +298,44 @@ class CO2(Strategy):
         self._land(timeout)
 
     def _drop(self) -> None:
-        self._fut = None
+        self._fut = self._gap_fut = None
         self._launched = None
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"outer": self._outer_params.clone(), "momentum": self._momentum.clone()}
+        state: dict[str, Any] = {
+            "outer": self._outer_params.clone(),
+            "momentum": self._momentum.clone(),
+            "gap": self._gap.snap.clone(),
+            "mean_gap": self._gap.work.clone(),
+        }
+        # a round in flight lands at the next boundary on every member that took part: carry its result, so
+        # a joiner (which was not part of it) or a resumed node takes the same outer step there
+        if self._fut is not None and self._gap_fut is not None and self._launched is not None:
+            try:
+                self._fut.result(self.comm.round_timeout_s)
+                self._gap_fut.result(self.comm.round_timeout_s)
+            except RoundFailed:
+                return state  # failed everywhere (all-or-none): no member will apply it
+            state["pending"] = {
+                "avg": self._group.work.clone(),
+                "launched": self._launched.clone(),
+                "mean_gap_next": self._gap.work.clone(),
+            }
+        return state
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if "outer" in state:
-            self._outer_params.copy_(state["outer"])
-            self._momentum.copy_(state["momentum"])
+        if "outer" not in state:
+            return
+        self._outer_params.copy_(state["outer"])
+        self._momentum.copy_(state["momentum"])
+        self._gap.snap.copy_(state.get("gap", torch.zeros(1)))
+        self._gap.work.copy_(state.get("mean_gap", torch.zeros(1)))
+        self._fut = self._gap_fut = None
+        self._launched = None
+        pending = state.get("pending")
+        if pending is not None:
+            self._group.work.copy_(pending["avg"])
+            self._gap.work.copy_(pending["mean_gap_next"])
+            self._launched = pending["launched"].clone()
+            self._fut = landed(self._group.numel)
+            self._gap_fut = landed(1)
