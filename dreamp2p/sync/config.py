@@ -43,7 +43,10 @@ class SyncConfig:
     co2_gap_penalty: float = 0.1  # lambda of the staleness-gap penalty
     # DreamDDP
     warmup_steps: int = 5  # profiled steps before the first measured plan (the even plan runs meanwhile)
-    max_delay: int = 0  # d: a group's sync may land up to d steps after launch (WAN extension); < period
+    # d: a group's sync may land up to d steps after launch (WAN extension); < period. None (default): up to
+    # period - 1, so a sync that takes seconds on a WAN can span the period; the planner still picks
+    # delay 0 for every group whose sync hides inside one backward pass (ties go to smaller delays)
+    max_delay: int | None = None
     control_every: int = 10  # steps between control rounds (gather link stats and profiles)
     control_lead: int = 2  # steps a control round may travel before its result is used
     replan_threshold: float = 0.25  # relative change of the slowest link that counts as a change
@@ -66,10 +69,12 @@ class SyncConfig:
         for name in ("period", "fragments", "control_every", "control_lead", "replan_sustain"):
             if getattr(self, name) < 1:
                 raise ValueError(f"sync.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("stream_delay", "warmup_steps", "max_delay"):
+        for name in ("stream_delay", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sync.{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_delay >= self.period:
+        if self.max_delay is not None and self.max_delay < 0:
+            raise ValueError(f"sync.max_delay must be >= 0, got {self.max_delay}")
+        if self.max_delay is not None and self.max_delay >= self.period:
             raise ValueError(f"sync.max_delay ({self.max_delay}) must be < sync.period ({self.period})")
         if self.stream_delay >= self.period:
             raise ValueError(f"sync.stream_delay ({self.stream_delay}) must be < sync.period ({self.period})")
@@ -101,6 +106,11 @@ class SyncConfig:
                 choose_link_codecs(self.codec, self.link_codecs, [], self.link_codec_tolerance)
             except ValueError as exc:
                 raise ValueError(f"sync.link_codecs: {exc}") from None
+
+    @property
+    def delay_cap(self) -> int:
+        """The largest delay a DreamDDP group may get: ``max_delay``, or period - 1 when unset."""
+        return self.period - 1 if self.max_delay is None else self.max_delay
 
     @property
     def outer(self) -> tuple[float, float]:

@@ -111,7 +111,7 @@ class DreamDDP(Strategy):
         self.profiler = LayerProfiler(self.layers)
         self._blank = [LayerCost(layer.name, 0.0, 0.0, layer.nbytes) for layer in self.layers]
         # before the link is measured, let warm-up syncs land as late as the WAN extension allows
-        self.plan: Plan = even_plan(self._blank, self.cfg.period, 0, 0, delay=self.cfg.max_delay)
+        self.plan: Plan = even_plan(self._blank, self.cfg.period, 0, 0, delay=self.cfg.delay_cap)
         self._next_plan: Plan | None = None
         self.plan_history: list[tuple[int, int]] = [(0, 0)]
         self._groups: dict[tuple[int, int], FlatGroup] = {}
@@ -303,7 +303,7 @@ class DreamDDP(Strategy):
             self.cfg.period,
             version=version,
             effective_step=t + 1,
-            max_delay=self.cfg.max_delay,
+            max_delay=self.cfg.delay_cap,
             bubble_fill=self.cfg.bubble_fill,
         )
         self._basis_bw = g.bandwidth_Bps
