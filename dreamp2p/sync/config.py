@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from dreamp2p.compression import codec_names
 from dreamp2p.schedule.linkcodec import choose_link_codecs
 
 STRATEGIES = ("none", "ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp")
@@ -62,6 +63,11 @@ class SyncConfig:
     # every link uses ``codec``. Every node must use the same list (it fixes the segment layout).
     link_codecs: tuple[str, ...] = ()
     link_codec_tolerance: float = 0.25
+    # DreamDDP codec per plan (see dreamp2p.schedule.plancodec): candidates from least to most lossy; each
+    # plan uses the least lossy one that hides with the link busy at most codec_link_budget of the period.
+    # Empty: every layer sync uses ``codec``. Ignored when link_codecs is set (per-link codecs instead).
+    plan_codecs: tuple[str, ...] = ("fp32", "bf16", "int8", "e3m0")
+    codec_link_budget: float = 0.25
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -101,6 +107,14 @@ class SyncConfig:
         if isinstance(self.link_codecs, str) or not all(isinstance(c, str) for c in self.link_codecs):
             raise ValueError(f"sync.link_codecs must be a list of codec names, got {self.link_codecs!r}")
         object.__setattr__(self, "link_codecs", tuple(self.link_codecs))  # a TOML array arrives as a list
+        if isinstance(self.plan_codecs, str) or not all(isinstance(c, str) for c in self.plan_codecs):
+            raise ValueError(f"sync.plan_codecs must be a list of codec names, got {self.plan_codecs!r}")
+        object.__setattr__(self, "plan_codecs", tuple(self.plan_codecs))
+        unknown = [c for c in self.plan_codecs if c not in codec_names()]
+        if unknown:
+            raise ValueError(f"sync.plan_codecs: unknown codec {unknown[0]!r}; known: {', '.join(codec_names())}")
+        if not 0.0 < self.codec_link_budget <= 1.0:
+            raise ValueError(f"sync.codec_link_budget must be in (0, 1], got {self.codec_link_budget}")
         if self.link_codecs:
             try:
                 choose_link_codecs(self.codec, self.link_codecs, [], self.link_codec_tolerance)

@@ -6,11 +6,20 @@ plan assigns to h. A sync is launched from gradient hooks as soon as its layers'
 merged before the optimizer step. WAN extension (DESIGN.md): a sync may land d steps later; merging
 adds ``avg - snapshot`` so the local progress made meanwhile is kept.
 
-Optional outer optimizer per group (``group_outer_lr``, ``group_outer_momentum``): each layer keeps outer
-weights theta and a momentum, identical on every peer because they change only by averages; a landing
-sync takes a Nesterov step theta -= lr * (g + mu * m) with g = theta - avg (DiLoCo's outer step, applied
-layer group by layer group), then params = theta + local progress. lr 1 with momentum 0 is plain averaging
-and takes the exact path.
+Pseudo-gradients on the wire: each layer keeps global weights theta, identical on every peer (they start
+from the broadcast parameters and change only by averages), and a sync averages ``theta - params`` (how
+far this replica moved since the layer's last average) rather than the parameters themselves, as DiLoCo
+and Streaming DiLoCo do. The mean of the parameters is ``theta - mean(delta)``; a lossy codec then errs in
+proportion to the (small) update, not to the weights, which is what makes 4-bit syncs usable. Optional
+outer optimizer per group (``group_outer_lr``, ``group_outer_momentum``): a landing sync takes a Nesterov
+step theta -= lr * (g + mu * m) with g = theta - avg (DiLoCo's outer step, applied layer group by layer
+group); lr 1 with momentum 0 is plain averaging. Either way params = theta + local progress.
+
+Codec per plan (bandwidth-aware compression, arXiv 2408.14736): with ``plan_codecs`` (least lossy first),
+every plan is made for each candidate's wire size and the least lossy candidate is taken whose plan hides
+every sync and keeps the link busy at most ``codec_link_budget`` of the period (the rest is headroom for
+the CPU cost of each byte and for noise); if none does, the most compressive. Every peer decides from the
+same gathered inputs, so all use the same codec for the rounds of a plan.
 
 One plan for all: plans are computed only from inputs every peer holds bit-identically, gathered by a
 small control all-reduce every ``control_every`` steps (each peer's link measurements and layer
@@ -35,7 +44,8 @@ from dreamp2p.peer import RoundResult
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import GroupSync, Plan, even_plan, plan_dreamddp
 from dreamp2p.schedule.linkcodec import RingCodecPlan, effective_bandwidth, plan_ring_codecs
-from dreamp2p.sync.base import GROUP_CONTROL, GROUP_PLAN_BASE, Strategy
+from dreamp2p.schedule.plancodec import choose_plan_codec
+from dreamp2p.sync.base import GROUP_CONTROL, GROUP_PLAN_BASE, Strategy, landed
 from dreamp2p.sync.layers import FlatGroup
 from dreamp2p.sync.profiler import LayerProfiler
 
@@ -49,6 +59,7 @@ class _InFlight:
     group: FlatGroup
     layers: tuple[int, ...]
     fut: concurrent.futures.Future[RoundResult]
+    theta: torch.Tensor  # the layers' global weights when launched; the round averages theta - params
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,8 @@ def plan_summary(s: DreamDDP) -> str:
         lines.append(f"h{h}: " + (", ".join(parts) if parts else "-"))
     if s.ring_codecs is not None and s.ring_codecs.send:
         lines.append(f"link codecs: {', '.join(s.ring_codecs.send)}; all-gather {s.ring_codecs.gather}")
+    else:
+        lines.append(f"codec: {s.plan_codec}")
     return "\n".join(lines)
 
 
@@ -134,8 +147,15 @@ class DreamDDP(Strategy):
         )
         self._summary: tuple[object, str] = (None, "")  # (plan version, link codecs) -> plan_summary text
         self._outer_on = self.cfg.group_outer_lr != 1.0 or self.cfg.group_outer_momentum != 0.0
-        # per layer: outer weights and momentum (created at the layer's first landing, from that average)
+        # per layer: global weights theta (from the broadcast parameters, so identical everywhere) and the
+        # outer momentum (empty unless the outer optimizer is on)
         self._outer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in self.layers:
+            theta = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in layer.params])
+            self._outer[layer.index] = (theta, torch.zeros_like(theta) if self._outer_on else torch.empty(0))
+        # codec of each plan's layer syncs (plan version -> name); warm-up syncs use the most compressive
+        # candidate, since the link is not measured yet
+        self._plan_codecs: dict[int, str] = {0: self.cfg.plan_codecs[-1] if self.cfg.plan_codecs else self.cfg.codec}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         if self.cfg.warmup_steps > 0:
             self.profiler.start()
@@ -187,34 +207,49 @@ class DreamDDP(Strategy):
             group = FlatGroup([p for li in sync.layers for p in self.layers[li].params], pin=self.pin)
             self._groups[key] = group
         group.snapshot()
+        theta = torch.cat([self._outer[li][0] for li in sync.layers])
+
+        def pseudo_gradient() -> None:  # on the comm thread, once the snapshot has landed
+            group.work.copy_(theta).sub_(group.snap)
+
         gid = GROUP_PLAN_BASE + self.plan.version * 1000 + idx
         fut = self.comm.allreduce_group(
-            group, gid, self.ring_codecs or self.cfg.codec, plan_version=self.plan.version, round_id=self._round()
+            group,
+            gid,
+            self.ring_codecs or self.plan_codec,
+            plan_version=self.plan.version,
+            round_id=self._round(),
+            prepare=pseudo_gradient,
         )
-        self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, sync.layers, fut))
+        self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, sync.layers, fut, theta))
+
+    @property
+    def plan_codec(self) -> str:
+        """The codec of the layer syncs of the plan in force."""
+        return self._plan_codecs.get(self.plan.version, self.cfg.codec)
 
     def _merge(self, inf: _InFlight) -> None:
-        """Apply a landed sync: the average (or the outer step taken from it) plus local progress."""
-        if self._outer_on:
-            self._outer_step(inf.group.work, inf.layers)
+        """Apply a landed sync: the new global weights (average or outer step) plus local progress."""
+        avg = inf.theta.sub_(inf.group.work)  # theta - mean(theta - params): the mean of the parameters
+        self._outer_step(avg, inf.layers)
+        inf.group.work.copy_(avg)
         inf.group.merge()
 
     def _outer_step(self, avg: torch.Tensor, layers: tuple[int, ...]) -> None:
-        """Replace ``avg`` in place by the group's new outer weights (Nesterov outer step per layer)."""
+        """Set each layer's theta from ``avg`` (plain averaging) or by a Nesterov outer step; ``avg`` follows."""
         lr, mu = self.cfg.group_outer_lr, self.cfg.group_outer_momentum
         offset = 0
         for li in layers:
             n = self.layers[li].numel
             a = avg[offset : offset + n]
-            state = self._outer.get(li)
-            if state is None:
-                self._outer[li] = (a.clone(), torch.zeros_like(a))  # first landing: plain average
-            else:
-                theta, mom = state
+            theta, mom = self._outer[li]
+            if self._outer_on:
                 g = theta - a
                 mom.mul_(mu).add_(g)
                 theta.sub_(g.add_(mom, alpha=mu), alpha=lr)
                 a.copy_(theta)
+            else:
+                theta.copy_(a)
             offset += n
 
     # ------------------------------------------------------------------ step
@@ -297,15 +332,35 @@ class DreamDDP(Strategy):
             margin=1.0 + self.cfg.plan_margin,
         )
         version = max(self.plan.version, self._next_plan.version if self._next_plan else 0) + 1
-        self._next_plan = plan_dreamddp(
-            list(g.costs),
-            link,
-            self.cfg.period,
-            version=version,
-            effective_step=t + 1,
-            max_delay=self.cfg.delay_cap,
-            bubble_fill=self.cfg.bubble_fill,
-        )
+
+        def make_plan(lk: LinkModel) -> Plan:
+            return plan_dreamddp(
+                list(g.costs),
+                lk,
+                self.cfg.period,
+                version=version,
+                effective_step=t + 1,
+                max_delay=self.cfg.delay_cap,
+                bubble_fill=self.cfg.bubble_fill,
+            )
+
+        codec = self.cfg.codec
+        if self.cfg.plan_codecs and self.ring_codecs is None:
+            candidates = [(c, get_codec(c).encoded_nbytes(1 << 20) / float(4 << 20)) for c in self.cfg.plan_codecs]
+            choice = choose_plan_codec(
+                candidates, list(g.costs), link, self.cfg.period, make_plan, self.cfg.codec_link_budget
+            )
+            self._next_plan, codec = choice.plan, choice.codec
+            log.info(
+                "plan v%d: codec %s (link busy %.0f%% of the period, predicted exposed %.3g s per period)",
+                version,
+                codec,
+                100 * choice.busy_fraction,
+                choice.exposed_s,
+            )
+        else:
+            self._next_plan = make_plan(link)
+        self._plan_codecs[version] = codec
         self._basis_bw = g.bandwidth_Bps
         self._changed = 0
         log.info("plan v%d computed at step %d from bw %.3g B/s rtt %.3g s", version, t, g.bandwidth_Bps, g.rtt_s)
@@ -348,6 +403,8 @@ class DreamDDP(Strategy):
             "changed": self._changed,
             "history": [list(h) for h in self.plan_history],
             "outer": {li: (theta.clone(), mom.clone()) for li, (theta, mom) in self._outer.items()},
+            "plan_codecs": dict(self._plan_codecs),
+            "inflight": self._inflight_state(),
         }
         if self._control is not None:
             land, fut, group, world = self._control
@@ -359,6 +416,35 @@ class DreamDDP(Strategy):
 
         return state
 
+    def _inflight_state(self) -> list[dict[str, Any]]:
+        """Syncs in flight, waited for: they land later on every member that took part, so a joiner (which
+        did not) or a resumed node must apply the same averages at the same steps to keep theta identical."""
+        out = []
+        for inf in self._inflight:
+            try:
+                inf.fut.result(self.comm.round_timeout_s)
+            except RoundFailed:
+                continue  # failed everywhere (all-or-none): nobody applies it
+            out.append(
+                {
+                    "land": inf.land_step,
+                    "key": list(inf.key),
+                    "layers": list(inf.layers),
+                    "theta": inf.theta.clone(),
+                    "mean": inf.group.work.clone(),
+                    "snap": inf.group.snap.clone(),
+                }
+            )
+        return out
+
+    def _restore_inflight(self, rec: dict[str, Any]) -> _InFlight:
+        layers = tuple(int(li) for li in rec["layers"])
+        group = FlatGroup([p for li in layers for p in self.layers[li].params], pin=self.pin)
+        group.snap.copy_(rec["snap"])
+        group.work.copy_(rec["mean"])
+        key = (int(rec["key"][0]), int(rec["key"][1]))
+        return _InFlight(int(rec["land"]), key, group, layers, landed(group.numel), rec["theta"].clone())
+
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if "plan" in state:
             self.plan = Plan.from_dict(state["plan"])
@@ -367,7 +453,10 @@ class DreamDDP(Strategy):
             self._basis_bw = float(state.get("basis_bw", math.nan))
             self._changed = int(state.get("changed", 0))
             self.plan_history = [(int(v), int(e)) for v, e in state.get("history", [])]
-            self._outer = {int(li): (theta.clone(), mom.clone()) for li, (theta, mom) in state.get("outer", {}).items()}
+            for li, (theta, mom) in state.get("outer", {}).items():
+                self._outer[int(li)] = (theta.clone(), mom.clone())
+            self._plan_codecs.update({int(v): str(c) for v, c in state.get("plan_codecs", {}).items()})
+            self._inflight = [self._restore_inflight(rec) for rec in state.get("inflight", [])]
             control = state.get("control")
             if control is not None:
                 # the control round finished before the checkpoint; its result lands at the same step as elsewhere
