@@ -43,7 +43,7 @@ def _bench(args: argparse.Namespace) -> int:
         from dreamp2p.bench.allreduce import bench_allreduce
 
         result = bench_allreduce(
-            peers=args.peers,
+            peers=args.peers or 4,
             mbytes=args.mbytes or 64.0,
             codecs=args.codecs,
             rounds=args.repeats,
@@ -52,7 +52,7 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.what == "soak":
         from dreamp2p.bench.soak import bench_soak
 
-        result = bench_soak(minutes=args.minutes, peers=args.peers, mbytes=args.mbytes or 4.0)
+        result = bench_soak(minutes=args.minutes, peers=args.peers or 4, mbytes=args.mbytes or 4.0)
     elif args.what == "strategies":
         from dreamp2p.bench.strategies import bench_strategies
 
@@ -69,6 +69,15 @@ def _bench(args: argparse.Namespace) -> int:
             codec=args.codecs[0] if args.codecs else "fp32",
             device=args.device,
             lr=args.lr,
+        )
+    elif args.what == "digits":
+        from dreamp2p.bench.digits import bench_digits
+
+        knobs = {"max_delay": args.max_delay} if args.max_delay is not None else {}
+        result = bench_digits(
+            strategies=args.strategies or ("ssgd", "dreamddp", "diloco"),
+            peers=args.peers or 3,
+            **knobs,
         )
     else:  # argparse restricts choices
         raise AssertionError(args.what)
@@ -179,12 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
-    b.add_argument("what", choices=["codec", "transport", "allreduce", "strategies", "soak"])
+    b.add_argument("what", choices=["codec", "transport", "allreduce", "strategies", "soak", "digits"])
     b.add_argument("--json", action="store_true", help="print only the JSON result line")
     b.add_argument("--mbytes", type=float, default=None, help="buffer size in MB (default 64)")
     b.add_argument("--repeats", type=int, default=3, help="measured repetitions (median)")
     b.add_argument("--codecs", nargs="+", default=None, help="codecs to measure (default: all)")
-    b.add_argument("--peers", type=int, default=4, help="allreduce: number of peer processes")
+    b.add_argument("--peers", type=int, default=None, help="peer processes (allreduce, soak: 4; digits: 3)")
     b.add_argument("--seconds", type=float, default=6.0, help="transport: measuring time")
     b.add_argument("--streams", type=int, default=2, help="parallel streams (TCP connections) per link")
     b.add_argument("--netns", action="store_true", help="transport: run across two tbf-shaped namespaces (root)")
