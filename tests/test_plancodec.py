@@ -8,7 +8,7 @@ from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import Plan, plan_dreamddp
 from dreamp2p.schedule.plancodec import choose_plan_codec
 
-CANDIDATES = [("fp32", 1.0), ("bf16", 0.5), ("int8", 0.265625), ("e3m0", 0.140625)]
+CANDIDATES = [("fp32", 1.0), ("bf16", 0.5), ("int8", 0.265625), ("int4", 0.140625)]
 # 16 layers of 0.83 MB (a 3.3M-parameter model), 25 ms fwd + 50 ms bwd each: 1.2 s per step
 COSTS = [LayerCost(f"l{i}", 0.025, 0.05, 830_000) for i in range(16)]
 H = 20
@@ -28,8 +28,8 @@ def _plan(costs: list[LayerCost]):  # type: ignore[no-untyped-def]
         (25e6, 0.25, "fp32"),  # 13.3 MB per 24 s period: 2.2% busy
         (2.5e6, 0.25, "bf16"),  # 20 Mbit/s: fp32 keeps the link 29% busy (margin 1.3), bf16 15%
         (2.5e6, 0.1, "int8"),  # a tighter budget: int8 (8%)
-        (2.5e6, 0.05, "e3m0"),  # a tight budget takes the most compressive
-        (0.2e6, 0.25, "e3m0"),  # nothing fits the budget: least exposed, then least link time
+        (2.5e6, 0.05, "int4"),  # a tight budget takes the most compressive
+        (0.2e6, 0.25, "int4"),  # nothing fits the budget: least exposed, then least link time
     ],
 )
 def test_least_lossy_codec_within_budget(bandwidth_Bps: float, budget: float, expected: str) -> None:
