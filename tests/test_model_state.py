@@ -107,3 +107,39 @@ async def test_peers_with_different_models_both_fail_fast_naming_both_manifests(
     for out in outcomes:
         assert isinstance(out, PeerError) and out.status == Status.MANIFEST_MISMATCH, out
         assert "p0's model manifest" in str(out) or "p1's model manifest" in str(out)
+
+
+@pytest.mark.parametrize("route", ["checkpoint", "state-transfer"])
+def test_checkpoints_and_state_transfer_carry_buffers_and_frozen_parameters(route: str, tmp_path: Any) -> None:
+    """What a resumed or joining node loads holds BatchNorm statistics, frozen parameters and buffers."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dreamp2p.bench.statejobs import BatchNormNet
+    from dreamp2p.checkpoint import load_step, save_checkpoint
+    from dreamp2p.manifest import state_digest
+    from dreamp2p.state.snapshot import flatten_state, unflatten_state
+    from dreamp2p.sync.baselines import NoSync
+    from dreamp2p.sync.config import SyncConfig
+
+    comm = SimpleNamespace(peer=SimpleNamespace(training=None, state_donor=None))
+    source, target = BatchNormNet(seed=1), BatchNormNet(seed=2)
+    strategies = [
+        NoSync(m, torch.optim.SGD(m.parameters(), lr=0.1), comm, SyncConfig())  # type: ignore[arg-type]
+        for m in (source, target)
+    ]
+    for _ in range(3):  # moves the running statistics and num_batches_tracked
+        source(torch.randn(8, 1, 8, 8) * 3).sum().backward()
+        strategies[0].step()
+    assert state_digest(source) != state_digest(target)
+    state = strategies[0].state_dict()
+    if route == "checkpoint":
+        save_checkpoint(tmp_path, 3, state)
+        _, loaded = load_step(tmp_path, 3)
+    else:
+        skeleton, tensors = flatten_state(state)
+        loaded = unflatten_state(skeleton, dict(tensors))
+    strategies[1].load_state_dict(loaded)
+    assert state_digest(target) == state_digest(source)
+    assert int(target.bn.get_buffer("num_batches_tracked")) == 3
