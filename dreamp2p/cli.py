@@ -4,16 +4,90 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
+import math
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from dreamp2p.errors import PeerError
 
 log = logging.getLogger(__name__)
+
+# exit status of a process killed by SIGPIPE (128 + 13), what `yes | head -1` reports for `yes`
+EXIT_BROKEN_PIPE = 141
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (``7e9`` is fine)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _address_with_port(text: str) -> str:
+    """An argparse type: a gRPC address that names its port (``HOST:PORT``, ``[V6]:PORT``, ``unix:PATH``).
+
+    gRPC would dial a bare host on port 443, which is never a dreamp2p peer: refuse it instead.
+    """
+    addr = text.strip()
+    if addr.startswith(("unix:", "unix-abstract:")):
+        return addr
+    rest = addr
+    for scheme in ("ipv4:", "ipv6:", "dns:"):
+        if rest.startswith(scheme):
+            rest = rest[len(scheme) :]
+            if rest.startswith("//"):  # dns://authority/host:port
+                rest = rest[2:].partition("/")[2]
+            break
+    if rest.startswith("["):
+        host, _, port = rest[1:].partition("]")
+        if not port.startswith(":"):
+            raise argparse.ArgumentTypeError(f"address {text!r} has no port; use [IPV6]:PORT")
+        port = port[1:]
+    elif rest.count(":") == 1:
+        host, _, port = rest.partition(":")
+    elif ":" in rest:
+        raise argparse.ArgumentTypeError(f"address {text!r}: put an IPv6 address in brackets, [IPV6]:PORT")
+    else:
+        raise argparse.ArgumentTypeError(f"address {text!r} has no port; use HOST:PORT")
+    if not host:
+        raise argparse.ArgumentTypeError(f"address {text!r} has no host; use HOST:PORT")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"address {text!r}: port must be a number in 1..65535, got {port!r}")
+    return addr
+
+
+def _check_delay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """DreamDDP's landing delay d must stay below the period H (a layer lands before it is launched again)."""
+    if args.max_delay is not None and args.max_delay >= args.period:
+        parser.error(
+            f"--max-delay ({args.max_delay}) must be less than --period ({args.period}): a layer's sync has to land "
+            "before the same layer is launched again one period later"
+        )
 
 
 def _emit(result: dict[str, Any], as_json: bool) -> None:
@@ -201,18 +275,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--minutes", type=float, default=10.0, help="soak: how long to run")
     b.add_argument("--strategies", nargs="+", default=None, help="strategies: which to run (default: all)")
     b.add_argument("--steps", type=int, default=150, help="strategies: training steps per run")
-    b.add_argument("--period", type=int, default=10, help="strategies: period H")
+    b.add_argument("--period", type=_int_at_least(1), default=10, help="strategies: period H")
     b.add_argument("--width", type=int, default=512, help="strategies: model width (MLP)")
     b.add_argument("--depth", type=int, default=4, help="strategies: hidden layers")
     b.add_argument("--batch", type=int, default=4096, help="strategies: batch size per peer (4096: ~0.16 s CPU steps)")
     b.add_argument("--link-rate", default=None, help="strategies: link rate (default: full sync = H/2 steps)")
     b.add_argument("--rtt", default="20ms", help="strategies: emulated round-trip time per hop")
-    b.add_argument("--max-delay", type=int, default=None, help="strategies: DreamDDP max landing delay d (H-1)")
+    b.add_argument(
+        "--max-delay", type=_int_at_least(0), default=None, help="strategies: DreamDDP max landing delay d (H-1)"
+    )
     b.add_argument("--lr", type=float, default=0.05, help="strategies: SGD learning rate (wide models want less)")
     b.add_argument(
         "--device", default="cpu", choices=["cpu", "cuda"], help="strategies: where the trainers run (both peers)"
     )
-    b.set_defaults(func=_bench)
+    b.set_defaults(func=_bench, check=functools.partial(_check_delay, b))
 
     n = sub.add_parser("node", help="run one region's daemon (trainer + peer) from a TOML config")
     n.add_argument("--config", required=True, help="path to the node's TOML file (see nodes/)")
@@ -235,7 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.set_defaults(func=_node)
 
     s = sub.add_parser("status", help="live status of a peer: ring, links, counters")
-    s.add_argument("address", help="HOST:PORT of the peer")
+    s.add_argument(
+        "address", type=_address_with_port, help="HOST:PORT of the peer (a port is required: no default is assumed)"
+    )
     s.add_argument("--token", default=None, help="shared cluster token, if the peer requires one")
     s.add_argument("--ca", default=None, help="CA certificate (PEM) to verify a TLS peer")
     s.add_argument("--cert", default=None, help="client certificate (PEM) for mutual TLS")
@@ -244,17 +322,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_status)
 
     pl = sub.add_parser("plan", help="predict step time and utilization per strategy before launch")
-    pl.add_argument("--params", type=float, required=True, help="model parameters, e.g. 7e9")
-    pl.add_argument("--layers", type=int, required=True)
-    pl.add_argument("--step-time", type=float, required=True, help="forward+backward seconds per step")
-    pl.add_argument("--peers", type=int, default=2)
+    pl.add_argument("--params", type=_positive_float, required=True, help="model parameters, e.g. 7e9")
+    pl.add_argument("--layers", type=_int_at_least(1), required=True)
+    pl.add_argument("--step-time", type=_positive_float, required=True, help="forward+backward seconds per step")
+    pl.add_argument("--peers", type=_int_at_least(1), default=2)
     pl.add_argument("--link", default="1gbit", help="slowest link rate")
     pl.add_argument("--rtt", default="80ms")
-    pl.add_argument("--period", type=int, default=10)
+    pl.add_argument("--period", type=_int_at_least(1), default=10, help="H: every layer is averaged once per H steps")
     pl.add_argument("--codec", default="fp32")
-    pl.add_argument("--max-delay", type=int, default=0)
+    pl.add_argument(
+        "--max-delay", type=_int_at_least(0), default=0, help="d: DreamDDP's max landing delay in steps (< --period)"
+    )
     pl.add_argument("--json", action="store_true")
-    pl.set_defaults(func=_plan)
+    pl.set_defaults(func=_plan, check=functools.partial(_check_delay, pl))
 
     d = sub.add_parser("demo", help="train across N local node daemons over emulated WAN links, then report")
     d.add_argument("--nodes", type=int, default=3)
@@ -272,14 +352,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return int(args.func(args))
-    except (ValueError, RuntimeError, OSError, PeerError) as exc:
-        print(f"dreamp2p: error: {exc}", file=sys.stderr)
-        return 1
+        args = build_parser().parse_args(argv)
+        check = getattr(args, "check", None)
+        if check is not None:
+            check(args)  # checks across options; exits 2 with a usage message, like argparse's own
+        level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+        logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        try:
+            code = int(args.func(args))
+        except BrokenPipeError:
+            raise  # stdout's reader went away (`dreamp2p plan | head`): not an error of the command
+        except (ValueError, RuntimeError, OSError, PeerError) as exc:
+            print(f"dreamp2p: error: {exc}", file=sys.stderr)
+            code = 1
+        sys.stdout.flush()  # a closed pipe shows up here when the output was still buffered
+        return code
+    except BrokenPipeError:
+        # nobody reads stdout any more: point it at /dev/null so the interpreter's final flush stays quiet
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

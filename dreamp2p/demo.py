@@ -4,6 +4,10 @@ Starts N real node daemons (`dreamp2p node`, one process each) on 127.0.0.1 whos
 WAN rate with a per-hop delay, trains the embedded byte-level transformer with DreamDDP for a few
 minutes, shows live progress, stops every node cleanly after the same step, and writes plots
 (loss vs time, link bandwidth, the layer schedule's Gantt chart) and a summary into the run folder.
+
+A daemon that exits early (a config it rejects, a port taken, a crash) is noticed within a fraction of a
+second, during start-up as well as during training: the demo then stops the others and prints which node
+exited with which code and the end of its log.
 """
 
 from __future__ import annotations
@@ -13,7 +17,20 @@ from pathlib import Path
 from typing import Any
 
 from dreamp2p.config import parse_duration, parse_rate
-from dreamp2p.localrun import NAMES, last_step, read_records, start_node, write_configs
+from dreamp2p.localrun import (
+    NAMES,
+    NodeExited,
+    check_nodes,
+    last_step,
+    read_records,
+    start_node,
+    stop_nodes,
+    wait_started,
+    write_configs,
+)
+
+POLL_S = 0.25  # how often the daemons are checked for an early exit
+PROGRESS_S = 10.0  # how often progress is printed
 
 
 def _progress_line(run_dir: Path, names: list[str]) -> list[str]:
@@ -48,7 +65,11 @@ def run_demo(
     strategy: str = "dreamddp",
     out: str | None = None,
     device: str = "auto",
+    startup_timeout_s: float = 300.0,
 ) -> int:
+    """Run the demo; 0 when every node's eval loss fell. ``startup_timeout_s`` bounds the wait for every
+    node's first training step (imports, connecting the ring, the first step); training time starts after it.
+    """
     rate = parse_rate(link)
     delay = parse_duration(rtt) / 2
     run_dir = Path(out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -71,28 +92,40 @@ def run_demo(
         f"{strategy} ({codec}), ~{minutes:g} min of training"
     )
     print(f"run folder: {run_dir}")
-    procs = [start_node(c, stop_at_file=stop_file) for c in configs]
+    procs = {name: start_node(c, stop_at_file=stop_file) for name, c in zip(names, configs, strict=True)}
     t0 = time.monotonic()
+
+    def progress() -> None:
+        print(f"[{time.monotonic() - t0:5.0f} s]")
+        print("\n".join(_progress_line(run_dir, names)))
+
     try:
-        while time.monotonic() - t0 < minutes * 60:
-            time.sleep(10)
-            failed = [n for n, p in zip(names, procs, strict=True) if p.poll() not in (None, 0)]
-            if failed:
-                print(f"node(s) {', '.join(failed)} exited with an error; see {run_dir}/<node>.log")
-                return 1
-            print(f"[{time.monotonic() - t0:5.0f} s]")
-            print("\n".join(_progress_line(run_dir, names)))
+        print("waiting for every node's first training step...")
+        wait_started(procs, run_dir, startup_timeout_s, interval=POLL_S, progress=progress, progress_every=PROGRESS_S)
+        t_train = time.monotonic()
+        next_progress = t_train
+        while time.monotonic() - t_train < minutes * 60:
+            check_nodes(procs, run_dir, clean_exit_ok=True, when="during training")
+            if time.monotonic() >= next_progress:
+                progress()
+                next_progress += PROGRESS_S
+            time.sleep(POLL_S)
         # every node stops after the same step, so nobody waits for a round a stopped node skips
         final = max(last_step(run_dir, n) for n in names) + 10
         stop_file.write_text(str(final))
         print(f"stopping all nodes after step {final}...")
-        codes = [p.wait(600) for p in procs]
+        codes = [p.wait(600) for p in procs.values()]
+    except (NodeExited, TimeoutError) as exc:
+        print(f"dreamp2p demo: {exc}")
+        print("stopping the other nodes...")
+        stop_nodes(procs, grace_s=5.0)
+        return 1
     finally:
-        for p in procs:
+        for p in procs.values():
             if p.poll() is None:
                 p.kill()
     if any(codes):
-        print(f"node exit codes {codes}; see {run_dir}/<node>.log")
+        print(f"node exit codes {dict(zip(names, codes, strict=True))}; see {run_dir}/<node>.log")
         return 1
     from dreamp2p.report import load_run, make_report, summary_table
 

@@ -2,18 +2,29 @@
 
 Used by `dreamp2p demo` and by the end-to-end tests: real `dreamp2p node` processes, real sockets on
 127.0.0.1, WAN links emulated in process (rate limit + one-way delay per hop).
+
+Daemons run as ``python -P -m dreamp2p.cli``: ``-P`` keeps the working directory off ``sys.path``, so a
+``dreamp2p/`` folder where the user happens to stand cannot shadow the package (see :func:`child_env` for
+running from a source checkout that is not installed).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import site
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import dreamp2p
+
+log = logging.getLogger(__name__)
 
 NAMES = ["eu-west", "us-east", "ap-south", "sa-east", "af-south", "me-central", "ca-central", "au-east"]
 
@@ -96,18 +107,138 @@ def write_configs(
     return paths
 
 
+def python_command(*args: str) -> list[str]:
+    """This interpreter with ``-P`` (the child's working directory is never on ``sys.path``), then ``args``."""
+    return [sys.executable, "-P", *args]
+
+
+def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for a child Python (run with ``-P``) that must import the same ``dreamp2p`` as this process.
+
+    Installed packages (site-packages, editable installs) need nothing. When this process found the package
+    through a plain ``sys.path`` entry instead (run from a source checkout, where that entry is the working
+    directory), ``-P`` would drop it, so that folder goes first on the child's ``PYTHONPATH``.
+    """
+    env = dict(os.environ if base is None else base)
+    env["PYTHONUNBUFFERED"] = "1"
+    root = Path(dreamp2p.__file__).resolve().parent.parent
+    on_path = {Path(entry or os.getcwd()).resolve() for entry in sys.path}
+    site_dirs = {Path(d).resolve() for d in [*site.getsitepackages(), site.getusersitepackages()]}
+    if root in on_path and root not in site_dirs:
+        env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def node_log(config: Path, log_dir: Path | None = None) -> Path:
+    """Where :func:`start_node` writes the daemon's stdout and stderr."""
+    return (log_dir or config.parent) / f"{config.stem}.log"
+
+
 def start_node(
     config: Path, resume: bool = False, log_dir: Path | None = None, stop_at_file: Path | None = None
 ) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "dreamp2p.cli", "node", "--config", str(config)]
+    args = python_command("-m", "dreamp2p.cli", "node", "--config", str(config))
     if resume:
         args.append("--resume")
     if stop_at_file is not None:
         args += ["--stop-at-file", str(stop_at_file)]
-    log_dir = log_dir or config.parent
-    out = open(log_dir / f"{config.stem}.log", "ab")  # noqa: SIM115 - handed to the child process
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+    out = open(node_log(config, log_dir), "ab")  # noqa: SIM115 - handed to the child process
+    try:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+    finally:
+        out.close()  # the child holds its own copy
+
+
+class NodeExited(RuntimeError):
+    """A node daemon exited when it should have been running; names it, its exit code and its log's tail."""
+
+    def __init__(self, node: str, code: int, log_path: Path, tail: str, when: str, others: dict[str, int]) -> None:
+        self.node = node
+        self.code = code
+        self.log_path = log_path
+        self.tail = tail
+        self.others = others  # further nodes found exited at the same check: name -> exit code
+        also = "; also exited: " + ", ".join(f"{n} (code {c})" for n, c in others.items()) if others else ""
+        shown = f"last lines of {log_path}:\n{tail}" if tail else f"{log_path} is empty"
+        super().__init__(f"node {node} exited with code {code} {when}{also}; {shown}")
+
+
+def log_tail(path: Path, lines: int = 20, max_bytes: int = 64 << 10) -> str:
+    """The last ``lines`` lines of a log file (empty if it does not exist)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - max_bytes))
+            data = fh.read()
+    except FileNotFoundError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").rstrip().splitlines()[-lines:])
+
+
+def check_nodes(procs: Mapping[str, subprocess.Popen[bytes]], log_dir: Path, *, clean_exit_ok: bool, when: str) -> None:
+    """Raise :class:`NodeExited` if a node has exited (with a non-zero code, or at all unless ``clean_exit_ok``).
+
+    Logs are expected where :func:`start_node` puts them by default: ``log_dir/<node>.log``.
+    """
+    exited = {
+        name: code for name, p in procs.items() if (code := p.poll()) is not None and not (clean_exit_ok and code == 0)
+    }
+    if exited:
+        name, code = next(iter(exited.items()))
+        del exited[name]
+        path = log_dir / f"{name}.log"
+        raise NodeExited(name, code, path, log_tail(path), when, exited)
+
+
+def stop_nodes(procs: Mapping[str, subprocess.Popen[bytes]], grace_s: float = 10.0) -> dict[str, int]:
+    """SIGTERM every node still running, SIGKILL those not gone after ``grace_s``; their exit codes."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for name, p in procs.items():
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("node %s did not stop within %.0f s of SIGTERM; killing it", name, grace_s)
+            p.kill()
+            p.wait()
+    return {name: int(p.returncode) for name, p in procs.items()}
+
+
+def wait_started(
+    procs: Mapping[str, subprocess.Popen[bytes]],
+    run_dir: Path,
+    timeout: float,
+    *,
+    interval: float = 0.2,
+    progress: Callable[[], None] | None = None,
+    progress_every: float = 10.0,
+) -> None:
+    """Wait until every node has logged its first training step to ``run_dir/<node>/metrics.jsonl``.
+
+    A node that exits meanwhile (with any code: none was asked to stop) raises :class:`NodeExited` at the
+    next poll, ``interval`` seconds at most; ``timeout`` passing first raises TimeoutError naming the nodes
+    still starting. ``progress`` is called every ``progress_every`` seconds while waiting.
+    """
+    start = time.monotonic()
+    next_progress = start + progress_every
+    waiting = list(procs)
+    while True:
+        check_nodes(procs, run_dir, clean_exit_ok=False, when="before it started training")
+        waiting = [n for n in waiting if last_step(run_dir, n) < 0]
+        if not waiting:
+            return
+        now = time.monotonic()
+        if now - start >= timeout:
+            raise TimeoutError(
+                f"node(s) {', '.join(waiting)} did not start training within {timeout:g} s; "
+                f"see {', '.join(str(run_dir / f'{n}.log') for n in waiting)}"
+            )
+        if progress is not None and now >= next_progress:
+            progress()
+            next_progress = now + progress_every
+        time.sleep(interval)
 
 
 def read_records(run_dir: Path, node: str) -> list[dict[str, Any]]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
+import os
 import subprocess
 import sys
 
@@ -65,3 +67,81 @@ async def test_status_command_against_a_live_peer() -> None:
         assert code == 1 and b"BAD_TOKEN" in err
     finally:
         await peer.close()
+
+
+PLAN = ["plan", "--params", "1e8", "--layers", "24", "--step-time", "0.5"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--period", "10", "--max-delay", "10"], "--max-delay (10) must be less than --period (10)"),
+        (["--period", "4", "--max-delay", "9"], "--max-delay (9) must be less than --period (4)"),
+        (["--max-delay", "-1"], "argument --max-delay: must be >= 0, got -1"),
+        (["--period", "0"], "argument --period: must be >= 1, got 0"),
+        (["--peers", "0"], "argument --peers: must be >= 1, got 0"),
+    ],
+)
+def test_plan_refuses_invalid_options_with_a_usage_error(
+    capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*PLAN, *extra])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "dreamp2p plan: error: " in err and message in err, err
+
+
+def test_bench_strategies_refuses_a_delay_of_a_whole_period(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "strategies", "--period", "5", "--max-delay", "5"])
+    assert info.value.code == 2
+    assert "--max-delay (5) must be less than --period (5)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("localhost", "address 'localhost' has no port; use HOST:PORT"),
+        ("10.0.0.5", "address '10.0.0.5' has no port; use HOST:PORT"),
+        ("[::1]", "address '[::1]' has no port; use [IPV6]:PORT"),
+        ("::1", "put an IPv6 address in brackets"),
+        (":7070", "address ':7070' has no host"),
+        ("localhost:0", "port must be a number in 1..65535, got '0'"),
+        ("localhost:http", "port must be a number in 1..65535, got 'http'"),
+    ],
+)
+def test_status_refuses_an_address_without_a_port(
+    capsys: pytest.CaptureFixture[str], address: str, message: str
+) -> None:
+    # gRPC would quietly dial port 443 for a bare host
+    with pytest.raises(SystemExit) as info:
+        main(["status", address])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "dreamp2p status: error: argument address: " in err and message in err, err
+
+
+@pytest.mark.skipif(not hasattr(fcntl, "F_SETPIPE_SZ"), reason="needs Linux pipe resizing")
+def test_a_closed_stdout_pipe_ends_the_cli_quietly() -> None:
+    # `dreamp2p plan ... | head -1`: a pipe of one page (4 KiB) that the reader closes after one line, while
+    # the CLI still has several KiB to write, so the write certainly hits the closed pipe
+    plan = ["plan", "--params", "1e8", "--layers", "100", "--step-time", "0.5", "--peers", "1"]  # ~7 KB
+    read_fd, write_fd = os.pipe()
+    try:
+        fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, 4096)
+        proc = subprocess.Popen([sys.executable, "-m", "dreamp2p.cli", *plan], stdout=write_fd, stderr=subprocess.PIPE)
+    finally:
+        os.close(write_fd)
+    try:
+        line = b""
+        while not line.endswith(b"\n"):
+            byte = os.read(read_fd, 1)
+            assert byte, "the CLI closed stdout before writing a line"
+            line += byte
+    finally:
+        os.close(read_fd)
+    _, err = proc.communicate(timeout=60)
+    assert line.split() == [b"strategy", b"step", b"s", b"utilization", b"MB/step"]
+    assert proc.returncode == 141, err.decode()  # 128 + SIGPIPE, as a C tool killed by the signal reports
+    assert err == b"", err.decode()  # no traceback, no "Broken pipe"

@@ -14,8 +14,9 @@
 #   --force  replace an existing CA and existing node files
 #
 # Writes DIR/ca.pem + DIR/ca.key (keep ca.key offline; it signs new nodes) and, per node,
-# DIR/NAME.pem + DIR/NAME.key. Install on each node as /etc/dreamp2p/tls/node.pem, node.key and
-# ca.pem. Certificates carry serverAuth and clientAuth, so they serve both ends of mutual TLS.
+# DIR/NAME.pem + DIR/NAME.key. Install NAME.pem, NAME.key and ca.pem on node NAME under these names
+# in /etc/dreamp2p/tls/, as nodes/*.toml expect. Certificates carry serverAuth and clientAuth, so
+# they serve both ends of mutual TLS.
 #
 # An existing CA in DIR is reused to sign further nodes (add a region later); without --force it
 # is never overwritten, and neither are existing node files. To renew one node, delete its two
@@ -28,7 +29,7 @@ ca_days=3650
 force=0
 names=()
 
-usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,/^[^#]/{/^#/p;}' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
