@@ -66,7 +66,8 @@ class SyncConfig:
     # DreamDDP codec per plan (see dreamp2p.schedule.plancodec): candidates from least to most lossy; each
     # plan uses the least lossy one that hides with the link busy at most codec_link_budget of the period.
     # Empty: every layer sync uses ``codec``. Ignored when link_codecs is set (per-link codecs instead).
-    plan_codecs: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")  # int4: less error and CPU than e3m0
+    # No 4-bit default: syncs average parameters, and 4 bits of a weight (not of an update) are too coarse.
+    plan_codecs: tuple[str, ...] = ("fp32", "bf16", "int8")
     codec_link_budget: float = 0.25
 
     def __post_init__(self) -> None:

@@ -6,14 +6,13 @@ plan assigns to h. A sync is launched from gradient hooks as soon as its layers'
 merged before the optimizer step. WAN extension (DESIGN.md): a sync may land d steps later; merging
 adds ``avg - snapshot`` so the local progress made meanwhile is kept.
 
-Pseudo-gradients on the wire: each layer keeps global weights theta, identical on every peer (they start
-from the broadcast parameters and change only by averages), and a sync averages ``theta - params`` (how
-far this replica moved since the layer's last average) rather than the parameters themselves, as DiLoCo
-and Streaming DiLoCo do. The mean of the parameters is ``theta - mean(delta)``; a lossy codec then errs in
-proportion to the (small) update, not to the weights, which is what makes 4-bit syncs usable. Optional
-outer optimizer per group (``group_outer_lr``, ``group_outer_momentum``): a landing sync takes a Nesterov
-step theta -= lr * (g + mu * m) with g = theta - avg (DiLoCo's outer step, applied layer group by layer
-group); lr 1 with momentum 0 is plain averaging. Either way params = theta + local progress.
+Optional outer optimizer per group (``group_outer_lr``, ``group_outer_momentum``): each layer keeps outer
+weights theta and a momentum, identical on every peer because they change only by averages; a landing
+sync takes a Nesterov step theta -= lr * (g + mu * m) with g = theta - avg (DiLoCo's outer step, applied
+layer group by layer group), then params = theta + local progress. lr 1 with momentum 0 is plain averaging
+and takes the exact path. Syncs average the parameters themselves, not pseudo-gradients ``theta -
+params``: those would need theta bit-identical on every member at every round, which a partition (each
+side averaging alone) breaks for good; parameter averages re-converge by themselves after one.
 
 Codec per plan (bandwidth-aware compression, arXiv 2408.14736): with ``plan_codecs`` (least lossy first),
 every plan is made for each candidate's wire size and the least lossy candidate is taken whose plan hides
@@ -59,7 +58,6 @@ class _InFlight:
     group: FlatGroup
     layers: tuple[int, ...]
     fut: concurrent.futures.Future[RoundResult]
-    theta: torch.Tensor  # the layers' global weights when launched; the round averages theta - params
 
 
 @dataclass(frozen=True)
@@ -147,12 +145,8 @@ class DreamDDP(Strategy):
         )
         self._summary: tuple[object, str] = (None, "")  # (plan version, link codecs) -> plan_summary text
         self._outer_on = self.cfg.group_outer_lr != 1.0 or self.cfg.group_outer_momentum != 0.0
-        # per layer: global weights theta (from the broadcast parameters, so identical everywhere) and the
-        # outer momentum (empty unless the outer optimizer is on)
+        # per layer: outer weights and momentum (created at the layer's first landing, from that average)
         self._outer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer in self.layers:
-            theta = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in layer.params])
-            self._outer[layer.index] = (theta, torch.zeros_like(theta) if self._outer_on else torch.empty(0))
         # codec of each plan's layer syncs (plan version -> name); warm-up syncs use the most compressive
         # candidate, since the link is not measured yet
         self._plan_codecs: dict[int, str] = {0: self.cfg.plan_codecs[-1] if self.cfg.plan_codecs else self.cfg.codec}
@@ -207,21 +201,11 @@ class DreamDDP(Strategy):
             group = FlatGroup([p for li in sync.layers for p in self.layers[li].params], pin=self.pin)
             self._groups[key] = group
         group.snapshot()
-        theta = torch.cat([self._outer[li][0] for li in sync.layers])
-
-        def pseudo_gradient() -> None:  # on the comm thread, once the snapshot has landed
-            group.work.copy_(theta).sub_(group.snap)
-
         gid = GROUP_PLAN_BASE + self.plan.version * 1000 + idx
         fut = self.comm.allreduce_group(
-            group,
-            gid,
-            self.ring_codecs or self.plan_codec,
-            plan_version=self.plan.version,
-            round_id=self._round(),
-            prepare=pseudo_gradient,
+            group, gid, self.ring_codecs or self.plan_codec, plan_version=self.plan.version, round_id=self._round()
         )
-        self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, sync.layers, fut, theta))
+        self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, sync.layers, fut))
 
     @property
     def plan_codec(self) -> str:
@@ -229,27 +213,27 @@ class DreamDDP(Strategy):
         return self._plan_codecs.get(self.plan.version, self.cfg.codec)
 
     def _merge(self, inf: _InFlight) -> None:
-        """Apply a landed sync: the new global weights (average or outer step) plus local progress."""
-        avg = inf.theta.sub_(inf.group.work)  # theta - mean(theta - params): the mean of the parameters
-        self._outer_step(avg, inf.layers)
-        inf.group.work.copy_(avg)
+        """Apply a landed sync: the average (or the outer step taken from it) plus local progress."""
+        if self._outer_on:
+            self._outer_step(inf.group.work, inf.layers)
         inf.group.merge()
 
     def _outer_step(self, avg: torch.Tensor, layers: tuple[int, ...]) -> None:
-        """Set each layer's theta from ``avg`` (plain averaging) or by a Nesterov outer step; ``avg`` follows."""
+        """Replace ``avg`` in place by the group's new outer weights (Nesterov outer step per layer)."""
         lr, mu = self.cfg.group_outer_lr, self.cfg.group_outer_momentum
         offset = 0
         for li in layers:
             n = self.layers[li].numel
             a = avg[offset : offset + n]
-            theta, mom = self._outer[li]
-            if self._outer_on:
+            state = self._outer.get(li)
+            if state is None:
+                self._outer[li] = (a.clone(), torch.zeros_like(a))  # first landing: plain average
+            else:
+                theta, mom = state
                 g = theta - a
                 mom.mul_(mu).add_(g)
                 theta.sub_(g.add_(mom, alpha=mu), alpha=lr)
                 a.copy_(theta)
-            else:
-                theta.copy_(a)
             offset += n
 
     # ------------------------------------------------------------------ step
@@ -418,7 +402,7 @@ class DreamDDP(Strategy):
 
     def _inflight_state(self) -> list[dict[str, Any]]:
         """Syncs in flight, waited for: they land later on every member that took part, so a joiner (which
-        did not) or a resumed node must apply the same averages at the same steps to keep theta identical."""
+        did not) or a resumed node must apply the same averages at the same steps."""
         out = []
         for inf in self._inflight:
             try:
@@ -430,7 +414,6 @@ class DreamDDP(Strategy):
                     "land": inf.land_step,
                     "key": list(inf.key),
                     "layers": list(inf.layers),
-                    "theta": inf.theta.clone(),
                     "mean": inf.group.work.clone(),
                     "snap": inf.group.snap.clone(),
                 }
@@ -443,7 +426,7 @@ class DreamDDP(Strategy):
         group.snap.copy_(rec["snap"])
         group.work.copy_(rec["mean"])
         key = (int(rec["key"][0]), int(rec["key"][1]))
-        return _InFlight(int(rec["land"]), key, group, layers, landed(group.numel), rec["theta"].clone())
+        return _InFlight(int(rec["land"]), key, group, layers, landed(group.numel))
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if "plan" in state:
@@ -453,8 +436,7 @@ class DreamDDP(Strategy):
             self._basis_bw = float(state.get("basis_bw", math.nan))
             self._changed = int(state.get("changed", 0))
             self.plan_history = [(int(v), int(e)) for v, e in state.get("history", [])]
-            for li, (theta, mom) in state.get("outer", {}).items():
-                self._outer[int(li)] = (theta.clone(), mom.clone())
+            self._outer = {int(li): (theta.clone(), mom.clone()) for li, (theta, mom) in state.get("outer", {}).items()}
             self._plan_codecs.update({int(v): str(c) for v, c in state.get("plan_codecs", {}).items()})
             self._inflight = [self._restore_inflight(rec) for rec in state.get("inflight", [])]
             control = state.get("control")
