@@ -591,6 +591,12 @@ class Peer:
         else:
             codec_obj = get_codec(codec or self.config.codec)
         flat = _flatten(tensors)
+        numel = flat.numel()
+        if 0 < numel < world:
+            # every ring segment must carry data: a member that takes no part (joining, gone) is noticed by the
+            # refusal of the frames sent to it, which an empty segment never sends (the round would wait out
+            # its deadline instead); every member pads alike, so layouts still agree
+            flat = torch.cat([flat, flat.new_zeros(world - numel)])
         refusal = self._refuse_contribution(group_id, flat, guard_norm)
         if refusal is not None:
             # the round goes on without us: we send zeros, marked as excluded, and receive the others' mean
@@ -662,7 +668,7 @@ class Peer:
             self._votes.pop(key, None)
             self._vote_events.pop(key, None)
             self._round_members.pop(key, None)
-        _unflatten(flat, out if out is not None else tensors)
+        _unflatten(flat[:numel], out if out is not None else tensors)
         self.rounds_completed += 1
         return RoundResult(
             group_id=group_id,
@@ -670,7 +676,7 @@ class Peer:
             seconds=time.perf_counter() - t0,
             bytes_sent=rnd.bytes_sent,
             bytes_received=rnd.bytes_received,
-            elements=flat.numel(),
+            elements=numel,
             codec=codec_obj.name,
             chunk_bytes=chunk_bytes,
             contributors=rnd.contributors,
