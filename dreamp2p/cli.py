@@ -90,6 +90,29 @@ def _check_delay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         )
 
 
+# Per-benchmark defaults of the flags the benchmarks share (None on the command line: not given).
+BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "strategies": {"steps": 150, "period": 10, "width": 512, "depth": 4, "rtt": "20ms", "rate": "100mbit"},
+    "lm": {"steps": 200, "period": 20, "width": 256, "depth": 4, "rtt": "0ms", "rate": "20mbit"},
+}
+FALLBACK_DEFAULTS: dict[str, Any] = {
+    "steps": 150,
+    "period": 10,
+    "width": 512,
+    "depth": 4,
+    "rtt": "20ms",
+    "rate": "100mbit",
+}
+
+
+def _bench_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the shared flags' defaults for the chosen benchmark, then check them across options."""
+    for key, value in BENCH_DEFAULTS.get(args.what, FALLBACK_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    _check_delay(parser, args)
+
+
 def _emit(result: dict[str, Any], as_json: bool) -> None:
     if not as_json:
         for key, value in result.items():
@@ -143,6 +166,23 @@ def _bench(args: argparse.Namespace) -> int:
             codec=args.codecs[0] if args.codecs else "fp32",
             device=args.device,
             lr=args.lr,
+        )
+    elif args.what == "lm":
+        from dreamp2p.bench.lm import bench_lm
+        from dreamp2p.config import parse_duration
+
+        extra = {"max_delay": args.max_delay} if args.max_delay is not None else {}
+        result = bench_lm(
+            strategies=args.strategies,
+            regions=args.regions,
+            rate=args.rate,
+            rtt_ms=parse_duration(args.rtt) * 1e3,
+            steps=args.steps,
+            period=args.period,
+            width=args.width,
+            layers=args.depth,
+            device=args.device,
+            extra_sync=extra,
         )
     elif args.what == "digits":
         from dreamp2p.bench.digits import bench_digits
@@ -262,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
-    b.add_argument("what", choices=["codec", "transport", "allreduce", "strategies", "soak", "digits"])
+    b.add_argument("what", choices=["codec", "transport", "allreduce", "strategies", "soak", "digits", "lm"])
     b.add_argument("--json", action="store_true", help="print only the JSON result line")
     b.add_argument("--mbytes", type=float, default=None, help="buffer size in MB (default 64)")
     b.add_argument("--repeats", type=int, default=3, help="measured repetitions (median)")
@@ -271,16 +311,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=float, default=6.0, help="transport: measuring time")
     b.add_argument("--streams", type=int, default=2, help="parallel streams (TCP connections) per link")
     b.add_argument("--netns", action="store_true", help="transport: run across two tbf-shaped namespaces (root)")
-    b.add_argument("--rate", default="100mbit", help="transport --netns: link rate, e.g. 100mbit")
+    b.add_argument("--rate", default=None, help="link rate, e.g. 20mbit (transport --netns: 100mbit; lm: 20mbit)")
+    b.add_argument("--regions", type=_int_at_least(1), default=2, help="lm: regions (one process each)")
     b.add_argument("--minutes", type=float, default=10.0, help="soak: how long to run")
     b.add_argument("--strategies", nargs="+", default=None, help="strategies: which to run (default: all)")
-    b.add_argument("--steps", type=int, default=150, help="strategies: training steps per run")
-    b.add_argument("--period", type=_int_at_least(1), default=10, help="strategies: period H")
-    b.add_argument("--width", type=int, default=512, help="strategies: model width (MLP)")
-    b.add_argument("--depth", type=int, default=4, help="strategies: hidden layers")
+    b.add_argument(
+        "--steps", type=_int_at_least(1), default=None, help="training steps per run (strategies 150, lm 200)"
+    )
+    b.add_argument("--period", type=_int_at_least(1), default=None, help="period H (strategies 10, lm 20)")
+    b.add_argument("--width", type=_int_at_least(1), default=None, help="model width (strategies: MLP 512, lm: 256)")
+    b.add_argument("--depth", type=_int_at_least(1), default=None, help="hidden layers / transformer blocks (4)")
     b.add_argument("--batch", type=int, default=4096, help="strategies: batch size per peer (4096: ~0.16 s CPU steps)")
     b.add_argument("--link-rate", default=None, help="strategies: link rate (default: full sync = H/2 steps)")
-    b.add_argument("--rtt", default="20ms", help="strategies: emulated round-trip time per hop")
+    b.add_argument("--rtt", default=None, help="emulated round-trip time per hop (strategies 20ms, lm 0ms)")
     b.add_argument(
         "--max-delay", type=_int_at_least(0), default=None, help="strategies: DreamDDP max landing delay d (H-1)"
     )
@@ -288,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--device", default="cpu", choices=["cpu", "cuda"], help="strategies: where the trainers run (both peers)"
     )
-    b.set_defaults(func=_bench, check=functools.partial(_check_delay, b))
+    b.set_defaults(func=_bench, check=functools.partial(_bench_check, b))
 
     n = sub.add_parser("node", help="run one region's daemon (trainer + peer) from a TOML config")
     n.add_argument("--config", required=True, help="path to the node's TOML file (see nodes/)")

@@ -1,0 +1,48 @@
+"""`bench lm` end to end at toy sizes: the report's structure and sanity (not its numbers)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dreamp2p.bench.lm import bench_lm, count_params
+
+TINY = {"width": 32, "layers": 1, "heads": 4, "context": 16, "batch": 2, "steps": 6, "period": 3, "eval_batches": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_lm_tiny_report() -> None:
+    out = bench_lm(strategies=("none", "dreamddp"), netns=False, **TINY)  # type: ignore[arg-type]
+    assert json.loads(json.dumps(out)) == out  # JSON-serialisable as is
+    assert out["bench"] == "lm"
+    assert out["shaping"] == "in-process"
+    assert (out["regions"], out["steps"], out["period"]) == (2, 6, 3)
+    assert out["params"] == count_params(32, 1, 4, 16)
+    assert math.isfinite(out["target_loss"])
+
+    ceiling = out["ceiling"]
+    assert ceiling["steps_per_s"] > 0
+    assert math.isfinite(ceiling["heldout_loss"])
+    assert len(ceiling["steps_per_s_regions"]) == 2
+    assert ceiling["none_steps_per_s"] == out["strategies"]["none"]["steps_per_s"]
+
+    assert set(out["strategies"]) == {"none", "dreamddp"}
+    for name, row in out["strategies"].items():
+        assert row["steps_per_s"] > 0, name
+        assert row["compute_utilization"] > 0, name
+        assert math.isfinite(row["heldout_loss"]), name
+        assert all(math.isfinite(x) for x in row["heldout_loss_regions"]), name
+        assert 0.0 <= row["hidden_fraction"] <= 1.0, name
+        assert row["exposed_s"] >= 0 and row["comm_s"] >= 0, name
+        assert isinstance(row["identical_replicas"], bool), name
+        assert row["curve"][-1][0] == 6 and row["curve"][-1][2] == row["heldout_loss"], name
+        assert "time_to_target_s" in row, name
+    dream = out["strategies"]["dreamddp"]
+    assert dream["mb_sent"] > 0
+    assert dream["plan_history"][0] == [0, 0]
+    assert out["strategies"]["none"]["mb_sent"] == 0  # in process: round payload, and none sends no rounds
+    assert out["strategies"]["none"]["identical_replicas"] is False  # different shards, never averaged
+    assert out["winner_steps_per_s"] == "dreamddp"  # the only strategy that synchronizes
