@@ -48,6 +48,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _open_fraction(text: str) -> float:
+    """An argparse type: a compute utilization strictly between 0 and 1 (1.0 would need infinite bandwidth)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value < 1.0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be a compute utilization in (0, 1), e.g. 0.95, got {text}")
+    return value
+
+
 def _address_with_port(text: str) -> str:
     """An argparse type: a gRPC address that names its port (``HOST:PORT``, ``[V6]:PORT``, ``unix:PATH``).
 
@@ -88,6 +99,31 @@ def _check_delay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             f"--max-delay ({args.max_delay}) must be less than --period ({args.period}): a layer's sync has to land "
             "before the same layer is launched again one period later"
         )
+
+
+def _plan_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Defaults that depend on the mode: --table has the paper's H and no RTT; a model is needed otherwise.
+
+    In --target-cu mode --period, --codec and --max-delay stay None unless given: given, they pin that
+    dimension of the search; left out, it is searched.
+    """
+    if args.table:
+        from dreamp2p.schedule.utilization import PAPER_PERIOD
+
+        args.period = PAPER_PERIOD if args.period is None else args.period
+        args.rtt = "0ms" if args.rtt is None else args.rtt
+    else:
+        flags = (("--params", args.params), ("--layers", args.layers), ("--step-time", args.step_time))
+        missing = [flag for flag, value in flags if value is None]
+        if missing:
+            parser.error(f"the following arguments are required: {', '.join(missing)} (or use --table)")
+        args.rtt = "80ms" if args.rtt is None else args.rtt
+        if args.target_cu is None:
+            args.period = 10 if args.period is None else args.period
+            args.codec = "fp32" if args.codec is None else args.codec
+            args.max_delay = 0 if args.max_delay is None else args.max_delay
+    if args.period is not None:
+        _check_delay(parser, args)
 
 
 # Per-benchmark defaults of the flags the benchmarks share (None on the command line: not given).
@@ -268,7 +304,129 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
+def _gbit(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _plan_table(args: argparse.Namespace) -> int:
+    from dreamp2p.config import parse_duration
+    from dreamp2p.schedule import utilization as u
+
+    net = u.Network(args.peers, parse_duration(args.rtt))
+    methods = u.paper_methods(args.period, u.PAPER_OVERLAP, args.max_delay)
+    rows = u.bandwidth_table(u.PAPER_WORKLOADS, methods, net, u.PAPER_TARGETS)
+    delay = args.period - 1 if args.max_delay is None else args.max_delay
+    result = {
+        "table": {
+            "source": "Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512), Table 4: models, layers, step times",
+            "period": args.period,
+            "overlap_tau": u.PAPER_OVERLAP,
+            "fragment_layers": u.PAPER_FRAGMENT_LAYERS,
+            "dreamddp_max_delay": delay,
+            "peers": net.peers,
+            "rtt_s": net.rtt_s,
+            "backward_fraction": round(u.PAPER_WORKLOADS[0].backward_fraction, 4),
+            "targets": list(u.PAPER_TARGETS),
+            "rows": [
+                {
+                    "model": r.model,
+                    "params": r.params,
+                    "layers": r.layers,
+                    "step_time_s": r.step_time_s,
+                    "method": r.method,
+                    "kind": r.kind,
+                    "fragments": r.fragments,
+                    "gbit_s": [None if g is None else round(g, 4) for g in r.gbit_s],
+                }
+                for r in rows
+            ],
+        }
+    }
+    if not args.json:
+        print("Gbit/s needed per link to reach a compute utilization (CU), per model and sync method")
+        print(
+            "models, layers and compute time per step: Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512), "
+            "Table 4"
+        )
+        print(
+            f"assumed: H={args.period}; Streaming DiLoCo fragments of {u.PAPER_FRAGMENT_LAYERS} layers (P), overlap "
+            f"tau={u.PAPER_OVERLAP}; DreamDDP delays <= {delay}; {net.peers} peers, RTT {net.rtt_s * 1e3:g} ms; "
+            "backward = 2/3 of a step"
+        )
+        print(
+            "ring all-reduce = 2(N-1)/N * bytes / bandwidth + 2(N-1) * RTT/2; CU = compute / (compute + exposed "
+            "communication); wire bits per parameter: fp32 32, bf16 16, 4-bit 4; '-': unreachable at this RTT"
+        )
+        cols = " ".join(f"{t:>7.0%}" for t in u.PAPER_TARGETS)
+        print(f"{'model':<6} {'layers':>6} {'step s':>6}  {'method':<37} {'P':>3} {cols}")
+        for r in rows:
+            cells = " ".join(f"{_gbit(g):>7}" for g in r.gbit_s)
+            print(f"{r.model:<6} {r.layers:>6} {r.step_time_s:>6.1f}  {r.method:<37} {r.fragments:>3} {cells}")
+    print(json.dumps(result))
+    return 0
+
+
+def _plan_target(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from dreamp2p.compression import get_codec
+    from dreamp2p.config import parse_duration, parse_rate
+    from dreamp2p.schedule.cost import LinkModel
+    from dreamp2p.schedule.linkcodec import wire_ratio
+    from dreamp2p.schedule.utilization import SEARCH_CODECS, SEARCH_PERIODS, recommend
+    from dreamp2p.schedule.whatif import uniform_costs
+
+    costs = uniform_costs(args.params, args.layers, args.step_time)
+    link = LinkModel(bandwidth_Bps=parse_rate(args.link), rtt_s=parse_duration(args.rtt), world=args.peers)
+    codecs = [get_codec(c).name for c in ((args.codec,) if args.codec else SEARCH_CODECS)]
+    periods = (args.period,) if args.period else SEARCH_PERIODS
+    rec = recommend(costs, link, args.target_cu, [(c, wire_ratio(c)) for c in codecs], periods, args.max_delay)
+    result = {
+        "target_cu": rec.target,
+        "reached": rec.best is not None,
+        "recommendation": asdict(rec.best) if rec.best else None,
+        "closest": asdict(rec.closest) if rec.closest else None,
+        "needed_gbit_s": None if rec.needed_Bps is None else round(rec.needed_Bps * 8 / 1e9, 6),
+        "needed_for": rec.needed_for,
+        "message": rec.message,
+        "searched": {"codecs": codecs, "periods": sorted(set(periods)), "max_delay": args.max_delay},
+        "planner_runs": rec.evaluated,
+    }
+    if not args.json:
+        print(
+            f"target compute utilization {rec.target} on a {args.link} link, RTT {args.rtt}, {args.peers} peers; "
+            f"{args.params:g} parameters in {args.layers} layers, {args.step_time:g} s compute per step"
+        )
+        delays = "0, 1, 2, 4, ... and period-1" if args.max_delay is None else f"up to {args.max_delay}"
+        grid = ", ".join(map(str, sorted(set(periods))))
+        print(
+            f"searched DreamDDP settings: codecs {', '.join(codecs)}; periods {grid}; delays {delays} "
+            f"({rec.evaluated} planner runs; preferred: the least lossy codec, then the smallest period, then the "
+            "smallest delay)"
+        )
+        if rec.best:
+            b = rec.best
+            print(
+                f"recommended: codec {b.codec}, period {b.period}, max delay {b.delay}, {b.fragments} fragments "
+                "(all-reduce groups per period)"
+            )
+            print(
+                f"predicted: utilization {b.utilization:.3f}, step {b.step_time_s:.3f} s, "
+                f"{b.bytes_per_step / 1e6:.2f} MB/step per peer"
+            )
+        else:
+            print(rec.message)
+    print(json.dumps(result))
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
+    if args.table:
+        return _plan_table(args)
+    if args.target_cu is not None:
+        return _plan_target(args)
     from dreamp2p.compression import get_codec
     from dreamp2p.config import parse_duration, parse_rate
     from dreamp2p.schedule.whatif import what_if
@@ -365,19 +523,48 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_status)
 
     pl = sub.add_parser("plan", help="predict step time and utilization per strategy before launch")
-    pl.add_argument("--params", type=_positive_float, required=True, help="model parameters, e.g. 7e9")
-    pl.add_argument("--layers", type=_int_at_least(1), required=True)
-    pl.add_argument("--step-time", type=_positive_float, required=True, help="forward+backward seconds per step")
+    mode = pl.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--table",
+        action="store_true",
+        help="Gbit/s each method needs for 50-99%% compute utilization, 1B/10B/100B models (Streaming DiLoCo Table 4)",
+    )
+    mode.add_argument(
+        "--target-cu",
+        type=_open_fraction,
+        default=None,
+        help="recommend DreamDDP period, delay, codec reaching this compute utilization (0..1) on --link",
+    )
+    pl.add_argument(
+        "--params", type=_positive_float, default=None, help="model parameters, e.g. 7e9 (required unless --table)"
+    )
+    pl.add_argument(
+        "--layers", type=_int_at_least(1), default=None, help="layers, all of equal size (required unless --table)"
+    )
+    pl.add_argument(
+        "--step-time",
+        type=_positive_float,
+        default=None,
+        help="forward+backward seconds per step (required unless --table)",
+    )
     pl.add_argument("--peers", type=_int_at_least(1), default=2)
     pl.add_argument("--link", default="1gbit", help="slowest link rate")
-    pl.add_argument("--rtt", default="80ms")
-    pl.add_argument("--period", type=_int_at_least(1), default=10, help="H: every layer is averaged once per H steps")
-    pl.add_argument("--codec", default="fp32")
+    pl.add_argument("--rtt", default=None, help="largest RTT (80ms; --table: 0ms)")
     pl.add_argument(
-        "--max-delay", type=_int_at_least(0), default=0, help="d: DreamDDP's max landing delay in steps (< --period)"
+        "--period",
+        type=_int_at_least(1),
+        default=None,
+        help="H: every layer is averaged once per H steps (10; --table: 100; --target-cu: searched)",
+    )
+    pl.add_argument("--codec", default=None, help="fp32 (--target-cu: searched among fp32, bf16, int8)")
+    pl.add_argument(
+        "--max-delay",
+        type=_int_at_least(0),
+        default=None,
+        help="d: DreamDDP's max landing delay in steps, < --period (0; --table and --target-cu: up to period-1)",
     )
     pl.add_argument("--json", action="store_true")
-    pl.set_defaults(func=_plan, check=functools.partial(_check_delay, pl))
+    pl.set_defaults(func=_plan, check=functools.partial(_plan_check, pl))
 
     d = sub.add_parser("demo", help="train across N local node daemons over emulated WAN links, then report")
     d.add_argument("--nodes", type=int, default=3)
