@@ -25,6 +25,7 @@ from torch import nn
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import TrainingInfo
 from dreamp2p.peer import RoundResult
+from dreamp2p.sync.agreement import is_adaptive
 from dreamp2p.sync.buffers import BufferSync, frozen_parameters, model_buffers
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.config import SyncConfig
@@ -102,7 +103,8 @@ class Strategy(abc.ABC):
         self.model = model
         self.optimizer = optimizer
         self.comm = comm
-        self.cfg = cfg
+        # a strategy built without Node.attach resolves its outer defaults here (a no-op after attach)
+        self.cfg = cfg.with_outer_defaults(is_adaptive(optimizer))
         self.layers: list[Layer] = discover_layers(model)
         self.params: list[nn.Parameter] = [p for layer in self.layers for p in layer.params]
         self.step_count = 0

@@ -98,9 +98,17 @@ class CommThread:
         plan_version: int = 0,
         round_id: int | None = None,
         guard_norm: bool = True,
+        prepare: Callable[[], None] | None = None,
     ) -> concurrent.futures.Future[RoundResult]:
-        """Average a group's snapshot into its ``work`` buffer; ``snap`` stays for the delta merge."""
-        return self.submit(_allreduce_group(self.peer, group, group_id, codec, plan_version, round_id, guard_norm))
+        """Average a group's snapshot into its ``work`` buffer; ``snap`` stays for the delta merge.
+
+        With ``prepare``, the round averages ``work`` in place instead, after ``prepare()`` filled it on
+        the comm thread once the snapshot has landed (e.g. a pseudo-gradient ``theta - snap``): the
+        training thread never waits for an asynchronous device-to-host snapshot.
+        """
+        return self.submit(
+            _allreduce_group(self.peer, group, group_id, codec, plan_version, round_id, guard_norm, prepare)
+        )
 
     def on_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a plain function of the peer on the loop thread (the peer is not thread-safe)."""
@@ -144,9 +152,14 @@ async def _allreduce_group(
     plan_version: int,
     round_id: int | None,
     guard_norm: bool,
+    prepare: Callable[[], None] | None = None,
 ) -> RoundResult:
     if group.device.type == "cuda":
         await asyncio.to_thread(group.ready)
+    source = group.snap
+    if prepare is not None:
+        prepare()
+        source = group.work
     return await peer.allreduce(
-        [group.snap], group_id, codec, plan_version, out=[group.work], round_id=round_id, guard_norm=guard_norm
+        [source], group_id, codec, plan_version, out=[group.work], round_id=round_id, guard_norm=guard_norm
     )

@@ -54,9 +54,16 @@ class SyncConfig:
     replan_sustain: int = 2  # consecutive control rounds that must see the change
     bubble_fill: bool = False  # extra syncs in idle link time; costs CPU, so off unless cores are spare
     plan_margin: float = 0.3  # plan as if syncs took this much longer than measured, so noise stays hidden
-    # optional outer optimizer per layer group (Nesterov, as DiLoCo's); lr 1 + momentum 0 is plain averaging
-    group_outer_lr: float = 1.0
-    group_outer_momentum: float = 0.0
+    # outer optimizer per layer group (Nesterov, as DiLoCo's); lr 1 + momentum 0 is plain averaging. None:
+    # chosen by the inner optimizer at attach, like outer_lr/outer_momentum (see with_outer_defaults)
+    group_outer_lr: float | None = None
+    group_outer_momentum: float | None = None
+    # DreamDDP pseudo-gradients: between anchors, layer syncs average theta - params (how far each replica
+    # moved since the layer's outer weights theta) with ``delta_codec``; every ``anchor_every``-th period
+    # they average the parameters themselves with the plan's codec and check that every member holds the
+    # same theta (a partition or a lost round is healed there). Empty delta_codec: always parameters.
+    delta_codec: str = "int4"
+    anchor_every: int = 4
     # Bandwidth-aware compression per ring link (DreamDDP's layer syncs): candidates from least to most
     # lossy, ``codec`` among them; each link sends with the least lossy one that keeps its transfer within
     # (1 + link_codec_tolerance) of the fastest link's, from the bandwidths of the control round. Empty:
@@ -66,14 +73,15 @@ class SyncConfig:
     # DreamDDP codec per plan (see dreamp2p.schedule.plancodec): candidates from least to most lossy; each
     # plan uses the least lossy one that hides with the link busy at most codec_link_budget of the period.
     # Empty: every layer sync uses ``codec``. Ignored when link_codecs is set (per-link codecs instead).
-    # No 4-bit default: syncs average parameters, and 4 bits of a weight (not of an update) are too coarse.
+    # No 4-bit candidate: these codecs carry the anchors' parameters, and 4 bits of a weight (not of an
+    # update) are too coarse; the pseudo-gradients between anchors use delta_codec.
     plan_codecs: tuple[str, ...] = ("fp32", "bf16", "int8")
     codec_link_budget: float = 0.25
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {self.strategy!r}")
-        for name in ("period", "fragments", "control_every", "control_lead", "replan_sustain"):
+        for name in ("period", "fragments", "control_every", "control_lead", "replan_sustain", "anchor_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"sync.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("stream_delay", "warmup_steps"):
@@ -101,10 +109,12 @@ class SyncConfig:
             raise ValueError("sync.replan_threshold must be > 0")
         if not 0.0 <= self.plan_margin <= 9.0:
             raise ValueError(f"sync.plan_margin must be in [0, 9], got {self.plan_margin}")
-        if not 0.0 < self.group_outer_lr <= 2.0:
+        if self.group_outer_lr is not None and not 0.0 < self.group_outer_lr <= 2.0:
             raise ValueError(f"sync.group_outer_lr must be in (0, 2], got {self.group_outer_lr}")
-        if not 0.0 <= self.group_outer_momentum < 1.0:
+        if self.group_outer_momentum is not None and not 0.0 <= self.group_outer_momentum < 1.0:
             raise ValueError(f"sync.group_outer_momentum must be in [0, 1), got {self.group_outer_momentum}")
+        if self.delta_codec and self.delta_codec not in codec_names():
+            raise ValueError(f"sync.delta_codec: unknown codec {self.delta_codec!r}; known: {', '.join(codec_names())}")
         if isinstance(self.link_codecs, str) or not all(isinstance(c, str) for c in self.link_codecs):
             raise ValueError(f"sync.link_codecs must be a list of codec names, got {self.link_codecs!r}")
         object.__setattr__(self, "link_codecs", tuple(self.link_codecs))  # a TOML array arrives as a list
@@ -134,6 +144,13 @@ class SyncConfig:
             raise ValueError("sync.outer_lr/outer_momentum are unresolved: call with_outer_defaults(optimizer)")
         return self.outer_lr, self.outer_momentum
 
+    @property
+    def group_outer(self) -> tuple[float, float]:
+        """(lr, momentum) of DreamDDP's per-group outer step; resolved like :attr:`outer`."""
+        if self.group_outer_lr is None or self.group_outer_momentum is None:
+            raise ValueError("sync.group_outer_lr/momentum are unresolved: call with_outer_defaults(optimizer)")
+        return self.group_outer_lr, self.group_outer_momentum
+
     def with_outer_defaults(self, adaptive_inner: bool) -> SyncConfig:
         """Fill the outer optimizer settings left unset from the kind of inner optimizer (see PLAIN_OUTER)."""
         lr, momentum = ADAPTIVE_OUTER if adaptive_inner else PLAIN_OUTER
@@ -141,6 +158,8 @@ class SyncConfig:
             self,
             outer_lr=self.outer_lr if self.outer_lr is not None else lr,
             outer_momentum=self.outer_momentum if self.outer_momentum is not None else momentum,
+            group_outer_lr=self.group_outer_lr if self.group_outer_lr is not None else lr,
+            group_outer_momentum=self.group_outer_momentum if self.group_outer_momentum is not None else momentum,
         )
 
     def shared_settings(self) -> dict[str, str]:

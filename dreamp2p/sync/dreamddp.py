@@ -6,13 +6,19 @@ plan assigns to h. A sync is launched from gradient hooks as soon as its layers'
 merged before the optimizer step. WAN extension (DESIGN.md): a sync may land d steps later; merging
 adds ``avg - snapshot`` so the local progress made meanwhile is kept.
 
-Optional outer optimizer per group (``group_outer_lr``, ``group_outer_momentum``): each layer keeps outer
-weights theta and a momentum, identical on every peer because they change only by averages; a landing
-sync takes a Nesterov step theta -= lr * (g + mu * m) with g = theta - avg (DiLoCo's outer step, applied
-layer group by layer group), then params = theta + local progress. lr 1 with momentum 0 is plain averaging
-and takes the exact path. Syncs average the parameters themselves, not pseudo-gradients ``theta -
-params``: those would need theta bit-identical on every member at every round, which a partition (each
-side averaging alone) breaks for good; parameter averages re-converge by themselves after one.
+Pseudo-gradients between anchors (DiLoCo, Douillard et al., arXiv 2311.08105; Streaming DiLoCo, arXiv
+2501.18512): each layer keeps outer weights theta and a momentum, changed only by landed syncs. Most
+syncs average ``theta - params`` (how far this replica moved since theta) with ``delta_codec``, 4 bits by
+default: a lossy codec then errs in proportion to the update, not to the weights. A landing takes a
+Nesterov step per layer, theta -= lr * (g + mu * m) with g the mean pseudo-gradient (lr 1, momentum 0 is
+plain averaging), and params = theta + the local progress made while the sync travelled.
+
+Anchors: every ``anchor_every``-th period (by the launch step, so every member agrees without asking) a
+layer's sync averages the parameters themselves with the plan's codec, and a 17-element round beside it
+carries a flag and 16 bits of a digest of each member's theta and momentum. Where all agree, g = theta -
+mean(params) feeds the same outer step; where any differs (a partition, each side averaging alone; a
+round one member lost; a fresh node), every member resets theta to the parameter mean and the momentum to
+zero, identically. Pseudo-gradients would otherwise need theta bit-identical on every member for good.
 
 Codec per plan (bandwidth-aware compression, arXiv 2408.14736): with ``plan_codecs`` (least lossy first),
 every plan is made for each candidate's wire size and the least lossy candidate is taken whose plan hides
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from dreamp2p.compression import get_codec
 from dreamp2p.errors import RoundFailed
@@ -58,6 +65,36 @@ class _InFlight:
     group: FlatGroup
     layers: tuple[int, ...]
     fut: concurrent.futures.Future[RoundResult]
+    # anchors only: the round of (flag, 16 digest bits) beside the parameter average; None for a
+    # pseudo-gradient sync
+    check: FlatGroup | None = None
+    check_fut: concurrent.futures.Future[RoundResult] | None = None
+
+    @property
+    def anchor(self) -> bool:
+        return self.check is not None
+
+
+DIGEST_BITS = 16
+ANCHOR_CHECK_OFFSET = 500  # group id of an anchor's check round: its sync's id + this (syncs per plan < 500)
+
+
+def anchor_check_vector(want_reset: bool, digest: int) -> torch.Tensor:
+    """One member's contribution to an anchor's check round: a reset flag and its digest's low bits."""
+    bits = [float((digest >> i) & 1) for i in range(DIGEST_BITS)]
+    return torch.tensor([1.0 if want_reset else 0.0, *bits], dtype=torch.float32)
+
+
+def anchor_verdict(mean: torch.Tensor) -> str:
+    """From the averaged check vector, the same on every member: "agree", "fresh" (a member asked for a
+    reset: its theta is local only) or "differ" (the members' thetas differ: a partition or a lost round).
+
+    Each digest bit averages to exactly 0 or 1 only where every member holds the same bit.
+    """
+    bits = mean[1:]
+    if bool(mean[0] > 0):
+        return "fresh"
+    return "differ" if bool(((bits > 0) & (bits < 1)).any()) else "agree"
 
 
 @dataclass(frozen=True)
@@ -144,9 +181,11 @@ class DreamDDP(Strategy):
             else None
         )
         self._summary: tuple[object, str] = (None, "")  # (plan version, link codecs) -> plan_summary text
-        self._outer_on = self.cfg.group_outer_lr != 1.0 or self.cfg.group_outer_momentum != 0.0
-        # per layer: outer weights and momentum (created at the layer's first landing, from that average)
+        # per layer: outer weights theta and momentum; created at the layer's first launch from the local
+        # parameters and made equal on every member at the first anchor (see the module docstring)
         self._outer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._fresh: set[int] = set()  # layers whose theta is local only: the next anchor resets them
+        self.anchors_healed = 0  # anchors that found the members' thetas different
         # codec of each plan's layer syncs (plan version -> name); warm-up syncs use the most compressive
         # candidate, since the link is not measured yet
         self._plan_codecs: dict[int, str] = {0: self.cfg.plan_codecs[-1] if self.cfg.plan_codecs else self.cfg.codec}
@@ -194,47 +233,112 @@ class DreamDDP(Strategy):
         for inf in [f for f in self._inflight if f.key == key]:
             # still travelling from the previous period: it must land before its buffers are reused
             self._inflight.remove(inf)
-            if self._wait(inf.fut) is not None:
-                self._merge(inf)
+            self._land(inf)
         group = self._groups.get(key)
         if group is None:
             group = FlatGroup([p for li in sync.layers for p in self.layers[li].params], pin=self.pin)
             self._groups[key] = group
-        group.snapshot()
         gid = GROUP_PLAN_BASE + self.plan.version * 1000 + idx
+        if self._is_anchor(self.step_count):
+            self._launch_anchor(sync, key, group, gid)
+            return
+        group.snapshot()
+        theta = torch.cat([self._theta(li) for li in sync.layers])
+
+        def pseudo_gradient() -> None:  # on the comm thread, once the snapshot has landed
+            group.work.copy_(theta).sub_(group.snap)
+
+        fut = self.comm.allreduce_group(
+            group,
+            gid,
+            self.cfg.delta_codec,
+            plan_version=self.plan.version,
+            round_id=self._round(),
+            prepare=pseudo_gradient,
+        )
+        self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, sync.layers, fut))
+
+    def _is_anchor(self, step: int) -> bool:
+        """Whether a sync launched at ``step`` averages parameters (decided from the step: agreed by all)."""
+        return not self.cfg.delta_codec or (step // self.cfg.period) % self.cfg.anchor_every == 0
+
+    def _launch_anchor(self, sync: GroupSync, key: tuple[int, int], group: FlatGroup, gid: int) -> None:
+        for li in sync.layers:
+            self._theta(li)
+        digest = xxhash.xxh3_64()
+        for li in sync.layers:
+            theta, mom = self._outer[li]
+            digest.update(theta.numpy().tobytes())
+            digest.update(mom.numpy().tobytes())
+        check = FlatGroup([anchor_check_vector(bool(self._fresh & set(sync.layers)), digest.intdigest())])
+        check.snapshot()
+        group.snapshot()
         fut = self.comm.allreduce_group(
             group, gid, self.ring_codecs or self.plan_codec, plan_version=self.plan.version, round_id=self._round()
         )
-        self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, sync.layers, fut))
+        check_fut = self.comm.allreduce_group(
+            check,
+            gid + ANCHOR_CHECK_OFFSET,
+            "fp32",
+            plan_version=self.plan.version,
+            round_id=self._round(),
+            guard_norm=False,
+        )
+        self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, sync.layers, fut, check, check_fut))
+
+    def _theta(self, li: int) -> torch.Tensor:
+        """Layer ``li``'s outer weights, created from the local parameters on first use (then fresh)."""
+        state = self._outer.get(li)
+        if state is None:
+            theta = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self.layers[li].params])
+            state = (theta, torch.zeros_like(theta))
+            self._outer[li] = state
+            self._fresh.add(li)
+        return state[0]
 
     @property
     def plan_codec(self) -> str:
         """The codec of the layer syncs of the plan in force."""
         return self._plan_codecs.get(self.plan.version, self.cfg.codec)
 
+    def _land(self, inf: _InFlight, timeout: float | None = None) -> None:
+        """Wait for a sync (and an anchor's check round) and merge it; a failed one is skipped everywhere."""
+        res = self._wait(inf.fut, timeout)
+        checked = self._wait(inf.check_fut, timeout) if inf.check_fut is not None else None
+        if res is not None and (inf.check_fut is None or checked is not None):
+            self._merge(inf)
+
     def _merge(self, inf: _InFlight) -> None:
-        """Apply a landed sync: the average (or the outer step taken from it) plus local progress."""
-        if self._outer_on:
-            self._outer_step(inf.group.work, inf.layers)
+        """Apply a landed sync: the outer step per layer, then params = theta + local progress."""
+        verdict = anchor_verdict(inf.check.work) if inf.check is not None else "agree"
+        reset = verdict != "agree"
+        if verdict == "differ":
+            self.anchors_healed += 1
+            log.warning("layers %s: outer weights differed between members; reset to the parameter mean", inf.layers)
+        self._outer_step(inf.group.work, inf.layers, anchor=inf.anchor, reset=reset)
         inf.group.merge()
 
-    def _outer_step(self, avg: torch.Tensor, layers: tuple[int, ...]) -> None:
-        """Replace ``avg`` in place by the group's new outer weights (Nesterov outer step per layer)."""
-        lr, mu = self.cfg.group_outer_lr, self.cfg.group_outer_momentum
+    def _outer_step(self, mean: torch.Tensor, layers: tuple[int, ...], anchor: bool, reset: bool) -> None:
+        """Turn ``mean`` (of parameters at an anchor, of pseudo-gradients otherwise) into the new theta, in place."""
+        lr, mu = self.cfg.group_outer
         offset = 0
         for li in layers:
             n = self.layers[li].numel
-            a = avg[offset : offset + n]
-            state = self._outer.get(li)
-            if state is None:
-                self._outer[li] = (a.clone(), torch.zeros_like(a))  # first landing: plain average
+            a = mean[offset : offset + n]
+            theta, mom = self._outer[li]
+            offset += n
+            if reset:
+                theta.copy_(a)  # the parameter mean, identical on every member
+                mom.zero_()
+                self._fresh.discard(li)
+                continue
+            g = theta - a if anchor else a.clone()
+            if lr == 1.0 and mu == 0.0 and anchor:
+                theta.copy_(a)  # plain averaging: exactly the mean
             else:
-                theta, mom = state
-                g = theta - a
                 mom.mul_(mu).add_(g)
                 theta.sub_(g.add_(mom, alpha=mu), alpha=lr)
-                a.copy_(theta)
-            offset += n
+            a.copy_(theta)
 
     # ------------------------------------------------------------------ step
 
@@ -245,9 +349,7 @@ class DreamDDP(Strategy):
         self._armed.clear()
         for inf in [f for f in self._inflight if f.land_step <= t]:
             self._inflight.remove(inf)
-            # a failed round failed on every member (all-or-none): the layers keep their local values
-            if self._wait(inf.fut) is not None:
-                self._merge(inf)
+            self._land(inf)  # a failed round failed on every member: the layers keep their local values
         self.optimizer.step()
         self._stats.plan_version = self.plan.version
         if self.profiler.active:
@@ -367,9 +469,7 @@ class DreamDDP(Strategy):
     def _finish(self, timeout: float | None) -> None:
         for inf in list(self._inflight):
             self._inflight.remove(inf)
-            # a failed round failed on every member (all-or-none): the layers keep their local values
-            if self._wait(inf.fut, timeout) is not None:
-                self._merge(inf)
+            self._land(inf, timeout)
         # finish the control round but keep it: its result is used at its landing step, as on every peer;
         # one that failed did so everywhere, and no member will use it
         if self._control is not None and self._wait(self._control[1], timeout) is None:
@@ -387,6 +487,7 @@ class DreamDDP(Strategy):
             "changed": self._changed,
             "history": [list(h) for h in self.plan_history],
             "outer": {li: (theta.clone(), mom.clone()) for li, (theta, mom) in self._outer.items()},
+            "fresh": sorted(self._fresh),
             "plan_codecs": dict(self._plan_codecs),
             "inflight": self._inflight_state(),
         }
@@ -407,17 +508,20 @@ class DreamDDP(Strategy):
         for inf in self._inflight:
             try:
                 inf.fut.result(self.comm.round_timeout_s)
+                if inf.check_fut is not None:
+                    inf.check_fut.result(self.comm.round_timeout_s)
             except RoundFailed:
                 continue  # failed everywhere (all-or-none): nobody applies it
-            out.append(
-                {
-                    "land": inf.land_step,
-                    "key": list(inf.key),
-                    "layers": list(inf.layers),
-                    "mean": inf.group.work.clone(),
-                    "snap": inf.group.snap.clone(),
-                }
-            )
+            rec = {
+                "land": inf.land_step,
+                "key": list(inf.key),
+                "layers": list(inf.layers),
+                "mean": inf.group.work.clone(),
+                "snap": inf.group.snap.clone(),
+            }
+            if inf.check is not None:
+                rec["check"] = inf.check.work.clone()
+            out.append(rec)
         return out
 
     def _restore_inflight(self, rec: dict[str, Any]) -> _InFlight:
@@ -426,7 +530,12 @@ class DreamDDP(Strategy):
         group.snap.copy_(rec["snap"])
         group.work.copy_(rec["mean"])
         key = (int(rec["key"][0]), int(rec["key"][1]))
-        return _InFlight(int(rec["land"]), key, group, layers, landed(group.numel))
+        inf = _InFlight(int(rec["land"]), key, group, layers, landed(group.numel))
+        if "check" in rec:
+            inf.check = FlatGroup([rec["check"].clone()])
+            inf.check.work.copy_(rec["check"])
+            inf.check_fut = landed(inf.check.numel)
+        return inf
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if "plan" in state:
@@ -437,6 +546,7 @@ class DreamDDP(Strategy):
             self._changed = int(state.get("changed", 0))
             self.plan_history = [(int(v), int(e)) for v, e in state.get("history", [])]
             self._outer = {int(li): (theta.clone(), mom.clone()) for li, (theta, mom) in state.get("outer", {}).items()}
+            self._fresh = {int(li) for li in state.get("fresh", [])}
             self._plan_codecs.update({int(v): str(c) for v, c in state.get("plan_codecs", {}).items()})
             self._inflight = [self._restore_inflight(rec) for rec in state.get("inflight", [])]
             control = state.get("control")
