@@ -52,7 +52,8 @@ starts from several groupings: first the delay-0 optimum (so ``max_delay > 0`` i
 ``max_delay = 0``), then k byte-balanced contiguous groups, one all-reduce each, launched at evenly spread
 iterations (k = 1, 2, 3, 4, 6, 8, 12, ... up to min(H, L)): once syncs may overlap later iterations, few large
 all-reduces (few latency chains) spread over the period usually beat layers packed to hide in one backward.
-The best total wins (ties: fewer delay steps, then the earlier starting point). Limits: a heuristic, not an
+The best total wins (ties: the least staleness, i.e. the byte-weighted mean delay, so k staggered groups
+with short delays beat one group with a long one; then the earlier starting point). Limits: a heuristic, not an
 exhaustive search over groupings and delays; descent finds a local optimum; the delay-0 search properties
 (at-least-one in particular) need not hold for a delayed plan.
 
@@ -589,6 +590,15 @@ def _choose_delays(jobs: list[_Job], H: int, B: float, F: float, max_delay: int)
     return current, total
 
 
+def _staleness(jobs: Sequence[_Job]) -> float:
+    """Steps a parameter's average lands late, weighted by bytes (each group's link time): the tie-breaker
+    between plans that hide alike. k staggered groups of delay D/k beat one group of delay D; both hide."""
+    weight = math.fsum(job.comm for job in jobs)
+    if weight <= 0:
+        return float(sum(job.delay for job in jobs))
+    return math.fsum(job.delay * job.comm for job in jobs) / weight
+
+
 def _spread_candidates(prof: _Profile, seg: _Segments, H: int) -> list[list[_Job]]:
     """Delay-friendly starting points: k byte-balanced contiguous groups, one all-reduce each, spread evenly.
 
@@ -738,10 +748,10 @@ def plan_dreamddp(
             jobs.append(_Job(h, layers, 0, False, prof.ready[layers[0]], seg.comm(i, j)))
     if max_delay > 0 and H > 1:
         # the delay-0 optimum goes first so that ties keep it: max_delay > 0 is never worse than 0
-        best: tuple[float, int] | None = None
+        best: tuple[float, float] | None = None
         for cand in [jobs, *_spread_candidates(prof, seg, H)]:
             chosen, total = _choose_delays(cand, H, prof.B, prof.F, max_delay)
-            key = (total, sum(job.delay for job in chosen))
+            key = (total, _staleness(chosen))
             if best is None or key < best:
                 best, jobs = key, chosen
     plan, cyc = _plan_from_jobs(jobs, prof, H, version, effective_step)

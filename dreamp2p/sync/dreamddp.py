@@ -76,6 +76,10 @@ class _InFlight:
 
 
 DIGEST_BITS = 16
+# Layer syncs at least this large measure the link end to end (bytes sent / round seconds): unlike the
+# transport's hand-off rate, this sees through socket buffers and a shaper's token bucket, which absorb
+# the first megabytes of a burst at several times the link's rate.
+RATE_SAMPLE_MIN_BYTES = 256 << 10
 ANCHOR_CHECK_OFFSET = 500  # group id of an anchor's check round: its sync's id + this (syncs per plan < 500)
 
 
@@ -170,6 +174,7 @@ class DreamDDP(Strategy):
         # (landing step, round, buffer, members it was packed for)
         self._control: tuple[int, concurrent.futures.Future[RoundResult], FlatGroup, int] | None = None
         self._basis_bw = math.nan
+        self._sync_rate = math.nan  # EWMA of bytes sent / seconds of this member's landed layer syncs
         self._changed = 0
         self.last_gathered: Gathered | None = None
         self._ratio = get_codec(self.cfg.codec).encoded_nbytes(1 << 20) / float(4 << 20)
@@ -307,6 +312,10 @@ class DreamDDP(Strategy):
         checked = self._wait(inf.check_fut, timeout) if inf.check_fut is not None else None
         if res is not None and (inf.check_fut is None or checked is not None):
             self._merge(inf)
+        if res is not None and res.bytes_sent >= RATE_SAMPLE_MIN_BYTES and res.seconds > 0:
+            rate = res.bytes_sent / res.seconds
+            old = self._sync_rate
+            self._sync_rate = rate if not math.isfinite(old) else 0.5 * old + 0.5 * rate
 
     def _merge(self, inf: _InFlight) -> None:
         """Apply a landed sync: the outer step per layer, then params = theta + local progress."""
@@ -379,6 +388,8 @@ class DreamDDP(Strategy):
             succ = ring[(ring.index(self.comm.config.node_id) + 1) % len(ring)] if len(ring) > 1 else None
             snap = links.get(succ) if succ else None
             bw = snap.goodput_Bps if snap is not None and snap.goodput_Bps > 0 else math.nan
+            if math.isfinite(self._sync_rate):  # the syncs' own pace, where they were big enough to tell
+                bw = min(bw, self._sync_rate) if math.isfinite(bw) else self._sync_rate
             rtt = snap.rtt_s if snap is not None and snap.rtt_s > 0 else math.nan
             costs = self.profiler.costs() if self.profiler.steps else self._blank
             members = self.comm.members
@@ -418,6 +429,9 @@ class DreamDDP(Strategy):
             margin=1.0 + self.cfg.plan_margin,
         )
         version = max(self.plan.version, self._next_plan.version if self._next_plan else 0) + 1
+        # adopted at the next period boundary of the plan in force: a plan switched mid-period would sync
+        # layers again soon after the old plan did, two rounds contending for the link at once
+        start = t + 1 + (self.plan.effective_step - t - 1) % self.cfg.period
 
         def make_plan(lk: LinkModel) -> Plan:
             return plan_dreamddp(
@@ -425,7 +439,7 @@ class DreamDDP(Strategy):
                 lk,
                 self.cfg.period,
                 version=version,
-                effective_step=t + 1,
+                effective_step=start,
                 max_delay=self.cfg.delay_cap,
                 bubble_fill=self.cfg.bubble_fill,
             )
