@@ -159,11 +159,11 @@ def _emit(result: dict[str, Any], as_json: bool) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "codec":
-        from dreamp2p.bench.codec import bench_codecs
+        from dreamp2p.devtools.bench.codec import bench_codecs
 
         result = bench_codecs(mbytes=args.mbytes or 64.0, repeats=args.repeats, names=args.codecs)
     elif args.what == "transport":
-        from dreamp2p.bench.transport import bench_transport
+        from dreamp2p.devtools.bench.transport import bench_transport
 
         result = bench_transport(
             mbytes=args.mbytes or 64.0,
@@ -173,7 +173,7 @@ def _bench(args: argparse.Namespace) -> int:
             rate=args.rate,
         )
     elif args.what == "allreduce":
-        from dreamp2p.bench.allreduce import bench_allreduce
+        from dreamp2p.devtools.bench.allreduce import bench_allreduce
 
         result = bench_allreduce(
             peers=args.peers or 4,
@@ -183,11 +183,11 @@ def _bench(args: argparse.Namespace) -> int:
             streams=args.streams,
         )
     elif args.what == "soak":
-        from dreamp2p.bench.soak import bench_soak
+        from dreamp2p.devtools.bench.soak import bench_soak
 
         result = bench_soak(minutes=args.minutes, peers=args.peers or 4, mbytes=args.mbytes or 4.0)
     elif args.what == "strategies":
-        from dreamp2p.bench.strategies import bench_strategies
+        from dreamp2p.devtools.bench.strategies import bench_strategies
 
         result = bench_strategies(
             strategies=args.strategies,
@@ -204,8 +204,8 @@ def _bench(args: argparse.Namespace) -> int:
             lr=args.lr,
         )
     elif args.what == "lm":
-        from dreamp2p.bench.lm import bench_lm
         from dreamp2p.config import parse_duration
+        from dreamp2p.devtools.bench.lm import bench_lm
 
         extra = {"max_delay": args.max_delay} if args.max_delay is not None else {}
         result = bench_lm(
@@ -221,7 +221,7 @@ def _bench(args: argparse.Namespace) -> int:
             extra_sync=extra,
         )
     elif args.what == "digits":
-        from dreamp2p.bench.digits import bench_digits
+        from dreamp2p.devtools.bench.digits import bench_digits
 
         knobs = {"max_delay": args.max_delay} if args.max_delay is not None else {}
         result = bench_digits(
@@ -290,7 +290,7 @@ def _node(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from dreamp2p.demo import run_demo
+    from dreamp2p.devtools.demo import run_demo
 
     return run_demo(
         nodes=args.nodes,

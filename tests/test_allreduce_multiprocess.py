@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from dreamp2p.compression import codec_names
-from dreamp2p.launch import run_local
+from dreamp2p.devtools.launch import run_local
 
 # 1 element, tiny, primes, and ~50 MB (12.5 M fp32 elements, prime-ish length)
 SIZES = [1, 2, 13, 1009, 65537, 12_500_003]
@@ -45,7 +45,7 @@ def test_ring_mean_every_codec(world: int) -> None:
     assert set(codecs) == set(QUANT_STEP)
     results = run_local(
         world,
-        "dreamp2p.bench.jobs:allreduce_check",
+        "dreamp2p.devtools.bench.jobs:allreduce_check",
         {"sizes": SIZES, "codecs": codecs, "seed": world},
         timeout=220,
     )
@@ -67,6 +67,8 @@ def test_ring_mean_every_codec(world: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_single_peer_ring_is_identity() -> None:
-    (result,) = run_local(1, "dreamp2p.bench.jobs:allreduce_check", {"sizes": [1, 7, 1000], "codecs": ["int4"]})
+    (result,) = run_local(
+        1, "dreamp2p.devtools.bench.jobs:allreduce_check", {"sizes": [1, 7, 1000], "codecs": ["int4"]}
+    )
     assert result["int4"]["max_abs_err"] == 0.0
     assert result["int4"]["bytes_sent"] == 0

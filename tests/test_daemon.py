@@ -13,7 +13,7 @@ import pytest
 
 from dreamp2p.checkpoint import list_checkpoints
 from dreamp2p.daemon import DaemonConfig
-from dreamp2p.localrun import last_step, read_records, start_node, wait_until, write_configs
+from dreamp2p.devtools.localrun import last_step, read_records, start_node, wait_until, write_configs
 
 SYNC = {"strategy": "dreamddp", "period": 4, "warmup_steps": 2, "control_every": 5, "max_delay": 1, "codec": "int8"}
 TASK = {
@@ -220,7 +220,7 @@ def test_bad_config_fails_at_start_naming_the_key(tmp_path: Path, patch: dict[st
                     data[key][k2] = v2
         else:
             data[key] = value
-    from dreamp2p.localrun import dump_toml
+    from dreamp2p.devtools.localrun import dump_toml
 
     top = {k: v for k, v in data.items() if not isinstance(v, dict)}
     tables = {k: v for k, v in data.items() if isinstance(v, dict)}

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from dreamp2p.faults import kill_and_rejoin
+from dreamp2p.devtools.faults import kill_and_rejoin
 
 
 def _mean(xs: list[float]) -> float:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from dreamp2p.launch import run_local
+from dreamp2p.devtools.launch import run_local
 
 SCRIPT = Path(__file__).resolve().parents[1] / "deploy" / "netns-wan.sh"
-JOB = "dreamp2p.bench.training:train_job"
+JOB = "dreamp2p.devtools.bench.training:train_job"
 
 
 def _sh(*args: str) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import dreamp2p
-from dreamp2p.demo import run_demo
-from dreamp2p.localrun import NodeExited, child_env, python_command, stop_nodes, wait_started
+from dreamp2p.devtools.demo import run_demo
+from dreamp2p.devtools.localrun import NodeExited, child_env, python_command, stop_nodes, wait_started
 
 
 @pytest.fixture

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from dreamp2p.launch import run_local
+from dreamp2p.devtools.launch import run_local
 
-STATE_JOB = "dreamp2p.bench.statejobs:model_state_job"
-ATTACH_JOB = "dreamp2p.bench.statejobs:attach_job"
+STATE_JOB = "dreamp2p.devtools.bench.statejobs:model_state_job"
+ATTACH_JOB = "dreamp2p.devtools.bench.statejobs:attach_job"
 SYNC = {"period": 4, "warmup_steps": 2, "control_every": 4}
 
 
@@ -116,8 +116,8 @@ def test_checkpoints_and_state_transfer_carry_buffers_and_frozen_parameters(rout
 
     import torch
 
-    from dreamp2p.bench.statejobs import BatchNormNet
     from dreamp2p.checkpoint import load_step, save_checkpoint
+    from dreamp2p.devtools.bench.statejobs import BatchNormNet
     from dreamp2p.manifest import state_digest
     from dreamp2p.state.snapshot import flatten_state, unflatten_state
     from dreamp2p.sync.baselines import NoSync

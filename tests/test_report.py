@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from dreamp2p import report
+from dreamp2p.devtools import report
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import plan_dreamddp
 
@@ -181,7 +181,7 @@ def test_malformed_lines_skipped_one_warning_per_file(tmp_path: Path, caplog: py
     _write_metrics(run / "n0" / "metrics.jsonl", good, bad)
     _write_metrics(run / "n1" / "metrics.jsonl", good, ["garbage", "more garbage"])
     _write_metrics(run / "n2" / "metrics.jsonl", good)
-    with caplog.at_level(logging.WARNING, logger="dreamp2p.report"):
+    with caplog.at_level(logging.WARNING, logger="dreamp2p.devtools.report"):
         logs = report.load_run(run)
     n0 = logs["n0"]
     assert len(n0.steps) == sum(r["kind"] == "step" for r in good)
@@ -212,7 +212,7 @@ def test_bad_plan_is_logged_and_skipped(run_dir: Path, caplog: pytest.LogCapture
     del plan["costs"]
     (run_dir / "node-b" / "plan.json").write_text(json.dumps(plan))
     (run_dir / "node-a" / "plan.json").write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="dreamp2p.report"):
+    with caplog.at_level(logging.WARNING, logger="dreamp2p.devtools.report"):
         paths = report.make_report(run_dir)
     assert report.GANTT_PNG not in [p.name for p in paths]
     assert any("cannot be drawn" in r.getMessage() for r in caplog.records)
@@ -284,7 +284,7 @@ def test_running_mean() -> None:
 
 
 def test_import_does_not_load_matplotlib() -> None:
-    code = "import sys, dreamp2p.report; assert 'matplotlib' not in sys.modules, 'matplotlib imported eagerly'"
+    code = "import sys, dreamp2p.devtools.report; assert 'matplotlib' not in sys.modules, 'matplotlib imported eagerly'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -298,7 +298,7 @@ def test_import_does_not_load_matplotlib() -> None:
     ],
 )
 def test_mean_tokens_per_second_is_tokens_over_time(rates: list[float], want: float | None) -> None:
-    from dreamp2p.report import _harmonic_mean
+    from dreamp2p.devtools.report import _harmonic_mean
 
     got = _harmonic_mean(rates)
     assert got == pytest.approx(want) if want is not None else got is None

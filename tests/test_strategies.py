@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dreamp2p.bench.training import reference_ssgd
-from dreamp2p.launch import run_local
+from dreamp2p.devtools.bench.training import reference_ssgd
+from dreamp2p.devtools.launch import run_local
 
-JOB = "dreamp2p.bench.training:train_job"
+JOB = "dreamp2p.devtools.bench.training:train_job"
 SMALL_SYNC = {"period": 5, "warmup_steps": 3, "control_every": 5}
 
 

@@ -65,7 +65,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dreamp2p.config import parse_rate
-from dreamp2p.launch import expect_message, run_local
+from dreamp2p.devtools.launch import expect_message, run_local
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
 from dreamp2p.sync.config import SyncConfig
@@ -74,9 +74,9 @@ from dreamp2p.tasks import ByteTransformer, stdlib_files
 
 log = logging.getLogger(__name__)
 
-JOB = "dreamp2p.bench.lm:lm_job"
+JOB = "dreamp2p.devtools.bench.lm:lm_job"
 STRATEGIES = ("none", "ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp")
-SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "netns-wan.sh"
+SCRIPT = Path(__file__).resolve().parents[3] / "deploy" / "netns-wan.sh"
 HELDOUT_FRACTION = 0.05
 EVAL_POINTS = 10  # held-out evaluations per run (plus the final one)
 TARGET_MARGIN = 1.02  # default target: reference final held-out loss times this
@@ -253,7 +253,7 @@ def lm_job(
     workload: dict[str, Any],
     wire_devs: list[str | None],
 ) -> dict[str, Any]:
-    """One region (a peer process started by `dreamp2p.launch.run_local`)."""
+    """One region (a peer process started by `dreamp2p.devtools.launch.run_local`)."""
     w = _Workload(rank, world, workload)
     sync = node.attach(w.model, w.opt, strategy=strategy, period=period, **extra_sync)
     out = w.loop(sync.step, sync.zero_grad, wire_devs[rank])

@@ -1,4 +1,4 @@
-"""Jobs that run inside peer processes started by `dreamp2p.launch`: averaging checks and timing loops.
+"""Jobs that run inside peer processes started by `dreamp2p.devtools.launch`: averaging checks and timing loops.
 
 Inputs are generated from seeds, so every process can rebuild every other rank's tensors and compute
 the exact mean locally; only small summaries travel back to the parent.

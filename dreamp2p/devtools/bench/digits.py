@@ -39,13 +39,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from dreamp2p.launch import run_local
+from dreamp2p.devtools.launch import run_local
 from dreamp2p.node import Node
 from dreamp2p.sync.config import SyncConfig
 
 log = logging.getLogger(__name__)
 
-JOB = "dreamp2p.bench.digits:digits_job"
+JOB = "dreamp2p.devtools.bench.digits:digits_job"
 SPLIT_SEED = 0  # the train/test split is fixed whatever the training seed
 TEST_FRACTION = 0.2
 DEFAULT_PERIOD = 10
@@ -150,7 +150,7 @@ def digits_job(
     seed: int,
     sync: dict[str, Any],
 ) -> dict[str, Any]:
-    """One rank of the scenario (runs in a peer process started by `dreamp2p.launch.run_local`)."""
+    """One rank of the scenario (runs in a peer process started by `dreamp2p.devtools.launch.run_local`)."""
     x_train, y_train = torch.from_numpy(data["x_train"]), torch.from_numpy(data["y_train"])
     xs, ys = shard(x_train, y_train, rank, world)
     per_epoch = steps_per_epoch(len(x_train), world, batch)

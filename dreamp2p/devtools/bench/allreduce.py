@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dreamp2p.compression import codec_names
-from dreamp2p.launch import run_local
+from dreamp2p.devtools.launch import run_local
 
 
 def bench_allreduce(
@@ -15,7 +15,7 @@ def bench_allreduce(
     config = {"transport": {"streams_per_link": streams, "probe_interval_s": 30.0}}
     results = run_local(
         peers,
-        "dreamp2p.bench.jobs:allreduce_timing",
+        "dreamp2p.devtools.bench.jobs:allreduce_timing",
         {"mbytes": mbytes, "codecs": names, "rounds": rounds},
         config,
     )

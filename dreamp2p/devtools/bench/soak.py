@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dreamp2p.launch import run_local
+from dreamp2p.devtools.launch import run_local
 
 
 def bench_soak(minutes: float = 10.0, peers: int = 4, mbytes: float = 4.0) -> dict[str, Any]:
@@ -17,7 +17,7 @@ def bench_soak(minutes: float = 10.0, peers: int = 4, mbytes: float = 4.0) -> di
     sample_s = max(1.0, seconds / 60)
     results = run_local(
         peers,
-        "dreamp2p.bench.jobs:soak",
+        "dreamp2p.devtools.bench.jobs:soak",
         {"seconds": seconds, "mbytes": mbytes, "sample_s": sample_s},
         {"transport": {"probe_interval_s": 5.0}},
         timeout=seconds + 600,

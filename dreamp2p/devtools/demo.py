@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamp2p.config import parse_duration, parse_rate
-from dreamp2p.localrun import (
+from dreamp2p.devtools.localrun import (
     NAMES,
     NodeExited,
     check_nodes,
@@ -127,7 +127,7 @@ def run_demo(
     if any(codes):
         print(f"node exit codes {dict(zip(names, codes, strict=True))}; see {run_dir}/<node>.log")
         return 1
-    from dreamp2p.report import load_run, make_report, summary_table
+    from dreamp2p.devtools.report import load_run, make_report, summary_table
 
     written = make_report(run_dir)
     print()

@@ -20,7 +20,7 @@ from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 from dreamp2p.config import PeerInfo
-from dreamp2p.launch import expect_message, node_config
+from dreamp2p.devtools.launch import expect_message, node_config
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def _child(
     import torch
     from torch import nn
 
-    from dreamp2p.bench.training import batch, student
+    from dreamp2p.devtools.bench.training import batch, student
     from dreamp2p.manifest import param_digest
     from dreamp2p.node import Node
 

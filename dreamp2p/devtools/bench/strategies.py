@@ -24,12 +24,12 @@ import logging
 from typing import Any
 
 from dreamp2p.config import parse_duration, parse_rate
-from dreamp2p.launch import run_local
+from dreamp2p.devtools.launch import run_local
 
 log = logging.getLogger(__name__)
 
 ALL = ["ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp"]
-JOB = "dreamp2p.bench.training:train_job"
+JOB = "dreamp2p.devtools.bench.training:train_job"
 
 
 def _running(losses: list[float], window: int = 10) -> list[float]:

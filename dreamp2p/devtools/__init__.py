@@ -1,0 +1,1 @@
+"""Tools for developers and benchmarks that no running node imports."""
