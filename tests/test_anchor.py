@@ -1,12 +1,16 @@
-"""DreamDDP's anchor check: the reset decision every member derives alike from the averaged check vector."""
+"""DreamDDP's pure run-time pieces: the anchor check (the reset decision every member derives alike from
+the averaged check vector) and the control round's packing of link measurements."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
+from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.sync.config import SyncConfig
-from dreamp2p.sync.dreamddp import DIGEST_BITS, anchor_check_vector, anchor_verdict
+from dreamp2p.sync.dreamddp import DIGEST_BITS, anchor_check_vector, anchor_verdict, pack_control, unpack_control
 
 
 def _mean(*vectors: torch.Tensor) -> torch.Tensor:
@@ -59,3 +63,25 @@ def test_group_outer_defaults_follow_the_inner_optimizer(adaptive: bool, expecte
     assert SyncConfig(group_outer_lr=0.5).with_outer_defaults(adaptive).group_outer == (0.5, expected[1])
     with pytest.raises(ValueError, match="unresolved"):
         _ = SyncConfig().group_outer
+
+
+@pytest.mark.parametrize(
+    ("goodputs", "rates", "slowest"),
+    [
+        ((5e6, 4e6), (math.nan, math.nan), 4e6),  # no sync measured yet: the links' goodput
+        ((5e6, 4.7e6), (2.4e6, 2.5e6), 2.4e6),  # goodput inflated by buffers: the syncs' pace wins
+        ((1e6, 9e6), (3e6, 3e6), 1e6),  # a link slower than the syncs saw so far
+        ((math.nan, math.nan), (math.nan, math.nan), math.inf),  # nothing measured
+    ],
+)
+def test_control_round_takes_the_slowest_of_goodputs_and_sync_pace(
+    goodputs: tuple[float, float], rates: tuple[float, float], slowest: float
+) -> None:
+    costs = [LayerCost("a", 0.01, 0.02, 1000), LayerCost("b", 0.01, 0.02, 1000)]
+    vec = sum(pack_control(r, 2, goodputs[r], 0.01, costs, rates[r]) for r in range(2)) / 2
+    g = unpack_control(vec, 2, costs)
+    assert g.bandwidth_Bps == pytest.approx(slowest, rel=1e-6)
+    # per-link codecs choose from each link's own goodput, never from the ring's common pace
+    for got, want in zip(g.link_bandwidths, goodputs, strict=True):
+        assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, rel=1e-6)
+    assert [c.bwd_s for c in g.costs] == pytest.approx([0.02, 0.02])

@@ -112,31 +112,43 @@ class Gathered:
     link_bandwidths: tuple[float, ...] = ()
 
 
-def pack_control(rank: int, world: int, bw: float, rtt: float, costs: list[LayerCost]) -> torch.Tensor:
-    slot = 2 + 2 * len(costs)
+def pack_control(
+    rank: int, world: int, bw: float, rtt: float, costs: list[LayerCost], sync_rate: float = math.nan
+) -> torch.Tensor:
+    """This rank's slot of the control vector: its link to the next rank (goodput, RTT), the pace of its
+    own layer syncs (bytes sent / round seconds, NaN if none yet) and its layer profile."""
+    slot = 3 + 2 * len(costs)
     vec = torch.zeros(world * slot, dtype=torch.float32)
     base = rank * slot
     vec[base] = bw if math.isfinite(bw) else 0.0
     vec[base + 1] = rtt if math.isfinite(rtt) else 0.0
+    vec[base + 2] = sync_rate if math.isfinite(sync_rate) else 0.0
     for i, c in enumerate(costs):
-        vec[base + 2 + i] = c.fwd_s
-        vec[base + 2 + len(costs) + i] = c.bwd_s
+        vec[base + 3 + i] = c.fwd_s
+        vec[base + 3 + len(costs) + i] = c.bwd_s
     return vec
 
 
 def unpack_control(mean: torch.Tensor, world: int, template: list[LayerCost]) -> Gathered:
-    """Turn the averaged control vector (each rank filled only its slot) back into the gathered view."""
+    """Turn the averaged control vector (each rank filled only its slot) back into the gathered view.
+
+    The planner's bandwidth is the slowest of every link's goodput and every member's sync pace (a ring
+    runs at its slowest link, and the syncs see through buffers that inflate goodput); per-link codecs
+    choose from the goodputs alone, since a ring round's pace is the same on every link.
+    """
     n = len(template)
-    slots = (mean.double() * world).view(world, 2 + 2 * n)
+    slots = (mean.double() * world).view(world, 3 + 2 * n)
     bws = [float(b) for b in slots[:, 0] if float(b) > 0]
     rtts = [float(r) for r in slots[:, 1] if float(r) > 0]
-    fwd = slots[:, 2 : 2 + n].mean(0)
-    bwd = slots[:, 2 + n :].mean(0)
+    rates = [float(r) for r in slots[:, 2] if float(r) > 0]
+    fwd = slots[:, 3 : 3 + n].mean(0)
+    bwd = slots[:, 3 + n :].mean(0)
     costs = tuple(
         LayerCost(c.name, max(0.0, float(fwd[i])), max(0.0, float(bwd[i])), c.nbytes) for i, c in enumerate(template)
     )
     links = tuple(float(b) if float(b) > 0 else math.nan for b in slots[:, 0])
-    return Gathered(min(bws) if bws else math.inf, max(rtts) if rtts else 0.0, costs, links)
+    slowest = min(bws + rates) if bws or rates else math.inf
+    return Gathered(slowest, max(rtts) if rtts else 0.0, costs, links)
 
 
 def plan_summary(s: DreamDDP) -> str:
@@ -388,13 +400,11 @@ class DreamDDP(Strategy):
             succ = ring[(ring.index(self.comm.config.node_id) + 1) % len(ring)] if len(ring) > 1 else None
             snap = links.get(succ) if succ else None
             bw = snap.goodput_Bps if snap is not None and snap.goodput_Bps > 0 else math.nan
-            if math.isfinite(self._sync_rate):  # the syncs' own pace, where they were big enough to tell
-                bw = min(bw, self._sync_rate) if math.isfinite(bw) else self._sync_rate
             rtt = snap.rtt_s if snap is not None and snap.rtt_s > 0 else math.nan
             costs = self.profiler.costs() if self.profiler.steps else self._blank
             members = self.comm.members
             world, rank = len(members), members.index(self.comm.config.node_id)
-            group = FlatGroup([pack_control(rank, world, bw, rtt, costs)])
+            group = FlatGroup([pack_control(rank, world, bw, rtt, costs, self._sync_rate)])
             group.snapshot()
             fut = self.comm.allreduce_group(group, GROUP_CONTROL, "fp32", round_id=self._round(), guard_norm=False)
             self._control = (t + cfg.control_lead, fut, group, world)
