@@ -276,7 +276,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _node(args: argparse.Namespace) -> int:
-    from dreamp2p.daemon import DaemonConfig, JsonFormatter, StopFlag, run_node
+    from dreamp2p.service.daemon import DaemonConfig, JsonFormatter, StopFlag, run_node
 
     cfg = DaemonConfig.from_toml(args.config)
     if cfg.metrics.json_logs:

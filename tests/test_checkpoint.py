@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dreamp2p.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from dreamp2p.service.checkpoint import list_checkpoints, load_latest, save_checkpoint
 
 
 def test_rotation_keeps_the_newest(tmp_path: Path) -> None:
@@ -60,6 +60,6 @@ def test_empty_dir(tmp_path: Path) -> None:
     ],
 )
 def test_agree_resume_step(mine: list[int], others: list[list[int]], want: int | None) -> None:
-    from dreamp2p.checkpoint import agree_resume_step
+    from dreamp2p.service.checkpoint import agree_resume_step
 
     assert agree_resume_step(mine, others) == want

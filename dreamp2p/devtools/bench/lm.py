@@ -1,8 +1,8 @@
 """`bench lm`: compare the sync strategies on a byte-level GPT trained across emulated WAN regions.
 
-The workload: a nanoGPT-style byte transformer (`dreamp2p.tasks.ByteTransformer`; d_model ``width``,
+The workload: a nanoGPT-style byte transformer (`dreamp2p.service.tasks.ByteTransformer`; d_model ``width``,
 ``layers`` blocks, ``heads`` heads, context ``context``, vocabulary 256; the defaults give 3.3M parameters)
-learns the Python standard library's source (`dreamp2p.tasks.stdlib_files`, concatenated in path order;
+learns the Python standard library's source (`dreamp2p.service.tasks.stdlib_files`, concatenated in path order;
 the last 5% of the bytes are held out). Region r samples ``batch`` windows per step from shard r (a
 contiguous slice) of the training part, as a pure function of (rank, step). Inner optimizer: AdamW
 (lr ``lr``, weight decay 0.1 on every parameter, betas (0.9, 0.95)). One process per region, each with
@@ -68,9 +68,9 @@ from dreamp2p.config import parse_rate
 from dreamp2p.devtools.launch import expect_message, run_local
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
+from dreamp2p.service.tasks import ByteTransformer, stdlib_files
 from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.dreamddp import DreamDDP, plan_summary
-from dreamp2p.tasks import ByteTransformer, stdlib_files
 
 log = logging.getLogger(__name__)
 

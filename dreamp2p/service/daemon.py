@@ -24,15 +24,15 @@ from typing import Any, Final, Literal
 
 import torch
 
-from dreamp2p.checkpoint import agree_resume_step, checkpoint_step, list_checkpoints, load_step, save_checkpoint
 from dreamp2p.config import PeerConfig, _build
 from dreamp2p.errors import PeerError, RoundFailed
 from dreamp2p.manifest import manifest_hash, param_digest
-from dreamp2p.metrics import NodeMetrics
 from dreamp2p.node import Node
+from dreamp2p.service.checkpoint import agree_resume_step, checkpoint_step, list_checkpoints, load_step, save_checkpoint
+from dreamp2p.service.metrics import NodeMetrics
+from dreamp2p.service.tasks import TaskConfig, make_task
 from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.dreamddp import DreamDDP
-from dreamp2p.tasks import TaskConfig, make_task
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""What runs a node as a process: the daemon, its checkpoints, metrics and tasks."""
