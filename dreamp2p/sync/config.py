@@ -58,7 +58,7 @@ class SyncConfig:
     bubble_fill: bool = False  # extra syncs in idle link time; costs CPU, so off unless cores are spare
     plan_margin: float = 0.3  # plan as if syncs took this much longer than measured, so noise stays hidden
     # outer optimizer per layer group (Nesterov, as DiLoCo's); lr 1 + momentum 0 is plain averaging. None:
-    # chosen by the inner optimizer at attach, like outer_lr/outer_momentum (see with_outer_defaults)
+    # resolved at attach to plain averaging (see with_outer_defaults)
     group_outer_lr: float | None = None
     group_outer_momentum: float | None = None
     # DreamDDP pseudo-gradients: between anchors, layer syncs average theta - params (how far each replica
@@ -163,8 +163,10 @@ class SyncConfig:
             self,
             outer_lr=self.outer_lr if self.outer_lr is not None else lr,
             outer_momentum=self.outer_momentum if self.outer_momentum is not None else momentum,
-            group_outer_lr=self.group_outer_lr if self.group_outer_lr is not None else lr,
-            group_outer_momentum=self.group_outer_momentum if self.group_outer_momentum is not None else momentum,
+            # DreamDDP's per-layer step: plain averaging for every inner optimizer (make demo over AdamW,
+            # ~600 steps: eval loss 1.58-1.65 plain against 2.04-2.08 with Nesterov 0.7/0.9)
+            group_outer_lr=self.group_outer_lr if self.group_outer_lr is not None else PLAIN_OUTER[0],
+            group_outer_momentum=self.group_outer_momentum if self.group_outer_momentum is not None else PLAIN_OUTER[1],
         )
 
     def shared_settings(self) -> dict[str, str]:
