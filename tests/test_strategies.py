@@ -81,8 +81,10 @@ def test_slowed_link_replans_everywhere_at_the_same_step() -> None:
         }
     }
     sync = {"period": 4, "warmup_steps": 3, "control_every": 4, "replan_sustain": 2}
+    # the slowed rate sits far below what a loaded loopback measures (1.7-2 MB/s with 3 busy cores beside):
+    # a slowdown within the re-plan threshold of the measured basis rightly changes nothing
     results = train(
-        3, "dreamddp", config, steps=90, width=256, sync=sync, slow_at=30, slow_rate=1.5e6, step_sleep=0.005
+        3, "dreamddp", config, steps=90, width=256, sync=sync, slow_at=30, slow_rate=4e5, step_sleep=0.005
     )
     histories = [tuple(map(tuple, r["plan_history"])) for r in results]
     assert len(set(histories)) == 1, histories  # the same plans, adopted at the same steps
@@ -90,7 +92,7 @@ def test_slowed_link_replans_everywhere_at_the_same_step() -> None:
     assert any(step > 30 for _, step in history), history  # re-planned after the slowdown
     assert [v for v, _ in history] == sorted(v for v, _ in history)
     basis = results[0]["basis_bw"]
-    assert basis is not None and basis < 3e6, basis  # the final plan was made for the slow link
+    assert basis is not None and basis < 1e6, basis  # the final plan was made for the slow link
     for r in results:
         assert mean(r["losses"][-10:]) < mean(r["losses"][:10])
 
