@@ -110,3 +110,17 @@ class TrainingInfo:
     plan_version: int = 0
     plan_effective_step: int = 0
     plan_summary: str = ""
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    group_id: int
+    round_id: int
+    seconds: float
+    bytes_sent: int
+    bytes_received: int
+    elements: int
+    codec: str
+    chunk_bytes: int
+    contributors: int = 0  # fewest peers whose values entered a segment's mean (refused ones excluded)
+    contributed: bool = True

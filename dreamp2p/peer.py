@@ -20,7 +20,6 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from dreamp2p.compression import ZstdStage, codec_names, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.errors import PeerError, RoundFailed, Status
 from dreamp2p.membership import Membership, view_id
-from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, TrainingInfo, Vote
+from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, RoundResult, TrainingInfo, Vote
 from dreamp2p.schedule.chunking import choose_chunk_bytes
 from dreamp2p.schedule.linkcodec import RingCodecPlan
 from dreamp2p.settings import settings_mismatch
@@ -53,20 +52,6 @@ MAX_PROBE_BYTES = 4 << 20
 RETRY_GROUP_BIT = 1 << 31
 # Rounds whose votes are remembered (votes may arrive before our own part of the round finishes).
 MAX_VOTE_ROUNDS = 4096
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    group_id: int
-    round_id: int
-    seconds: float
-    bytes_sent: int
-    bytes_received: int
-    elements: int
-    codec: str
-    chunk_bytes: int
-    contributors: int = 0  # fewest peers whose values entered a segment's mean (refused ones excluded)
-    contributed: bool = True
 
 
 class Peer:

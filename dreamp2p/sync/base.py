@@ -23,8 +23,7 @@ import torch
 from torch import nn
 
 from dreamp2p.errors import RoundFailed
-from dreamp2p.messages import TrainingInfo
-from dreamp2p.peer import RoundResult
+from dreamp2p.messages import RoundResult, TrainingInfo
 from dreamp2p.sync.agreement import is_adaptive
 from dreamp2p.sync.buffers import BufferSync, frozen_parameters, model_buffers
 from dreamp2p.sync.comm import CommThread

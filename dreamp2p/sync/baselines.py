@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dreamp2p.errors import RoundFailed
-from dreamp2p.peer import RoundResult
+from dreamp2p.messages import RoundResult
 from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided_fragments
 from dreamp2p.sync.base import GROUP_CO2_GAP, GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, Strategy, landed
 from dreamp2p.sync.config import SyncConfig

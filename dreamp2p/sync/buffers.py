@@ -14,7 +14,7 @@ import concurrent.futures
 import torch
 from torch import nn
 
-from dreamp2p.peer import RoundResult
+from dreamp2p.messages import RoundResult
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.layers import FlatGroup
 

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 import torch
 
 from dreamp2p.config import PeerConfig, PeerInfo
-from dreamp2p.messages import LinkSnapshot, PeerStatus
-from dreamp2p.peer import Peer, RoundResult
+from dreamp2p.messages import LinkSnapshot, PeerStatus, RoundResult
+from dreamp2p.peer import Peer
 from dreamp2p.schedule.linkcodec import RingCodecPlan
 from dreamp2p.sync.layers import FlatGroup
 

@@ -45,8 +45,7 @@ import xxhash
 
 from dreamp2p.compression import get_codec
 from dreamp2p.errors import RoundFailed
-from dreamp2p.messages import TrainingInfo
-from dreamp2p.peer import RoundResult
+from dreamp2p.messages import RoundResult, TrainingInfo
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import GroupSync, Plan, even_plan, plan_dreamddp
 from dreamp2p.schedule.linkcodec import RingCodecPlan, effective_bandwidth, plan_ring_codecs
