@@ -29,7 +29,6 @@ from dreamp2p.errors import PeerError
 from dreamp2p.manifest import manifest_hash
 from dreamp2p.messages import PeerStatus
 from dreamp2p.state.donor import StateDonor
-from dreamp2p.state.fetch import fetch_state
 from dreamp2p.state.snapshot import unflatten_state
 from dreamp2p.sync.agreement import inner_momentum, is_adaptive, training_settings
 from dreamp2p.sync.base import Strategy, broadcast_state
@@ -37,7 +36,6 @@ from dreamp2p.sync.baselines import CO2, SSGD, DiLoCo, LocalSGD, NoSync, Streami
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.dreamddp import DreamDDP
-from dreamp2p.transport.client import Link
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +57,7 @@ class Node:
         self.config = config
         self.comm = CommThread(config, ready=not joining)
         self.donor = StateDonor()
-        self.comm.on_loop(setattr, self.comm.peer, "state_donor", self.donor)
+        self.comm.set_state_donor(self.donor)
         self._connected = False
         self.strategy: Strategy | None = None
 
@@ -106,7 +104,7 @@ class Node:
         self.comm.agree(training_settings(cfg, model), self.config.transport.connect_timeout_s)
         if broadcast and not join:  # a node resuming from its checkpoint keeps its own parameters
             broadcast_state(self.comm, model, timeout)
-        strat = STRATEGY_CLASSES[cfg.strategy](model, optimizer, self.comm, cfg)
+        strat = STRATEGY_CLASSES[cfg.strategy](model, optimizer, self.comm, cfg, donor=self.donor)
         self.strategy = strat
         if join:
             self.join(strat, timeout=timeout)
@@ -147,14 +145,13 @@ class Node:
         (a member that dies mid-transfer is replaced by another); the newest step any member reports,
         plus a small lead, is where we start.
         """
-        peer = self.comm.peer
-        links = [peer.link(n) for n in self.comm.members if n != self.config.node_id]
-        self._await_admission(links, timeout)
+        others = [n for n in self.comm.members if n != self.config.node_id]
+        self._await_admission(others, timeout)
         for _ in range(JOIN_ATTEMPTS):
-            fetched = self.comm.call(fetch_state(links, timeout, manifest_hash=self.config.manifest_hash), timeout + 30)
+            fetched = self.comm.fetch_state(others, timeout, manifest_hash=self.config.manifest_hash)
             strategy.load_state_dict(unflatten_state(fetched.skeleton, fetched.tensors))
             steps, plans = [fetched.step], [0]
-            for status in self._statuses(links, timeout):
+            for status in self._statuses(others, timeout):
                 if status.training is not None:
                     steps.append(status.training.step)
                     plans.append(status.training.plan_version)
@@ -167,12 +164,7 @@ class Node:
             log.warning("members moved to plan v%d during the transfer; fetching again", max(plans))
         else:
             raise RuntimeError(f"could not catch up with the members' plan in {JOIN_ATTEMPTS} transfers")
-
-        def ready() -> None:
-            peer.min_round_id = start + 1  # rounds are numbered step + 1 (Strategy._round)
-            peer.ready = True
-
-        self.comm.on_loop(ready)
+        self.comm.admit_from(start + 1)  # rounds are numbered step + 1 (Strategy._round)
         log.warning(
             "joined at step %d with state of step %d from %s (%d bytes)",
             start,
@@ -181,22 +173,22 @@ class Node:
             fetched.bytes,
         )
 
-    def _statuses(self, links: list[Link], timeout: float) -> list[PeerStatus]:
+    def _statuses(self, members: list[str], timeout: float) -> list[PeerStatus]:
         out = []
-        for link in links:
+        for member in members:
             try:
-                out.append(self.comm.call(link.status(), timeout))
+                out.append(self.comm.member_status(member, timeout))
             except PeerError as exc:
-                log.warning("%s gave no status while joining: %s", link.dest.node_id, exc)
+                log.warning("%s gave no status while joining: %s", member, exc)
         return out
 
-    def _await_admission(self, links: list[Link], timeout: float) -> None:
+    def _await_admission(self, members: list[str], timeout: float) -> None:
         """Wait until every member that answers counts us alive (see :meth:`join`)."""
         me = self.config.node_id
         t = self.config.transport
         deadline = time.monotonic() + max(timeout, 10 * t.heartbeat_s)
         while True:
-            statuses = self._statuses(links, t.rpc_deadline_s)
+            statuses = self._statuses(members, t.rpc_deadline_s)
             waiting = [s.node_id for s in statuses if me not in s.live]
             if statuses and not waiting:
                 return
@@ -209,7 +201,7 @@ class Node:
 
     def stand_aside(self) -> None:
         """Stop taking part in rounds until :meth:`join` is done (a resuming node that must join instead)."""
-        self.comm.on_loop(self.comm.peer.stand_aside)
+        self.comm.stand_aside()
 
     def close(self) -> None:
         try:

@@ -432,6 +432,23 @@ class Peer:
             task = asyncio.ensure_future(link.vote(key[0], key[1], vid, commit, limit))
             task.add_done_callback(_quiet)
 
+    def set_training_info(self, info: TrainingInfo) -> None:
+        """What this node trains and at which step, as its Status reports it (replaced whole)."""
+        self.training = info
+
+    def set_state_donor(self, donor: Any) -> None:
+        """Serve this node's training state to joining members through ``donor`` (None: not offered)."""
+        self.state_donor = donor
+
+    def set_resume_steps(self, steps: Sequence[int]) -> None:
+        """Report the checkpoint steps a resuming node holds, so a restart wave can agree on one."""
+        self.resume_steps = tuple(steps)
+
+    def admit_from(self, round_id: int) -> None:
+        """Take part in rounds again, from ``round_id`` on (a joiner that now holds the cluster's state)."""
+        self.min_round_id = round_id
+        self.ready = True
+
     def stand_aside(self) -> None:
         """Take part in no round until ``ready`` again (a node that turns out to be joining): refuse new frames
         (JOINING) and fail the frames already waiting here for a round we would never open, so the members'

@@ -112,8 +112,6 @@ async def test_peers_with_different_models_both_fail_fast_naming_both_manifests(
 @pytest.mark.parametrize("route", ["checkpoint", "state-transfer"])
 def test_checkpoints_and_state_transfer_carry_buffers_and_frozen_parameters(route: str, tmp_path: Any) -> None:
     """What a resumed or joining node loads holds BatchNorm statistics, frozen parameters and buffers."""
-    from types import SimpleNamespace
-
     import torch
 
     from dreamp2p.devtools.bench.statejobs import BatchNormNet
@@ -122,13 +120,11 @@ def test_checkpoints_and_state_transfer_carry_buffers_and_frozen_parameters(rout
     from dreamp2p.state.snapshot import flatten_state, unflatten_state
     from dreamp2p.sync.baselines import NoSync
     from dreamp2p.sync.config import SyncConfig
+    from dreamp2p.sync.inprocess import InProcessHub
 
-    comm = SimpleNamespace(peer=SimpleNamespace(training=None, state_donor=None))
+    comm = InProcessHub(1).member(0)
     source, target = BatchNormNet(seed=1), BatchNormNet(seed=2)
-    strategies = [
-        NoSync(m, torch.optim.SGD(m.parameters(), lr=0.1), comm, SyncConfig())  # type: ignore[arg-type]
-        for m in (source, target)
-    ]
+    strategies = [NoSync(m, torch.optim.SGD(m.parameters(), lr=0.1), comm, SyncConfig()) for m in (source, target)]
     for _ in range(3):  # moves the running statistics and num_batches_tracked
         source(torch.randn(8, 1, 8, 8) * 3).sum().backward()
         strategies[0].step()

@@ -17,7 +17,6 @@ import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -122,7 +121,7 @@ async def cluster(donors: Sequence[tuple[str, Any]]) -> AsyncIterator[tuple[dict
     """Donor peers (each with the given donor object, or None) and a joiner "j" handshaken with all of them."""
     peers = {name: Peer(peer_config(name)) for name, _ in donors}
     for (_, donor), peer in zip(donors, peers.values(), strict=True):
-        peer.state_donor = donor
+        peer.set_state_donor(donor)
         if isinstance(donor, DyingDonor):
             donor.peer = peer
     joiner = Peer(peer_config("j"))
@@ -697,12 +696,12 @@ async def test_bad_requests_get_precise_statuses() -> None:
             await joiner.link("d1").state_manifest(5.0)
         assert err.value.status == Status.NOT_FOUND
         # a peer that is joining itself says so at once (no wait for a snapshot it cannot have)
-        peers["d0"].ready = False
+        peers["d0"].stand_aside()
         t0 = time.monotonic()
         with pytest.raises(PeerError, match="no training state to give yet") as err:
             await link.state_manifest(5.0)
         assert err.value.status == Status.JOINING and time.monotonic() - t0 < 2.0
-        peers["d0"].ready = True
+        peers["d0"].admit_from(0)
         # a caller that never handshook (right token, no admission)
         stranger = Link("stranger", PeerInfo("d0", peers["d0"].address), FAST, None, TOKEN)
         try:
@@ -769,12 +768,12 @@ async def test_strategy_step_publishes_only_when_wanted() -> None:
     """`Strategy.step` hands the trainer's state to a waiting request between two steps, and only then."""
     from dreamp2p.sync.baselines import NoSync
     from dreamp2p.sync.config import SyncConfig
+    from dreamp2p.sync.inprocess import InProcessHub
 
     donor = StateDonor()
-    comm = SimpleNamespace(peer=SimpleNamespace(training=None, state_donor=donor))
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    strategy = NoSync(model, torch.optim.Adam(model.parameters()), comm, SyncConfig())  # type: ignore[arg-type]
+    strategy = NoSync(model, torch.optim.Adam(model.parameters()), InProcessHub(1).member(0), SyncConfig(), donor)
 
     def train(steps: int) -> None:
         for _ in range(steps):

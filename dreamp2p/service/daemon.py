@@ -32,7 +32,6 @@ from dreamp2p.service.checkpoint import agree_resume_step, checkpoint_step, list
 from dreamp2p.service.metrics import NodeMetrics
 from dreamp2p.service.tasks import TaskConfig, make_task
 from dreamp2p.sync.config import SyncConfig
-from dreamp2p.sync.dreamddp import DreamDDP
 
 log = logging.getLogger(__name__)
 
@@ -239,17 +238,16 @@ def _agree_and_load(cfg: DaemonConfig, node: Node) -> tuple[Path, dict[str, Any]
     from it and the others join them (:func:`agree_resume_step`); None when nobody has one (fresh start).
     """
     mine = [checkpoint_step(p) for p in list_checkpoints(cfg.checkpoint.dir)]
-    peer = node.comm.peer
-    peer.resume_steps = tuple(mine)
+    node.comm.set_resume_steps(mine)
     others: dict[str, list[int]] = {}
     deadline = time.monotonic() + cfg.node.transport.connect_timeout_s
-    members = [p.node_id for p in peer.ring if p.node_id != cfg.node.node_id]
+    members = [n for n in node.comm.ring_ids if n != cfg.node.node_id]
     while len(others) < len(members):
         for member in members:
             if member in others:
                 continue
             try:
-                st = node.comm.call(peer.link(member).status())
+                st = node.comm.member_status(member)
             except PeerError as exc:
                 log.info("waiting for %s: %s", member, exc)
                 continue
@@ -346,9 +344,11 @@ def _train(
             metrics.rounds_failed.set(status.rounds_failed)
             metrics.rounds_completed.set(status.rounds_completed)
             metrics.links(list(status.links))
-        if isinstance(sync, DreamDDP) and sync.plan.version != last_plan:
-            last_plan = sync.plan.version
-            _write_plan(sync, metrics)
+        if sync.plan_version != last_plan:
+            last_plan = sync.plan_version
+            report = sync.plan_report()
+            if report is not None:
+                metrics.write_json("plan.json", report)
         if (step + 1) % cfg.task.eval_every == 0 or step == 0:
             last_eval = task.evaluate(model)
             first_eval = last_eval if first_eval is None else first_eval
@@ -384,25 +384,6 @@ def _drain(sync: Any, node: Node, grace: float) -> None:
         log.warning("rounds in flight could not finish within %.0f s (%s); aborting them", grace, exc)
         node.comm.abort_rounds("node stopping")
         sync.abandon()
-
-
-def _write_plan(sync: DreamDDP, metrics: NodeMetrics) -> None:
-    g = sync.last_gathered
-    costs = g.costs if g is not None else tuple(sync.profiler.costs())
-    bw = g.bandwidth_Bps if g is not None and math.isfinite(g.bandwidth_Bps) else 1e12
-    metrics.write_json(
-        "plan.json",
-        {
-            "plan": sync.plan.to_dict(),
-            "costs": [dataclasses.asdict(c) for c in costs],
-            "link": {
-                "bandwidth_Bps": bw,
-                "rtt_s": g.rtt_s if g is not None else 0.0,
-                "world": sync.comm.world,
-                "codec_ratio": sync._ratio,
-            },
-        },
-    )
 
 
 class JsonFormatter(logging.Formatter):

@@ -24,9 +24,10 @@ from torch import nn
 
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RoundResult, TrainingInfo
+from dreamp2p.state.donor import StateDonor
 from dreamp2p.sync.agreement import is_adaptive
 from dreamp2p.sync.buffers import BufferSync, frozen_parameters, model_buffers
-from dreamp2p.sync.comm import CommThread
+from dreamp2p.sync.collective import Collective
 from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.layers import FlatGroup, Layer, discover_layers
 
@@ -98,10 +99,18 @@ class Strategy(abc.ABC):
     buffers_inline = True
     syncs_buffers = True
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: CommThread, cfg: SyncConfig) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        comm: Collective,
+        cfg: SyncConfig,
+        donor: StateDonor | None = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.comm = comm
+        self.donor = donor  # serves our state to joining members, when the node offers it
         # a strategy built without Node.attach resolves its outer defaults here (a no-op after attach)
         self.cfg = cfg.with_outer_defaults(is_adaptive(optimizer))
         self.layers: list[Layer] = discover_layers(model)
@@ -137,8 +146,8 @@ class Strategy(abc.ABC):
         self.totals.add(stats)
         self.step_count += 1
         self._last_end = end
-        self.comm.peer.training = self._training_info()
-        donor = self.comm.peer.state_donor
+        self.comm.set_training_info(self._training_info())
+        donor = self.donor
         if donor is not None and donor.wanted:
             # a joining member waits for our state: between two steps it is consistent, so capture it now
             try:
@@ -158,6 +167,10 @@ class Strategy(abc.ABC):
     def plan_version(self) -> int:
         """Version of the synchronization plan in force (only planned strategies have more than one)."""
         return self._training_info().plan_version
+
+    def plan_report(self) -> dict[str, Any] | None:
+        """The plan in force and the inputs it was made from, for ``plan.json`` (planned strategies only)."""
+        return None
 
     def jump_to(self, step: int) -> None:
         """Continue at ``step`` (a node joining a running cluster starts where the others are)."""
@@ -282,14 +295,14 @@ def landed(elements: int) -> concurrent.futures.Future[RoundResult]:
     return done
 
 
-def broadcast_state(comm: CommThread, model: nn.Module, timeout: float) -> None:
+def broadcast_state(comm: Collective, model: nn.Module, timeout: float) -> None:
     """Make every replica hold rank 0's parameters, frozen ones included, and buffers (bit-identical)."""
     tensors: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
     tensors += frozen_parameters(model) + model_buffers(model)
     broadcast_tensors(comm, tensors, timeout)
 
 
-def broadcast_tensors(comm: CommThread, tensors: list[torch.Tensor], timeout: float) -> None:
+def broadcast_tensors(comm: Collective, tensors: list[torch.Tensor], timeout: float) -> None:
     """Make every replica hold rank 0's values of ``tensors`` (bit-identical on all peers afterwards)."""
     if comm.world == 1 or not tensors:
         return

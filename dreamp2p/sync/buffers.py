@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dreamp2p.messages import RoundResult
-from dreamp2p.sync.comm import CommThread
+from dreamp2p.sync.collective import Collective
 from dreamp2p.sync.layers import FlatGroup
 
 # Collective group id of buffer rounds (see `dreamp2p.sync.base` for the others).
@@ -52,7 +52,7 @@ class BufferSync:
     bit-identical buffers everywhere and one landing a step later loses no local update.
     """
 
-    def __init__(self, comm: CommThread, buffers: list[torch.Tensor], mode: str, pin: bool) -> None:
+    def __init__(self, comm: Collective, buffers: list[torch.Tensor], mode: str, pin: bool) -> None:
         self._comm = comm
         self._mode = mode
         self._group = FlatGroup(buffers, pin=pin)

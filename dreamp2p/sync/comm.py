@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 import torch
 
 from dreamp2p.config import PeerConfig, PeerInfo
-from dreamp2p.messages import LinkSnapshot, PeerStatus, RoundResult
+from dreamp2p.messages import LinkSnapshot, PeerStatus, RoundResult, TrainingInfo
 from dreamp2p.peer import Peer
 from dreamp2p.schedule.linkcodec import RingCodecPlan
+from dreamp2p.state.fetch import FetchedState, fetch_state
 from dreamp2p.sync.layers import FlatGroup
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,10 @@ class CommThread:
     @property
     def address(self) -> str:
         return self.peer.address
+
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
 
     def connect(
         self, ring: Sequence[PeerInfo] | None = None, timeout: float | None = None, require_all: bool = True
@@ -120,6 +125,47 @@ class CommThread:
 
     def links(self) -> list[LinkSnapshot]:
         return self.on_loop(self.peer.link_snapshots)
+
+    @property
+    def ring_ids(self) -> tuple[str, ...]:
+        """Every configured member (live or not), in ring order, this node included."""
+        return tuple(p.node_id for p in self.peer.ring)
+
+    def set_training_info(self, info: TrainingInfo) -> None:
+        """Publish our strategy and step (read by our Status); never blocks the training thread."""
+        if not self._loop.is_closed():  # a step after close() has nobody left to tell
+            self._loop.call_soon_threadsafe(self.peer.set_training_info, info)
+
+    def set_state_donor(self, donor: Any) -> None:
+        self.on_loop(self.peer.set_state_donor, donor)
+
+    def set_resume_steps(self, steps: Sequence[int]) -> None:
+        self.on_loop(self.peer.set_resume_steps, steps)
+
+    def admit_from(self, round_id: int) -> None:
+        """Take part in rounds from ``round_id`` on (see Peer.admit_from)."""
+        self.on_loop(self.peer.admit_from, round_id)
+
+    def stand_aside(self) -> None:
+        """Take part in no round until :meth:`admit_from` (see Peer.stand_aside)."""
+        self.on_loop(self.peer.stand_aside)
+
+    def member_status(self, node_id: str, timeout: float | None = None) -> PeerStatus:
+        """Ask member ``node_id`` for its Status (PeerError when it does not answer)."""
+
+        async def ask() -> PeerStatus:
+            return await self.peer.link(node_id).status()
+
+        return self.call(ask(), timeout)
+
+    def fetch_state(self, donors: Sequence[str], timeout: float, manifest_hash: bytes | None = None) -> FetchedState:
+        """Fetch the training state from several ``donors`` at once (see `dreamp2p.state.fetch`)."""
+
+        async def fetch() -> FetchedState:
+            links = [self.peer.link(n) for n in donors]
+            return await fetch_state(links, timeout, manifest_hash=manifest_hash)
+
+        return self.call(fetch(), timeout + 30)
 
     def status(self) -> PeerStatus:
         return self.on_loop(self.peer.status)

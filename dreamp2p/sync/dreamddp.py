@@ -37,7 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -396,13 +396,13 @@ class DreamDDP(Strategy):
         if self._control is None and t >= start and (t - start) % cfg.control_every == 0:
             links = {s.peer: s for s in self.comm.links()}
             ring = list(self.comm.members)
-            succ = ring[(ring.index(self.comm.config.node_id) + 1) % len(ring)] if len(ring) > 1 else None
+            succ = ring[(ring.index(self.comm.node_id) + 1) % len(ring)] if len(ring) > 1 else None
             snap = links.get(succ) if succ else None
             bw = snap.goodput_Bps if snap is not None and snap.goodput_Bps > 0 else math.nan
             rtt = snap.rtt_s if snap is not None and snap.rtt_s > 0 else math.nan
             costs = self.profiler.costs() if self.profiler.steps else self._blank
             members = self.comm.members
-            world, rank = len(members), members.index(self.comm.config.node_id)
+            world, rank = len(members), members.index(self.comm.node_id)
             group = FlatGroup([pack_control(rank, world, bw, rtt, costs, self._sync_rate)])
             group.snapshot()
             fut = self.comm.allreduce_group(group, GROUP_CONTROL, "fp32", round_id=self._round(), guard_norm=False)
@@ -473,6 +473,21 @@ class DreamDDP(Strategy):
         self._basis_bw = g.bandwidth_Bps
         self._changed = 0
         log.info("plan v%d computed at step %d from bw %.3g B/s rtt %.3g s", version, t, g.bandwidth_Bps, g.rtt_s)
+
+    def plan_report(self) -> dict[str, Any]:
+        g = self.last_gathered
+        costs = g.costs if g is not None else tuple(self.profiler.costs())
+        bw = g.bandwidth_Bps if g is not None and math.isfinite(g.bandwidth_Bps) else 1e12
+        return {
+            "plan": self.plan.to_dict(),
+            "costs": [asdict(c) for c in costs],
+            "link": {
+                "bandwidth_Bps": bw,
+                "rtt_s": g.rtt_s if g is not None else 0.0,
+                "world": self.comm.world,
+                "codec_ratio": self._ratio,
+            },
+        }
 
     def _rearm(self) -> None:
         self._arm(self.step_count)

@@ -1,0 +1,65 @@
+"""What a strategy needs from the network, as a Protocol: averaging rounds, the members, the links.
+
+Strategies talk only to this interface. `dreamp2p.sync.comm.CommThread` implements it for real runs (a
+gRPC peer on its own event loop); `dreamp2p.sync.inprocess` implements it in memory so that a strategy's
+logic (what it averages when, what it merges, what it checkpoints) is tested in one process in
+milliseconds. Every call is made from the training thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Protocol
+
+from dreamp2p.messages import LinkSnapshot, RoundResult, TrainingInfo
+from dreamp2p.schedule.linkcodec import RingCodecPlan
+from dreamp2p.sync.layers import FlatGroup
+
+
+class Collective(Protocol):
+    """One member's handle on the cluster's averaging rounds."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The members alive now, in ring order (the ring the next round runs among)."""
+        ...
+
+    @property
+    def world(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def round_timeout_s(self) -> float:
+        """How long one round may run before it fails on every member."""
+        ...
+
+    def allreduce_group(
+        self,
+        group: FlatGroup,
+        group_id: int,
+        codec: str | RingCodecPlan | None = None,
+        plan_version: int = 0,
+        round_id: int | None = None,
+        guard_norm: bool = True,
+        prepare: Callable[[], None] | None = None,
+    ) -> concurrent.futures.Future[RoundResult]:
+        """Average ``group.snap`` (or ``group.work`` filled by ``prepare``) into ``group.work``.
+
+        The round is all-or-none across the members: the future raises RoundFailed on every member or
+        completes on every member with bit-identical ``work``.
+        """
+        ...
+
+    def links(self) -> list[LinkSnapshot]:
+        """Measured goodput and RTT of our link to each other member."""
+        ...
+
+    def set_training_info(self, info: TrainingInfo) -> None:
+        """Publish our strategy, step and plan version for the other members to read."""
+        ...

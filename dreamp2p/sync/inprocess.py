@@ -1,0 +1,169 @@
+"""An in-memory :class:`~dreamp2p.sync.collective.Collective`: N members in one process, no network.
+
+For unit tests of a strategy's own logic (what it averages when, what it merges, what it checkpoints),
+and for anyone who writes a strategy. Each member runs on its own thread, as a node's trainer would;
+a round completes when every member has contributed to the same (group id, round id), with the mean
+computed once, in member order, and passed through the round's codec once, so every member gets
+bit-identical values as from the real ring. Rounds are all-or-none like the real ones: ``fail``
+makes chosen rounds raise RoundFailed on every member. Nothing here is for production traffic.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dreamp2p.compression import get_codec
+from dreamp2p.errors import RoundFailed
+from dreamp2p.messages import LinkSnapshot, RoundResult, TrainingInfo
+from dreamp2p.schedule.linkcodec import RingCodecPlan
+from dreamp2p.sync.layers import FlatGroup
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One completed (or failed) round, as the hub saw it: what tests assert on."""
+
+    group_id: int
+    round_id: int
+    codec: str
+    elements: int
+    failed: bool
+
+
+@dataclass
+class _Contribution:
+    values: torch.Tensor
+    out: torch.Tensor
+    future: concurrent.futures.Future[RoundResult]
+
+
+class InProcessHub:
+    """The shared meeting point of ``world`` in-process members (``hub.member(i)`` is member i's handle)."""
+
+    def __init__(
+        self, world: int, round_timeout_s: float = 10.0, goodput_Bps: float = 10e6, rtt_s: float = 0.01
+    ) -> None:
+        if world < 1:
+            raise ValueError(f"world must be >= 1, got {world}")
+        self.node_ids = tuple(f"m{i}" for i in range(world))
+        self.round_timeout_s = round_timeout_s
+        self.goodput_Bps = goodput_Bps
+        self.rtt_s = rtt_s
+        self.rounds: list[RoundRecord] = []
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[int, int], dict[int, _Contribution]] = {}
+        self._fail: Callable[[int, int], bool] = lambda group_id, round_id: False
+        self._members = [InProcessCollective(self, i) for i in range(world)]
+
+    def member(self, rank: int) -> InProcessCollective:
+        return self._members[rank]
+
+    def fail(self, predicate: Callable[[int, int], bool]) -> None:
+        """Make every round for which ``predicate(group_id, round_id)`` holds fail on every member."""
+        self._fail = predicate
+
+    def training_steps(self) -> list[int | None]:
+        """Each member's last published step (None before its first)."""
+        return [m.training.step if m.training is not None else None for m in self._members]
+
+    def contribute(
+        self, rank: int, key: tuple[int, int], values: torch.Tensor, out: torch.Tensor, codec: str
+    ) -> concurrent.futures.Future[RoundResult]:
+        future: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
+        with self._lock:
+            round_ = self._pending.setdefault(key, {})
+            if rank in round_:
+                raise RuntimeError(f"member {rank} contributed twice to round {key}")
+            round_[rank] = _Contribution(values, out, future)
+            if len(round_) < len(self.node_ids):
+                return future
+            del self._pending[key]
+            failed = self._fail(*key)
+            self.rounds.append(RoundRecord(key[0], key[1], codec, values.numel(), failed))
+        self._complete(key, round_, codec, failed)
+        return future
+
+    def _complete(self, key: tuple[int, int], round_: dict[int, _Contribution], codec: str, failed: bool) -> None:
+        contributions = [round_[r] for r in sorted(round_)]
+        if failed:
+            for c in contributions:
+                c.future.set_exception(RoundFailed(key, "injected by the in-process hub"))
+            return
+        total = torch.zeros_like(contributions[0].values)
+        for c in contributions:
+            total += c.values
+        mean = total / len(contributions)
+        cod = get_codec(codec)
+        if not cod.lossless:
+            mean = cod.decode(cod.encode(mean), mean.numel())
+        world = len(contributions)
+        wire = cod.encoded_nbytes(mean.numel()) * 2 * (world - 1) // max(world, 1)
+        for c in contributions:
+            c.out.copy_(mean)
+            c.future.set_result(RoundResult(key[0], key[1], 0.0, wire, wire, mean.numel(), codec, 0, world))
+
+
+class InProcessCollective:
+    """Member ``rank``'s handle: the Collective a strategy gets in place of a CommThread."""
+
+    def __init__(self, hub: InProcessHub, rank: int) -> None:
+        self._hub = hub
+        self._rank = rank
+        self._counters: dict[int, int] = {}
+        self.training: TrainingInfo | None = None
+
+    @property
+    def node_id(self) -> str:
+        return self._hub.node_ids[self._rank]
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self._hub.node_ids
+
+    @property
+    def world(self) -> int:
+        return len(self._hub.node_ids)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def round_timeout_s(self) -> float:
+        return self._hub.round_timeout_s
+
+    def allreduce_group(
+        self,
+        group: FlatGroup,
+        group_id: int,
+        codec: str | RingCodecPlan | None = None,
+        plan_version: int = 0,
+        round_id: int | None = None,
+        guard_norm: bool = True,
+        prepare: Callable[[], None] | None = None,
+    ) -> concurrent.futures.Future[RoundResult]:
+        group.ready()
+        source = group.snap
+        if prepare is not None:
+            prepare()
+            source = group.work
+        if round_id is None:  # like the peer: rounds without an id count per group
+            round_id = self._counters.get(group_id, 0)
+            self._counters[group_id] = round_id + 1
+        name = codec.gather if isinstance(codec, RingCodecPlan) else (codec or "fp32")
+        return self._hub.contribute(self._rank, (group_id, round_id), source.clone(), group.work, name)
+
+    def links(self) -> list[LinkSnapshot]:
+        return [
+            LinkSnapshot(node, self._hub.rtt_s, self._hub.goodput_Bps, 0, 0, 1, 0)
+            for node in self._hub.node_ids
+            if node != self.node_id
+        ]
+
+    def set_training_info(self, info: TrainingInfo) -> None:
+        self.training = info
