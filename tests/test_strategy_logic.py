@@ -1,0 +1,201 @@
+"""Each strategy's own logic against the in-process collective: what it averages when, what it merges, what
+state it checkpoints. Milliseconds per case; the multi-process tests in test_strategies.py stay."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dreamp2p.node import STRATEGY_CLASSES
+from dreamp2p.sync.base import GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, Strategy
+from dreamp2p.sync.config import SyncConfig
+from dreamp2p.sync.inprocess import InProcessHub
+
+DETERMINISTIC = ["ssgd", "localsgd", "diloco", "streaming", "co2"]  # no measured timings in their decisions
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(8, 6, generator=g)
+    return x, torch.sin(x[:, :3]) + 0.1 * rank
+
+
+def local_step(strategy: Strategy, rank: int) -> None:
+    x, y = batch(rank, strategy.step_count)
+    nn.functional.mse_loss(strategy.model(x), y).backward()
+    strategy.step()
+    strategy.zero_grad()
+
+
+def digest(strategy: Strategy) -> bytes:
+    return b"".join(p.detach().numpy().tobytes() for p in strategy.model.parameters())
+
+
+def members(hub: InProcessHub, cfg: SyncConfig, lr: float = 0.05) -> list[Strategy]:
+    out = []
+    for rank in range(len(hub.node_ids)):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        out.append(STRATEGY_CLASSES[cfg.strategy](model, opt, hub.member(rank), cfg))
+    return out
+
+
+def each(strategies: list[Strategy], fn: Callable[[int, Strategy], Any]) -> list[Any]:
+    """Run ``fn`` for every member at once, one thread each, as every node's trainer runs."""
+    with concurrent.futures.ThreadPoolExecutor(len(strategies)) as pool:
+        return list(pool.map(fn, range(len(strategies)), strategies))
+
+
+def train(strategies: list[Strategy], steps: int, after: Callable[[int, Strategy], None] | None = None) -> None:
+    def run(rank: int, s: Strategy) -> None:
+        for _ in range(steps):
+            local_step(s, rank)
+            if after is not None:
+                after(rank, s)
+
+    each(strategies, run)
+
+
+def config(strategy: str, **kw: Any) -> SyncConfig:
+    base = {"strategy": strategy, "period": 4, "warmup_steps": 2, "control_every": 4}
+    return SyncConfig(**{**base, **kw})
+
+
+def test_ssgd_equals_one_process_on_the_union_batch() -> None:
+    hub = InProcessHub(3)
+    strategies = members(hub, config("ssgd"))
+    train(strategies, 6)
+    assert len({digest(s) for s in strategies}) == 1
+    ref = make_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(6):
+        # equal per-member batches: the mean of their mean losses is the union batch's mean loss
+        loss = sum(nn.functional.mse_loss(ref(x), y) for x, y in (batch(r, step) for r in range(3))) / 3
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for got, want in zip(strategies[0].model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    grads = [r for r in hub.rounds if r.group_id == GROUP_GRADS]
+    assert [r.round_id for r in grads] == [1, 2, 3, 4, 5, 6]  # one gradient round per step, numbered step + 1
+
+
+@pytest.mark.parametrize("strategy", ["localsgd", "diloco", "co2"])
+def test_whole_model_strategies_average_once_per_period(strategy: str) -> None:
+    hub = InProcessHub(2)
+    strategies = members(hub, config(strategy, period=3))
+    train(strategies, 9)
+    rounds = [r.round_id for r in hub.rounds if r.group_id == GROUP_PARAMS]
+    assert rounds == [3, 6, 9]  # the step that ends each period launches the round
+
+
+def test_localsgd_replicas_agree_right_after_each_boundary_and_differ_between() -> None:
+    hub = InProcessHub(3)
+    strategies = members(hub, config("localsgd", period=3))
+    train(strategies, 3)
+    assert len({digest(s) for s in strategies}) == 1  # step 3 ended a period: all hold the average
+    train(strategies, 1)
+    assert len({digest(s) for s in strategies}) == 3  # one local step later they differ again
+
+
+def test_diloco_with_plain_outer_step_is_local_sgd() -> None:
+    """outer_lr 1, momentum 0: global - mean(global - local) = mean(local), the local-SGD average."""
+    hubs = InProcessHub(2), InProcessHub(2)
+    diloco = members(hubs[0], config("diloco", period=3, outer_lr=1.0, outer_momentum=0.0))
+    local = members(hubs[1], config("localsgd", period=3))
+    train(diloco, 6)
+    train(local, 6)
+    for a, b in zip(diloco[0].model.parameters(), local[0].model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_streaming_syncs_every_fragment_once_per_period_with_its_delay() -> None:
+    hub = InProcessHub(2)
+    cfg = config("streaming", period=4, fragments=2, stream_delay=1)
+    strategies = members(hub, cfg)
+    train(strategies, 12)
+    frags = sorted({r.group_id for r in hub.rounds if r.group_id >= GROUP_FRAGMENT_BASE})
+    assert frags == [GROUP_FRAGMENT_BASE, GROUP_FRAGMENT_BASE + 1]
+    for gid in frags:
+        ids = [r.round_id for r in hub.rounds if r.group_id == gid]
+        assert all(b - a == cfg.period for a, b in itertools.pairwise(ids)), ids
+        assert {r.codec for r in hub.rounds if r.group_id == gid} == {cfg.stream_codec}
+    starts = [min(r.round_id for r in hub.rounds if r.group_id == gid) for gid in frags]
+    assert starts[0] != starts[1]  # fragments are staggered over the period
+
+
+@pytest.mark.parametrize("strategy", [*DETERMINISTIC, "dreamddp"])
+def test_a_failed_round_is_skipped_alike_and_flush_leaves_identical_replicas(strategy: str) -> None:
+    hub = InProcessHub(3)
+    hub.fail(lambda group_id, round_id: round_id in (3, 4))  # whatever group ran at those steps
+    strategies = members(hub, config(strategy))
+    train(strategies, 12)
+    assert any(r.failed for r in hub.rounds)
+    skipped = {s.rounds_skipped for s in strategies}
+    assert len(skipped) == 1 and skipped.pop() >= 1  # every member skipped the same rounds
+    each(strategies, lambda rank, s: s.flush())
+    assert len({digest(s) for s in strategies}) == 1
+
+
+@pytest.mark.parametrize("strategy", DETERMINISTIC)
+def test_checkpoint_and_resume_continue_bit_identically(strategy: str) -> None:
+    """What a strategy checkpoints is all it needs: a whole-cluster resume continues the same trajectory."""
+    cfg = config(strategy, period=3, fragments=2, stream_delay=1)
+
+    def checkpoint(rank: int, s: Strategy) -> dict[str, Any]:
+        s.close()  # as the daemon does: land rounds in flight, so the checkpoint is a consistent cut
+        return s.state_dict()
+
+    straight = members(InProcessHub(2), cfg)
+    train(straight, 5)
+    each(straight, checkpoint)
+    train(straight, 5)
+
+    first = members(InProcessHub(2), cfg)
+    train(first, 5)
+    saved = each(first, checkpoint)
+    resumed = members(InProcessHub(2), cfg)
+    each(resumed, lambda rank, s: s.load_state_dict(saved[rank]))
+    assert [s.step_count for s in resumed] == [5, 5]
+    train(resumed, 5)
+    assert [digest(s) for s in resumed] == [digest(s) for s in straight]
+
+
+def test_state_for_another_strategy_is_refused() -> None:
+    hub = InProcessHub(1)
+    (ssgd,) = members(hub, config("ssgd"))
+    (local,) = members(InProcessHub(1), config("localsgd"))
+    with pytest.raises(ValueError, match="strategy 'ssgd'"):
+        local.load_state_dict(ssgd.state_dict())
+
+
+def test_dreamddp_members_adopt_the_same_plans_and_average_every_layer_each_period() -> None:
+    hub = InProcessHub(3, goodput_Bps=50e6, rtt_s=0.001)
+    cfg = config("dreamddp", period=4, max_delay=2, warmup_steps=2, control_every=4)
+    strategies = members(hub, cfg)
+    train(strategies, 24)
+    versions = {s.plan_version for s in strategies}
+    assert len(versions) == 1 and versions.pop() >= 1  # a measured plan, the same everywhere
+    assert len({s.plan_report()["plan"].__repr__() for s in strategies if s.plan_report()}) == 1
+    layer_rounds = [r for r in hub.rounds if r.group_id >= 1_000_000]
+    assert layer_rounds, "no layer syncs"
+    each(strategies, lambda rank, s: s.flush())
+    assert len({digest(s) for s in strategies}) == 1
+
+
+def test_training_info_reaches_the_collective_every_step() -> None:
+    hub = InProcessHub(2)
+    strategies = members(hub, config("localsgd"))
+    train(strategies, 3)
+    assert hub.training_steps() == [3, 3]
