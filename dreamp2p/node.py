@@ -32,10 +32,9 @@ from dreamp2p.state.donor import StateDonor
 from dreamp2p.state.snapshot import unflatten_state
 from dreamp2p.sync.agreement import inner_momentum, is_adaptive, training_settings
 from dreamp2p.sync.base import Strategy, broadcast_state
-from dreamp2p.sync.baselines import CO2, SSGD, DiLoCo, LocalSGD, NoSync, StreamingDiLoCo
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.config import SyncConfig
-from dreamp2p.sync.dreamddp import DreamDDP
+from dreamp2p.sync.registry import strategy_class
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +42,6 @@ log = logging.getLogger(__name__)
 # in any more are refused at once (they fail everywhere and are skipped), later ones include it.
 JOIN_LEAD_STEPS = 2
 JOIN_ATTEMPTS = 3
-
-STRATEGY_CLASSES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (NoSync, SSGD, LocalSGD, DiLoCo, StreamingDiLoCo, CO2, DreamDDP)
-}
 
 
 class Node:
@@ -104,7 +99,7 @@ class Node:
         self.comm.agree(training_settings(cfg, model), self.config.transport.connect_timeout_s)
         if broadcast and not join:  # a node resuming from its checkpoint keeps its own parameters
             broadcast_state(self.comm, model, timeout)
-        strat = STRATEGY_CLASSES[cfg.strategy](model, optimizer, self.comm, cfg, donor=self.donor)
+        strat = strategy_class(cfg.strategy)(model, optimizer, self.comm, cfg, donor=self.donor)
         self.strategy = strat
         if join:
             self.join(strat, timeout=timeout)

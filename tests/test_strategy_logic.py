@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from dreamp2p.node import STRATEGY_CLASSES
-from dreamp2p.sync.base import GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, Strategy
-from dreamp2p.sync.config import SyncConfig
+from dreamp2p.sync.base import Strategy
+from dreamp2p.sync.config import STRATEGIES, SyncConfig
+from dreamp2p.sync.groups import GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, GROUP_PLAN_BASE
 from dreamp2p.sync.inprocess import InProcessHub
+from dreamp2p.sync.registry import STRATEGY_CLASSES, strategy_class
 
 DETERMINISTIC = ["ssgd", "localsgd", "diloco", "streaming", "co2"]  # no measured timings in their decisions
 
@@ -47,7 +48,7 @@ def members(hub: InProcessHub, cfg: SyncConfig, lr: float = 0.05) -> list[Strate
     for rank in range(len(hub.node_ids)):
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=lr)
-        out.append(STRATEGY_CLASSES[cfg.strategy](model, opt, hub.member(rank), cfg))
+        out.append(strategy_class(cfg.strategy)(model, opt, hub.member(rank), cfg))
     return out
 
 
@@ -188,7 +189,7 @@ def test_dreamddp_members_adopt_the_same_plans_and_average_every_layer_each_peri
     versions = {s.plan_version for s in strategies}
     assert len(versions) == 1 and versions.pop() >= 1  # a measured plan, the same everywhere
     assert len({s.plan_report()["plan"].__repr__() for s in strategies if s.plan_report()}) == 1
-    layer_rounds = [r for r in hub.rounds if r.group_id >= 1_000_000]
+    layer_rounds = [r for r in hub.rounds if r.group_id >= GROUP_PLAN_BASE]
     assert layer_rounds, "no layer syncs"
     each(strategies, lambda rank, s: s.flush())
     assert len({digest(s) for s in strategies}) == 1
@@ -199,3 +200,9 @@ def test_training_info_reaches_the_collective_every_step() -> None:
     strategies = members(hub, config("localsgd"))
     train(strategies, 3)
     assert hub.training_steps() == [3, 3]
+
+
+def test_every_configurable_strategy_name_has_one_class() -> None:
+    assert tuple(STRATEGY_CLASSES) == STRATEGIES
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        strategy_class("dilocox")

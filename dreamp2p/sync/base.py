@@ -29,22 +29,13 @@ from dreamp2p.sync.agreement import is_adaptive
 from dreamp2p.sync.buffers import BufferSync, frozen_parameters, model_buffers
 from dreamp2p.sync.collective import Collective
 from dreamp2p.sync.config import SyncConfig
+from dreamp2p.sync.groups import GROUP_FLUSH, GROUP_INIT
 from dreamp2p.sync.layers import FlatGroup, Layer, discover_layers
 
 log = logging.getLogger(__name__)
 
-# Group ids: each strategy's collectives use their own ids (round counters are per group id).
-GROUP_INIT = 1
-GROUP_GRADS = 2
-GROUP_PARAMS = 3
-# 4 is GROUP_BUFFERS (dreamp2p.sync.buffers)
-GROUP_FLUSH = 5
-GROUP_CO2_GAP = 6
-GROUP_CONTROL = 9
 # flush() tries this many rounds before it gives up (it promises identical replicas, so it cannot skip)
 FLUSH_ATTEMPTS = 3
-GROUP_FRAGMENT_BASE = 100
-GROUP_PLAN_BASE = 1_000_000
 
 
 @dataclass

@@ -28,8 +28,9 @@ from torch import nn
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RoundResult
 from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided_fragments
-from dreamp2p.sync.base import GROUP_CO2_GAP, GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, Strategy, landed
+from dreamp2p.sync.base import Strategy, landed
 from dreamp2p.sync.config import SyncConfig
+from dreamp2p.sync.groups import GROUP_CO2_GAP, GROUP_GRADS, GROUP_PARAMS, fragment_group
 from dreamp2p.sync.layers import FlatGroup
 
 
@@ -168,9 +169,7 @@ class StreamingDiLoCo(Strategy):
                 local = torch.empty_like(self._global[p])
                 g.read(local)
                 g.snapshot([self._global[p] - local])
-                fut = self.comm.allreduce_group(
-                    g, GROUP_FRAGMENT_BASE + p, self.cfg.stream_codec, round_id=self._round()
-                )
+                fut = self.comm.allreduce_group(g, fragment_group(p), self.cfg.stream_codec, round_id=self._round())
                 if self.cfg.stream_delay == 0:
                     if self._wait(fut) is not None:
                         self._apply(p)

@@ -16,10 +16,10 @@ from torch import nn
 
 from dreamp2p.messages import RoundResult
 from dreamp2p.sync.collective import Collective
+from dreamp2p.sync.groups import GROUP_BUFFERS
 from dreamp2p.sync.layers import FlatGroup
 
 # Collective group id of buffer rounds (see `dreamp2p.sync.base` for the others).
-GROUP_BUFFERS = 4
 
 
 def frozen_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -50,7 +50,8 @@ from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import GroupSync, Plan, even_plan, plan_dreamddp
 from dreamp2p.schedule.linkcodec import RingCodecPlan, effective_bandwidth, plan_ring_codecs
 from dreamp2p.schedule.plancodec import choose_plan_codec
-from dreamp2p.sync.base import GROUP_CONTROL, GROUP_PLAN_BASE, Strategy, landed
+from dreamp2p.sync.base import Strategy, landed
+from dreamp2p.sync.groups import GROUP_CONTROL, anchor_check_group, plan_sync_group
 from dreamp2p.sync.layers import FlatGroup
 from dreamp2p.sync.profiler import LayerProfiler
 
@@ -79,7 +80,6 @@ DIGEST_BITS = 16
 # transport's hand-off rate, this sees through socket buffers and a shaper's token bucket, which absorb
 # the first megabytes of a burst at several times the link's rate.
 RATE_SAMPLE_MIN_BYTES = 256 << 10
-ANCHOR_CHECK_OFFSET = 500  # group id of an anchor's check round: its sync's id + this (syncs per plan < 500)
 
 
 def anchor_check_vector(want_reset: bool, digest: int) -> torch.Tensor:
@@ -254,7 +254,7 @@ class DreamDDP(Strategy):
         if group is None:
             group = FlatGroup([p for li in sync.layers for p in self.layers[li].params], pin=self.pin)
             self._groups[key] = group
-        gid = GROUP_PLAN_BASE + self.plan.version * 1000 + idx
+        gid = plan_sync_group(self.plan.version, idx)
         if self._is_anchor(self.step_count):
             self._launch_anchor(sync, key, group, gid)
             return
@@ -294,7 +294,7 @@ class DreamDDP(Strategy):
         )
         check_fut = self.comm.allreduce_group(
             check,
-            gid + ANCHOR_CHECK_OFFSET,
+            anchor_check_group(gid),
             "fp32",
             plan_version=self.plan.version,
             round_id=self._round(),

@@ -69,13 +69,12 @@ from dreamp2p.devtools.launch import expect_message, run_local
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.tasks import ByteTransformer, stdlib_files
-from dreamp2p.sync.config import SyncConfig
+from dreamp2p.sync.config import STRATEGIES, SyncConfig
 from dreamp2p.sync.dreamddp import DreamDDP, plan_summary
 
 log = logging.getLogger(__name__)
 
 JOB = "dreamp2p.devtools.bench.lm:lm_job"
-STRATEGIES = ("none", "ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp")
 SCRIPT = Path(__file__).resolve().parents[3] / "deploy" / "netns-wan.sh"
 HELDOUT_FRACTION = 0.05
 EVAL_POINTS = 10  # held-out evaluations per run (plus the final one)

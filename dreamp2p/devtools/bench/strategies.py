@@ -25,10 +25,11 @@ from typing import Any
 
 from dreamp2p.config import parse_duration, parse_rate
 from dreamp2p.devtools.launch import run_local
+from dreamp2p.sync.config import STRATEGIES
 
 log = logging.getLogger(__name__)
 
-ALL = ["ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp"]
+ALL = [s for s in STRATEGIES if s != "none"]
 JOB = "dreamp2p.devtools.bench.training:train_job"
 
 

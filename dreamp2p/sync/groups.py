@@ -1,0 +1,34 @@
+"""Group ids of every collective the strategies run, made in one place.
+
+A peer keys rounds, frames and votes by (group id, round id), and round counters run per group id, so
+two different uses must never share a group id. Whole-model rounds have fixed ids; fragments and plan
+layer syncs get ranges. (The peer marks a round's retry by setting bit 31 of its group id, see
+`dreamp2p.peer.RETRY_GROUP_BIT`: every id here stays below it.)
+"""
+
+from __future__ import annotations
+
+GROUP_INIT = 1  # rank 0's state broadcast at attach
+GROUP_GRADS = 2  # S-SGD gradients
+GROUP_PARAMS = 3  # whole-model averages (local SGD, DiLoCo, CO2)
+GROUP_BUFFERS = 4  # BatchNorm statistics and other buffers
+GROUP_FLUSH = 5  # Strategy.flush()
+GROUP_CO2_GAP = 6  # CO2's staleness gap, beside its parameters
+GROUP_CONTROL = 9  # DreamDDP's control round (link and profile gather)
+GROUP_FRAGMENT_BASE = 100  # Streaming DiLoCo fragment p: base + p
+GROUP_PLAN_BASE = 1_000_000  # DreamDDP plan v's sync i: base + v * SYNCS_PER_PLAN + i
+SYNCS_PER_PLAN = 1000
+ANCHOR_CHECK_OFFSET = 500  # an anchor's check round: its sync's group id + this
+
+
+def fragment_group(fragment: int) -> int:
+    return GROUP_FRAGMENT_BASE + fragment
+
+
+def plan_sync_group(plan_version: int, index: int) -> int:
+    """Group id of sync ``index`` of plan ``plan_version`` (unique while a plan has < ANCHOR_CHECK_OFFSET syncs)."""
+    return GROUP_PLAN_BASE + plan_version * SYNCS_PER_PLAN + index
+
+
+def anchor_check_group(sync_group: int) -> int:
+    return sync_group + ANCHOR_CHECK_OFFSET

@@ -1,0 +1,19 @@
+"""The one map from strategy name to class; the names themselves are `dreamp2p.sync.config.STRATEGIES`."""
+
+from __future__ import annotations
+
+from dreamp2p.sync.base import Strategy
+from dreamp2p.sync.baselines import CO2, SSGD, DiLoCo, LocalSGD, NoSync, StreamingDiLoCo
+from dreamp2p.sync.config import STRATEGIES
+from dreamp2p.sync.dreamddp import DreamDDP
+
+STRATEGY_CLASSES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (NoSync, SSGD, LocalSGD, DiLoCo, StreamingDiLoCo, CO2, DreamDDP)
+}
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    try:
+        return STRATEGY_CLASSES[name]
+    except KeyError:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {name!r}") from None
