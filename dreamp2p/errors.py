@@ -36,10 +36,13 @@ class Status(enum.IntEnum):
 class PeerError(Exception):
     """A refusal with a status: raised where input is rejected, turned into a gRPC error at the edge."""
 
-    def __init__(self, status: Status, detail: str) -> None:
+    def __init__(self, status: Status, detail: str, grpc_code: str | None = None) -> None:
         super().__init__(f"{status.name}: {detail}")
         self.status = status
         self.detail = detail
+        # the gRPC status code's name when the refusal came back from a call (e.g. "UNAVAILABLE": the
+        # connection was refused), so callers branch on a field, never on the message text
+        self.grpc_code = grpc_code
 
 
 class RoundFailed(RuntimeError):

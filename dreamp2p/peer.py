@@ -784,7 +784,7 @@ class Peer:
                         with contextlib.suppress(PeerError):
                             await link.handshake(self.hello(), t.rpc_deadline_s)
                     continue
-                refused = isinstance(res, PeerError) and "UNAVAILABLE" in str(res)
+                refused = isinstance(res, PeerError) and res.grpc_code == "UNAVAILABLE"
                 if self.membership.missed(node, now, fatal=refused):
                     log.warning("%s is not answering (%s): the ring re-forms without it", node, res)
             self._set_view(self.membership.view())

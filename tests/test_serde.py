@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -106,3 +107,22 @@ def test_status_names_round_trip() -> None:
 def test_every_status_has_a_grpc_code() -> None:
     # a status without one would turn a precise refusal into an internal error at the edge
     assert set(serde.GRPC_CODE) == set(Status)
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "status"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", Status.UNSPECIFIED),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", Status.TIMEOUT),
+        (grpc.StatusCode.INVALID_ARGUMENT, "BAD_FRAME: element_count 3 but group buffer has 4", Status.BAD_FRAME),
+    ],
+)
+def test_a_failed_call_carries_its_grpc_code_and_status_as_fields(
+    code: grpc.StatusCode, details: str, status: Status
+) -> None:
+    from grpc import aio
+
+    from dreamp2p.transport.client import rpc_error
+
+    err = rpc_error(aio.AioRpcError(code, aio.Metadata(), aio.Metadata(), details=details))
+    assert err.grpc_code == code.name and err.status == status

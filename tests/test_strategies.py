@@ -83,9 +83,7 @@ def test_slowed_link_replans_everywhere_at_the_same_step() -> None:
     sync = {"period": 4, "warmup_steps": 3, "control_every": 4, "replan_sustain": 2}
     # the slowed rate sits far below what a loaded loopback measures (1.7-2 MB/s with 3 busy cores beside):
     # a slowdown within the re-plan threshold of the measured basis rightly changes nothing
-    results = train(
-        3, "dreamddp", config, steps=90, width=256, sync=sync, slow_at=30, slow_rate=4e5, step_sleep=0.005
-    )
+    results = train(3, "dreamddp", config, steps=90, width=256, sync=sync, slow_at=30, slow_rate=4e5, step_sleep=0.005)
     histories = [tuple(map(tuple, r["plan_history"])) for r in results]
     assert len(set(histories)) == 1, histories  # the same plans, adopted at the same steps
     history = histories[0]

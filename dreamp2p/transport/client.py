@@ -47,7 +47,7 @@ def rpc_error(exc: grpc.RpcError) -> PeerError:
     status = serde.status_from_details(details)
     if status == Status.UNSPECIFIED and code == grpc.StatusCode.DEADLINE_EXCEEDED:
         status = Status.TIMEOUT
-    return PeerError(status, f"{code.name}: {details}")
+    return PeerError(status, f"{code.name}: {details}", grpc_code=code.name)
 
 
 def open_channel(address: str, cfg: TransportConfig, tls: TLSConfig | None) -> aio.Channel:
