@@ -403,7 +403,7 @@ def test_delays_hide_wan_sync_longer_than_backward() -> None:
 
 
 def test_delays_reach_design_target_on_wan() -> None:
-    # DESIGN.md target: a full-model sync costing H/2 compute steps over an 80 ms RTT ring still leaves >= 95%
+    # design target: a full-model sync costing H/2 compute steps over an 80 ms RTT ring still leaves >= 95%
     # of the compute-only step rate once syncs may land later in the period
     L, H, step_s = 24, 10, 0.1
     costs = _table([step_s / 3 / L] * L, [2 * step_s / 3 / L] * L, [4 * 10**6] * L)

@@ -98,7 +98,7 @@ def test_slowed_link_replans_everywhere_at_the_same_step() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_slow_link_gets_a_more_compressive_codec_and_replicas_still_agree() -> None:
-    """Bandwidth-aware compression per link (ALGORITHMS.md): the slow link sends fewer bytes, fast ones keep
+    """Bandwidth-aware compression per link (arXiv 2408.14736): the slow link sends fewer bytes, fast ones keep
     the base codec, every member picks the same codecs, and the lossy mix still ends bit-identical."""
     config = {
         "transport": {

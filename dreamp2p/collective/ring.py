@@ -1,6 +1,6 @@
 """Ring all-reduce (mean) of one flat fp32 buffer: reduce-scatter then all-gather, pipelined by chunk.
 
-The classic bandwidth-optimal ring (Patarasuk & Yuan, 2009; ALGORITHMS.md): each peer sends
+The classic bandwidth-optimal ring (Patarasuk & Yuan, 2009): each peer sends
 2(N-1)/N of the buffer. Chunks flow independently, so a chunk is forwarded to the next hop as soon as
 it has been reduced here, and the 2(N-1) hops overlap instead of running one after another.
 

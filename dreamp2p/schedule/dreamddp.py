@@ -37,7 +37,7 @@ branch is cut off as soon as its wait reaches the best found. This makes the sea
 up to float rounding (``brute_force`` checks it), in O(min(H, L) * L^2) steps. Ties keep the first branch
 found, i.e. close iterations as early as possible (spreads traffic over more iterations).
 
-WAN extension (``max_delay > 0``; see DESIGN.md, "overlap beyond one iteration"): a group launched in
+WAN extension (``max_delay > 0``; see docs/PLANNING.md): a group launched in
 iteration ``h`` with delay ``d`` must land before the optimizer step of iteration ``h + d``, i.e. within
 ``d * compute_s + B`` of its launch iteration's backward start; the runtime keeps training meanwhile and merges
 the averaged delta. The link is one FIFO queue shared by all iterations, cyclically over the period: a sync

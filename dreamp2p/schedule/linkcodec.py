@@ -1,6 +1,6 @@
 """Bandwidth-aware codec choice per ring link, so that a slow link does not stall the round.
 
-Bandwidth-aware compression (arXiv 2408.14736, ALGORITHMS.md) sets each client's compression ratio
+Bandwidth-aware compression (arXiv 2408.14736) sets each client's compression ratio
 from its own bandwidth so that all uploads finish at about the same time: fast links send more, slow
 links send less instead of straggling. Here the "clients" are the links of a ring all-reduce: link
 ``i`` carries what ring member ``i`` sends to member ``i + 1``. Every link gets the least lossy codec

@@ -3,7 +3,7 @@
 DreamDDP (Tang et al., arXiv 2502.11058) averages, at iteration h of a period of H, only the layers the
 plan assigns to h. A sync is launched from gradient hooks as soon as its layers' gradients are ready
 (backward no longer needs those weights), runs on the comm thread while backward continues, and is
-merged before the optimizer step. WAN extension (DESIGN.md): a sync may land d steps later; merging
+merged before the optimizer step. WAN extension (docs/PLANNING.md): a sync may land d steps later; merging
 adds ``avg - snapshot`` so the local progress made meanwhile is kept.
 
 Pseudo-gradients between anchors (DiLoCo, Douillard et al., arXiv 2311.08105; Streaming DiLoCo, arXiv

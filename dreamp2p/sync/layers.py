@@ -51,8 +51,8 @@ class FlatGroup:
     Integer and bool tensors (BatchNorm's ``num_batches_tracked``) travel as fp32 and are rounded back.
 
     ``snapshot()`` copies the live parameters into ``snap`` (host); ``merge()`` sets them to
-    ``avg + (params - snap)``, which keeps any local progress made since the snapshot (DESIGN.md: merge
-    deltas, not overwrite). For a merge right after the snapshot this is exactly ``params <- avg``.
+    ``avg + (params - snap)``, which keeps any local progress made since the snapshot (merge
+    deltas, never overwrite). For a merge right after the snapshot this is exactly ``params <- avg``.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], pin: bool = False) -> None:
