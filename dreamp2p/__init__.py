@@ -6,6 +6,7 @@ gRPC peer with ring averaging) and the configuration types.
 
 from dreamp2p.config import PeerConfig, PeerInfo, TLSConfig, TransportConfig
 from dreamp2p.errors import PeerError, RoundFailed, Status
+from dreamp2p.messages import PROTOCOL_VERSION
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -19,7 +20,6 @@ __all__ = [
     "TransportConfig",
 ]
 
-PROTOCOL_VERSION = 1
 __version__ = "0.1.0"
 
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+# The wire protocol's version, sent in every handshake: peers that differ refuse each other
+# (VERSION_MISMATCH). Raised only when a change of meaning cannot be expressed by new proto fields.
+PROTOCOL_VERSION = 1
+
 
 class Phase(enum.IntEnum):
     REDUCE_SCATTER = 1

@@ -25,14 +25,23 @@ from typing import Any
 import torch
 from grpc import aio
 
-from dreamp2p import PROTOCOL_VERSION
 from dreamp2p.collective.partition import split_segments
 from dreamp2p.collective.ring import RingRound, RoundAborted, RoundSpec
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.errors import PeerError, RoundFailed, Status
 from dreamp2p.membership import Membership, view_id
-from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, RoundResult, TrainingInfo, Vote
+from dreamp2p.messages import (
+    PROTOCOL_VERSION,
+    DType,
+    Frame,
+    Hello,
+    LinkSnapshot,
+    PeerStatus,
+    RoundResult,
+    TrainingInfo,
+    Vote,
+)
 from dreamp2p.schedule.chunking import choose_chunk_bytes
 from dreamp2p.schedule.linkcodec import RingCodecPlan
 from dreamp2p.settings import settings_mismatch

@@ -52,10 +52,6 @@ ALLOWED: frozenset[Edge] = frozenset(
         # protocol instead of transport.Link (state no longer imports transport), move "state" below
         # "transport" in TIERS and drop this entry.
         ("transport", "state"),
-        # "peer imports ... the package root" (issue 12): peer.py reads PROTOCOL_VERSION from dreamp2p, and
-        # the root lazily re-exports Node, which closes peer -> dreamp2p -> node -> sync -> peer. Goes when
-        # the version lives in a leaf.
-        ("peer", "dreamp2p"),
         # "peer imports the planner" (issue 12): peer.py sizes ring chunks with schedule.chunking and takes
         # per-link codecs from schedule.linkcodec.RingCodecPlan. Issue 12 lists it among the upward arrows
         # its split of the peer removes.
