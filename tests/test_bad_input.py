@@ -29,14 +29,14 @@ import torch
 import xxhash
 from grpc import aio
 
-import dreamp2p.peer as peer_module
+import dreamp2p.peer.peer as peer_module
 from dreamp2p import PROTOCOL_VERSION
 from dreamp2p.collective.partition import reduce_scatter_recv, split_segments
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig
 from dreamp2p.errors import RoundFailed, Status
-from dreamp2p.membership import view_id
 from dreamp2p.peer import MAX_PROBE_BYTES, MAX_ROUNDS_AHEAD, Peer
+from dreamp2p.peer.membership import view_id
 from dreamp2p.v1 import peer_pb2 as pb
 from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
 

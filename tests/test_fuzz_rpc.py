@@ -67,9 +67,9 @@ from dreamp2p.collective.partition import all_gather_recv, reduce_scatter_recv, 
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig
 from dreamp2p.errors import RoundFailed, Status
-from dreamp2p.membership import view_id
 from dreamp2p.messages import Hello
 from dreamp2p.peer import MAX_PROBE_BYTES, MAX_ROUNDS_AHEAD, Peer
+from dreamp2p.peer.membership import view_id
 from dreamp2p.transport import serde
 from dreamp2p.transport.client import OutboundStream
 from dreamp2p.v1 import peer_pb2 as pb

@@ -9,7 +9,7 @@ ties the two units together. Module paths that are only strings (``importlib`` j
 
 The order, highest first (a unit may import its own tier or any tier below it, never one above):
 
-    devtools -> service, cli, dreamp2p -> node -> sync -> schedule -> peer, membership
+    devtools -> service, cli, dreamp2p -> node -> sync -> schedule -> peer
              -> collective, compression, state -> transport -> leaves
 
 The leaves (messages, errors, config, v1, settings, manifest) are what anyone may import. Today's
@@ -34,7 +34,7 @@ TIERS: tuple[frozenset[str], ...] = (
     frozenset({"node"}),  # what the user's training loop holds (Node, attach, join)
     frozenset({"sync"}),  # the torch side: strategies, comm thread, layer buffers
     frozenset({"schedule"}),  # pure plans that the strategies follow (the planner)
-    frozenset({"peer", "membership"}),  # the asyncio peer and its membership views
+    frozenset({"peer"}),  # the asyncio peer and its membership views
     frozenset({"collective", "compression", "state"}),  # ring protocol, codecs, state transfer
     frozenset({"transport"}),  # the only code touching gRPC
     frozenset({"messages", "errors", "config", "v1", "settings", "manifest"}),  # leaves anyone may import
@@ -52,7 +52,7 @@ ALLOWED: frozenset[Edge] = frozenset(
         # protocol instead of transport.Link (state no longer imports transport), move "state" below
         # "transport" in TIERS and drop this entry.
         ("transport", "state"),
-        # "peer imports the planner" (issue 12): peer.py sizes ring chunks with schedule.chunking and takes
+        # "peer imports the planner" (issue 12): peer/peer.py sizes ring chunks with schedule.chunking and takes
         # per-link codecs from schedule.linkcodec.RingCodecPlan. Issue 12 lists it among the upward arrows
         # its split of the peer removes.
         ("peer", "schedule"),

@@ -11,8 +11,8 @@ import torch
 from dreamp2p.collective.ring import RoundAborted
 from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig
 from dreamp2p.errors import RoundFailed
-from dreamp2p.membership import Membership, view_id
 from dreamp2p.peer import Peer
+from dreamp2p.peer.membership import Membership, view_id
 
 # ---------------------------------------------------------------------------------------- pure bookkeeping
 

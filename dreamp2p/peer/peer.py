@@ -30,7 +30,6 @@ from dreamp2p.collective.ring import RingRound, RoundAborted, RoundSpec
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.errors import PeerError, RoundFailed, Status
-from dreamp2p.membership import Membership, view_id
 from dreamp2p.messages import (
     PROTOCOL_VERSION,
     DType,
@@ -42,6 +41,7 @@ from dreamp2p.messages import (
     TrainingInfo,
     Vote,
 )
+from dreamp2p.peer.membership import Membership, view_id
 from dreamp2p.schedule.chunking import choose_chunk_bytes
 from dreamp2p.schedule.linkcodec import RingCodecPlan
 from dreamp2p.settings import settings_mismatch
