@@ -29,7 +29,7 @@ import torch
 import xxhash
 from grpc import aio
 
-import dreamp2p.peer.peer as peer_module
+import dreamp2p.peer.rounds as rounds_module
 from dreamp2p import PROTOCOL_VERSION
 from dreamp2p.collective.partition import reduce_scatter_recv, split_segments
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
@@ -257,13 +257,13 @@ async def open_victim_round(
     if tensor is None:
         tensor = torch.randn(N, generator=torch.Generator().manual_seed(7))
     pristine = tensor.clone()
-    key = (VICTIM_GROUP, peer._next_round.get(VICTIM_GROUP, 0) + 1)
+    key = (VICTIM_GROUP, peer.rounds.snapshot().next_round.get(VICTIM_GROUP, 0) + 1)
     task = asyncio.create_task(peer.allreduce([tensor], group_id=VICTIM_GROUP, codec=codec, timeout=timeout))
     for _ in range(200):
-        if key in peer._rounds or task.done():
+        if peer.rounds.get(key) is not None or task.done():
             break
         await asyncio.sleep(0.005)
-    assert key in peer._rounds, f"victim round {key} did not open"
+    assert peer.rounds.get(key) is not None, f"victim round {key} did not open"
     return Victim(tensor, pristine, task)
 
 
@@ -700,7 +700,7 @@ async def test_frame_for_round_that_never_opens_times_out() -> None:
 
 async def test_timed_out_waits_do_not_exhaust_pending_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Frames for rounds that never open time out; afterwards nothing is pending, so a new one may wait."""
-    monkeypatch.setattr(peer_module, "MAX_PENDING_ROUNDS", 2)  # the real 256 behaves the same, slower
+    monkeypatch.setattr(rounds_module, "MAX_PENDING_ROUNDS", 2)  # the real 256 behaves the same, slower
     transport = TransportConfig(probe_interval_s=3600.0, round_timeout_s=0.3, rpc_deadline_s=5.0)
     async with running_ring(2, transport) as peers:
         attacker = Attacker(peers[1].address)

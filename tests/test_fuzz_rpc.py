@@ -580,7 +580,8 @@ async def _close_ring(p0: Peer, p1: Peer) -> None:
 
 
 def _snapshot(p1: Peer, victim_key: tuple[int, int] | None) -> PeerState:
-    rnd = p1._rounds.get(victim_key) if victim_key else None
+    rnd = p1.rounds.get(victim_key) if victim_key else None
+    registry = p1.rounds.snapshot()
     victim = None
     if rnd is not None:
         victim = RoundState(
@@ -594,10 +595,10 @@ def _snapshot(p1: Peer, victim_key: tuple[int, int] | None) -> PeerState:
         )
     return PeerState(
         admitted=dict(p1._admitted),
-        next_round=dict(p1._next_round),
-        closed={g: frozenset(ids) for g, ids in p1._closed_rounds.items()},
-        open_rounds=frozenset(p1._rounds),
-        pending=len(p1._waiters) + len(p1._waiter_refs),
+        next_round=registry.next_round,
+        closed=registry.closed,
+        open_rounds=registry.open_rounds,
+        pending=registry.pending,
         rounds_completed=p1.rounds_completed,
         rounds_failed=p1.rounds_failed,
         frames_rejected=p1.frames_rejected,
@@ -607,14 +608,15 @@ def _snapshot(p1: Peer, victim_key: tuple[int, int] | None) -> PeerState:
 
 
 async def _open_victim(p1: Peer, codec: str, tensor: torch.Tensor) -> Victim:
-    key = (VICTIM_GROUP, p1._next_round.get(VICTIM_GROUP, 0) + 1)
+    key = (VICTIM_GROUP, p1.rounds.snapshot().next_round.get(VICTIM_GROUP, 0) + 1)
     task = asyncio.ensure_future(p1.allreduce([tensor], group_id=VICTIM_GROUP, codec=codec, timeout=VICTIM_TIMEOUT))
     for _ in range(400):
-        if key in p1._rounds or task.done():
+        if p1.rounds.get(key) is not None or task.done():
             break
         await asyncio.sleep(0.005)
-    assert key in p1._rounds, f"victim round {key} did not open"
-    stream = p1._rounds[key].out
+    victim_round = p1.rounds.get(key)
+    assert victim_round is not None, f"victim round {key} did not open"
+    stream = victim_round.out
     assert stream is None or isinstance(stream, OutboundStream)
     return Victim(codec, key, tensor, tensor.clone(), task, stream)
 
@@ -630,7 +632,7 @@ async def _abandon(p0: Peer, v: Victim) -> str:
     """
     task, v.task = v.task, None
     assert task is not None
-    p0._close_round(v.key)
+    p0.rounds.close(v.key)
     await asyncio.wait({task}, timeout=30.0)
     if not task.done():  # not expected: fall back to cancelling it
         task.cancel()

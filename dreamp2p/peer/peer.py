@@ -41,7 +41,9 @@ from dreamp2p.messages import (
     TrainingInfo,
     Vote,
 )
+from dreamp2p.peer.guard import ContributionGuard
 from dreamp2p.peer.membership import Membership, view_id
+from dreamp2p.peer.rounds import RoundRegistry
 from dreamp2p.schedule.chunking import choose_chunk_bytes
 from dreamp2p.schedule.linkcodec import RingCodecPlan
 from dreamp2p.settings import settings_mismatch
@@ -50,11 +52,6 @@ from dreamp2p.transport.server import build_server
 
 log = logging.getLogger(__name__)
 
-# How far ahead of our newest round of a group a peer may send (it may be ahead of us); beyond: refused.
-# Not applied to a group this peer has not used yet (a restarted peer joins at the others' round ids).
-MAX_ROUNDS_AHEAD = 1 << 16
-# How many rounds may be waited on before they open here (bounds memory a sender can make us hold).
-MAX_PENDING_ROUNDS = 256
 # Probes larger than this are refused.
 MAX_PROBE_BYTES = 4 << 20
 # A failed round is retried under its group id with this bit set (same round id), see allreduce().
@@ -75,11 +72,7 @@ class Peer:
         self._ring: tuple[PeerInfo, ...] = ()
         self._links: dict[str, Link] = {}
         self._admitted: dict[str, Hello] = {}
-        self._rounds: dict[tuple[int, int], RingRound] = {}
-        self._waiters: dict[tuple[int, int], asyncio.Future[RingRound]] = {}
-        self._waiter_refs: dict[tuple[int, int], int] = {}
-        self._next_round: dict[int, int] = {}
-        self._closed_rounds: dict[int, set[int]] = {}
+        self.rounds = RoundRegistry(config.transport.round_timeout_s)
         self._zstd = ZstdStage(config.transport.zstd_level) if config.transport.zstd else None
         self._prober: asyncio.Task[None] | None = None
         self._started = time.monotonic()
@@ -88,8 +81,7 @@ class Peer:
         self.rounds_failed = 0
         self.rounds_retried = 0
         self.frames_rejected = 0
-        self.contributions_refused = 0
-        self._norms: dict[int, float] = {}  # per group: running norm of our contributions
+        self._guard = ContributionGuard(config.max_norm_ratio)
         # set by the trainer's thread; replaced whole (never mutated), so readers see a consistent value
         self.training: TrainingInfo | None = None
         # set by a node that resumed: the checkpoint steps it held, so a restart wave can agree on one
@@ -104,14 +96,12 @@ class Peer:
         self._vote_events: dict[tuple[int, int], asyncio.Event] = {}
         self._heart: asyncio.Task[None] | None = None
         self._beat = asyncio.Event()  # set (and replaced) after each heartbeat pass over the members
-        self._round_members: dict[tuple[int, int], frozenset[str]] = {}
         # A joining node answers heartbeats from the start, so every member counts it alive and runs its
         # rounds among a view that includes it; until it holds the cluster's state ("ready") it refuses
         # their frames at once (JOINING), so all those rounds fail everywhere: no plan decision or average
         # is made without it between the members' state snapshot and its first step (see Node.join).
         # Afterwards it refuses rounds from before the step it starts at.
         self.ready = True
-        self.min_round_id = 0
         # training settings every member must share (see `dreamp2p.settings`); empty until declared
         self._settings: tuple[tuple[str, str], ...] = ()
         # members we refused for their model or settings: our own handshakes with them fail at once, with
@@ -267,12 +257,8 @@ class Peer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._prober = self._heart = None
-        for rnd in list(self._rounds.values()):
-            rnd.fail("peer shutting down")
-        for fut in self._waiters.values():
-            if not fut.done():
-                fut.set_exception(PeerError(Status.SHUTTING_DOWN, "peer shutting down"))
-                fut.exception()
+        self.rounds.fail_open("peer shutting down")
+        self.rounds.refuse_waiting(PeerError(Status.SHUTTING_DOWN, "peer shutting down"))
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
@@ -337,7 +323,7 @@ class Peer:
             raise PeerError(Status.UNKNOWN_PEER, f"sender {frame.sender!r} has not completed a handshake")
         if self.membership is not None:
             self.membership.heard(frame.sender, time.monotonic(), revive=False)
-        rnd = self._rounds.get((frame.group_id, frame.round_id)) or await self._wait_round(frame)
+        rnd = await self.rounds.round_for(frame)
         # a frame from another view is refused (VIEW_MISMATCH) without touching the round: its sender's
         # round fails there and that sender's "failed" vote ends ours (a forged frame cannot)
         rnd.deliver(frame)
@@ -345,43 +331,8 @@ class Peer:
         if link is not None:
             link.stats.bytes_received += len(frame.payload)
 
-    async def _wait_round(self, frame: Frame) -> RingRound:
-        key = (frame.group_id, frame.round_id)
-        newest = self._next_round.get(frame.group_id, 0)
-        if (
-            frame.round_id == 0
-            or frame.round_id < self.min_round_id
-            or frame.round_id in self._closed_rounds.get(frame.group_id, ())
-            or (frame.round_id <= newest)
-        ):
-            raise PeerError(Status.STALE_ROUND, f"round {frame.round_id} of group {frame.group_id} is not open here")
-        if newest and frame.round_id > newest + MAX_ROUNDS_AHEAD:
-            raise PeerError(
-                Status.BAD_FRAME, f"round {frame.round_id} is more than {MAX_ROUNDS_AHEAD} ahead of {newest}"
-            )
-        fut = self._waiters.get(key)
-        if fut is None:
-            if len(self._waiters) >= MAX_PENDING_ROUNDS:
-                raise PeerError(Status.OVERSIZE, "too many rounds pending")
-            fut = self._waiters[key] = asyncio.get_running_loop().create_future()
-        self._waiter_refs[key] = self._waiter_refs.get(key, 0) + 1
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.config.transport.round_timeout_s)
-        except TimeoutError:
-            raise PeerError(Status.TIMEOUT, f"round {key} did not open here in time") from None
-        finally:
-            # the last stream to give up on a round that never opened forgets it
-            self._waiter_refs[key] -= 1
-            if not self._waiter_refs[key]:
-                del self._waiter_refs[key]
-                if self._waiters.get(key) is fut:
-                    del self._waiters[key]
-
     def stream_broken(self, sender: str, keys: set[tuple[int, int]], reason: str) -> None:
-        for key in keys:
-            rnd = self._rounds.get(key)
-            if rnd is not None and rnd.spec.predecessor == sender:
-                rnd.fail(f"{sender}: {reason}")
+        self.rounds.fail_open(f"{sender}: {reason}", lambda key, rnd: key in keys and rnd.spec.predecessor == sender)
 
     def vote(self, v: Vote) -> None:
         """A member's outcome of a round (see the module docstring): recorded, and a failure ends ours."""
@@ -391,9 +342,9 @@ class Peer:
         if self.membership is not None:
             self.membership.heard(v.sender, time.monotonic(), revive=False)
         if not v.commit:
-            rnd = self._rounds.get(key)
+            rnd = self.rounds.get(key)
             # whatever view it ran in, a member of ours that gave the round up will not help finish it
-            if rnd is not None and v.sender in self._round_members.get(key, ()):
+            if rnd is not None and v.sender in self.rounds.members_of(key):
                 rnd.fail(f"{v.sender} reports the round failed there")
         if key not in self._votes and len(self._votes) >= MAX_VOTE_ROUNDS:
             del self._votes[next(iter(self._votes))]  # oldest first: dicts keep insertion order
@@ -455,7 +406,7 @@ class Peer:
 
     def admit_from(self, round_id: int) -> None:
         """Take part in rounds again, from ``round_id`` on (a joiner that now holds the cluster's state)."""
-        self.min_round_id = round_id
+        self.rounds.min_round_id = round_id
         self.ready = True
 
     def stand_aside(self) -> None:
@@ -463,10 +414,7 @@ class Peer:
         (JOINING) and fail the frames already waiting here for a round we would never open, so the members'
         rounds fail now instead of at their deadline."""
         self.ready = False
-        for fut in self._waiters.values():
-            if not fut.done():
-                fut.set_exception(PeerError(Status.JOINING, "joining: no training state yet, so no part in rounds"))
-                fut.exception()
+        self.rounds.refuse_waiting(PeerError(Status.JOINING, "joining: no training state yet, so no part in rounds"))
 
     def is_admitted(self, sender: str) -> bool:
         """Whether ``sender`` completed a handshake with this process (gate for every non-handshake call)."""
@@ -516,12 +464,16 @@ class Peer:
             for node, link in self._links.items()
         ]
 
+    @property
+    def contributions_refused(self) -> int:
+        """Rounds we took part in without our values (non-finite, or a norm jump): see `peer.guard`."""
+        return self._guard.refused
+
     def link(self, node_id: str) -> Link:
         return self._links[node_id]
 
     def abort_rounds(self, reason: str) -> None:
-        for rnd in list(self._rounds.values()):
-            rnd.fail(reason)
+        self.rounds.fail_open(reason)
 
     def set_rate_limit(self, rate_Bps: float | None) -> None:
         """Re-pace every outgoing link (WAN emulation); None removes the limit."""
@@ -589,12 +541,7 @@ class Peer:
         vid = view_id([p.node_id for p in members])
         world = len(members)
         rank = [p.node_id for p in members].index(self.config.node_id)
-        newest = self._next_round.get(group_id, 0)
-        if round_id is None:
-            round_id = newest + 1
-        elif round_id <= newest:
-            raise ValueError(f"round {round_id} of group {group_id} is not after this peer's newest round {newest}")
-        self._next_round[group_id] = round_id
+        round_id = self.rounds.claim(group_id, round_id)
         key = (group_id, round_id)
         links: RingCodecPlan | None = None
         if isinstance(codec, RingCodecPlan):
@@ -608,11 +555,10 @@ class Peer:
             # refusal of the frames sent to it, which an empty segment never sends (the round would wait out
             # its deadline instead); every member pads alike, so layouts still agree
             flat = torch.cat([flat, flat.new_zeros(world - numel)])
-        refusal = self._refuse_contribution(group_id, flat, guard_norm)
+        refusal = self._guard.check(group_id, flat, guard_norm)
         if refusal is not None:
             # the round goes on without us: we send zeros, marked as excluded, and receive the others' mean
             log.warning("round %s: not contributing: %s", key, refusal)
-            self.contributions_refused += 1
             flat.zero_()
         succ = members[(rank + 1) % world]
         pred = members[(rank - 1) % world]
@@ -649,15 +595,11 @@ class Peer:
             **_link_codec_fields(links, rank, world),
         )
         rnd = RingRound(spec, flat, stream)
-        self._rounds[key] = rnd
         others = [p.node_id for p in members if p.node_id != self.config.node_id]
-        self._round_members[key] = frozenset(p.node_id for p in members)
         early = [v.sender for v in self._votes.get(key, {}).values() if not v.commit and v.sender in others]
         if early:  # a member gave this round up before it even opened here
             rnd.fail(f"{early[0]} reports the round failed there")
-        waiter = self._waiters.pop(key, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(rnd)
+        self.rounds.open(key, rnd, (p.node_id for p in members))
         limit = timeout or self.config.transport.round_timeout_s
         try:
             await self._run(rnd, stream, limit)
@@ -674,11 +616,9 @@ class Peer:
             rnd.fail("cancelled")
             raise
         finally:
-            self._rounds.pop(key, None)
-            self._close_round(key)
+            self.rounds.close(key)
             self._votes.pop(key, None)
             self._vote_events.pop(key, None)
-            self._round_members.pop(key, None)
         _unflatten(flat[:numel], out if out is not None else tensors)
         self.rounds_completed += 1
         return RoundResult(
@@ -727,31 +667,6 @@ class Peer:
                 failed.exception()
             if rnd.done.done() and not rnd.done.cancelled():
                 rnd.done.exception()
-
-    def _refuse_contribution(self, group_id: int, flat: torch.Tensor, guard_norm: bool) -> str | None:
-        """Why our own contribution must not enter the average (None if it may)."""
-        if not all_finite(flat):
-            return "holds NaN or Inf"
-        ratio = self.config.max_norm_ratio
-        if not guard_norm or ratio <= 0 or flat.numel() == 0:
-            return None
-        norm = float(torch.linalg.vector_norm(flat))
-        usual = self._norms.get(group_id)
-        if usual is not None and usual > 0 and norm > ratio * usual:
-            return f"norm {norm:.3g} is over {ratio:g}x its usual {usual:.3g}"
-        self._norms[group_id] = norm if usual is None else 0.9 * usual + 0.1 * norm
-        return None
-
-    def _close_round(self, key: tuple[int, int]) -> None:
-        waiter = self._waiters.pop(key, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(PeerError(Status.STALE_ROUND, f"round {key} was abandoned here"))
-        closed = self._closed_rounds.setdefault(key[0], set())
-        closed.add(key[1])
-        if len(closed) > 1024:
-            # ids at or below our newest round are refused as stale anyway; keep the set small
-            for rid in sorted(closed)[:-512]:
-                closed.discard(rid)
 
     # ------------------------------------------------------------------ probing
 
@@ -815,11 +730,7 @@ class Peer:
         self.view = view
         self.view_changes += 1
         log.info("members alive: %s", ", ".join(view))
-        for key, rnd in list(self._rounds.items()):
-            # a round that needs a member that is gone cannot finish: fail it now, not at its deadline
-            gone = self._round_members.get(key, frozenset()) - set(view)
-            if gone:
-                rnd.fail(f"member(s) {', '.join(sorted(gone))} left")
+        self.rounds.fail_without(view)
 
     async def probe_now(self, burst_bytes: int | None = None) -> list[LinkSnapshot]:
         """Measure every link once (RTT echo + burst) and return the snapshots."""
@@ -827,14 +738,6 @@ class Peer:
             await link.probe_rtt()
             await link.probe_bandwidth(burst_bytes or self.config.transport.probe_burst_bytes)
         return self.link_snapshots()
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """True when ``t`` holds no NaN/Inf; min/max propagate both and cost one vectorized pass."""
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

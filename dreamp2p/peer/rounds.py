@@ -1,0 +1,153 @@
+"""The round registry: which rounds are open on this peer, who they run among, and frames waiting for one.
+
+Frames may arrive before this peer opened their round (a faster member already started it); they wait
+here, bounded in number and in time, and are handed the round when it opens. Ids of closed rounds are
+remembered so late or replayed frames are refused as stale instead of opening a round again. Runs on the
+peer's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from dreamp2p.collective.ring import RingRound
+from dreamp2p.errors import PeerError, Status
+from dreamp2p.messages import Frame
+
+Key = tuple[int, int]  # (group id, round id)
+
+# How far ahead of our newest round of a group a peer may send (it may be ahead of us); beyond: refused.
+# Not applied to a group this peer has not used yet (a restarted peer joins at the others' round ids).
+MAX_ROUNDS_AHEAD = 1 << 16
+# How many rounds may be waited on before they open here (bounds memory a sender can make us hold).
+MAX_PENDING_ROUNDS = 256
+# Closed round ids remembered per group before the oldest are forgotten (older ids are stale anyway).
+MAX_CLOSED_IDS = 1024
+
+
+@dataclass(frozen=True)
+class RegistrySnapshot:
+    """A read-only view of the registry, for status and tests."""
+
+    open_rounds: frozenset[Key]
+    next_round: dict[int, int]
+    closed: dict[int, frozenset[int]]
+    pending: int  # rounds frames are waiting for, plus frames waiting
+
+
+class RoundRegistry:
+    def __init__(self, round_timeout_s: float) -> None:
+        self.round_timeout_s = round_timeout_s
+        # a joiner refuses rounds from before the step it starts at (see Peer.admit_from)
+        self.min_round_id = 0
+        self._open: dict[Key, RingRound] = {}
+        self._members: dict[Key, frozenset[str]] = {}
+        self._waiters: dict[Key, asyncio.Future[RingRound]] = {}
+        self._waiter_refs: dict[Key, int] = {}
+        self._next: dict[int, int] = {}
+        self._closed: dict[int, set[int]] = {}
+
+    def claim(self, group_id: int, round_id: int | None) -> int:
+        """The id of our next round of ``group_id`` (``round_id`` when given, which must be newer)."""
+        newest = self._next.get(group_id, 0)
+        if round_id is None:
+            round_id = newest + 1
+        elif round_id <= newest:
+            raise ValueError(f"round {round_id} of group {group_id} is not after this peer's newest round {newest}")
+        self._next[group_id] = round_id
+        return round_id
+
+    def open(self, key: Key, rnd: RingRound, members: Iterable[str]) -> None:
+        """Register ``rnd`` as open among ``members``; frames that waited for it get it now."""
+        self._open[key] = rnd
+        self._members[key] = frozenset(members)
+        waiter = self._waiters.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(rnd)
+
+    def get(self, key: Key) -> RingRound | None:
+        return self._open.get(key)
+
+    def members_of(self, key: Key) -> frozenset[str]:
+        return self._members.get(key, frozenset())
+
+    def close(self, key: Key) -> None:
+        """Forget an open round (done or failed): frames still waiting for it are told it was abandoned."""
+        self._open.pop(key, None)
+        self._members.pop(key, None)
+        waiter = self._waiters.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(PeerError(Status.STALE_ROUND, f"round {key} was abandoned here"))
+        closed = self._closed.setdefault(key[0], set())
+        closed.add(key[1])
+        if len(closed) > MAX_CLOSED_IDS:
+            # ids at or below our newest round are refused as stale anyway; keep the set small
+            for rid in sorted(closed)[: -MAX_CLOSED_IDS // 2]:
+                closed.discard(rid)
+
+    async def round_for(self, frame: Frame) -> RingRound:
+        """The open round ``frame`` belongs to, waiting (bounded) for it to open; PeerError when it cannot."""
+        key = (frame.group_id, frame.round_id)
+        rnd = self._open.get(key)
+        if rnd is not None:
+            return rnd
+        newest = self._next.get(frame.group_id, 0)
+        if (
+            frame.round_id == 0
+            or frame.round_id < self.min_round_id
+            or frame.round_id in self._closed.get(frame.group_id, ())
+            or (frame.round_id <= newest)
+        ):
+            raise PeerError(Status.STALE_ROUND, f"round {frame.round_id} of group {frame.group_id} is not open here")
+        if newest and frame.round_id > newest + MAX_ROUNDS_AHEAD:
+            raise PeerError(
+                Status.BAD_FRAME, f"round {frame.round_id} is more than {MAX_ROUNDS_AHEAD} ahead of {newest}"
+            )
+        fut = self._waiters.get(key)
+        if fut is None:
+            if len(self._waiters) >= MAX_PENDING_ROUNDS:
+                raise PeerError(Status.OVERSIZE, "too many rounds pending")
+            fut = self._waiters[key] = asyncio.get_running_loop().create_future()
+        self._waiter_refs[key] = self._waiter_refs.get(key, 0) + 1
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.round_timeout_s)
+        except TimeoutError:
+            raise PeerError(Status.TIMEOUT, f"round {key} did not open here in time") from None
+        finally:
+            # the last stream to give up on a round that never opened forgets it
+            self._waiter_refs[key] -= 1
+            if not self._waiter_refs[key]:
+                del self._waiter_refs[key]
+                if self._waiters.get(key) is fut:
+                    del self._waiters[key]
+
+    def fail_open(self, reason: str, where: Callable[[Key, RingRound], bool] = lambda key, rnd: True) -> None:
+        """Fail every open round for which ``where(key, round)`` holds (their tensors stay untouched)."""
+        for key, rnd in list(self._open.items()):
+            if where(key, rnd):
+                rnd.fail(reason)
+
+    def fail_without(self, alive: Iterable[str]) -> None:
+        """A round that needs a member no longer alive cannot finish: fail it now, not at its deadline."""
+        live = set(alive)
+        for key, rnd in list(self._open.items()):
+            gone = self._members.get(key, frozenset()) - live
+            if gone:
+                rnd.fail(f"member(s) {', '.join(sorted(gone))} left")
+
+    def refuse_waiting(self, error: PeerError) -> None:
+        """Fail every frame waiting for a round that has not opened here (it never will)."""
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(error)
+                fut.exception()
+
+    def snapshot(self) -> RegistrySnapshot:
+        return RegistrySnapshot(
+            open_rounds=frozenset(self._open),
+            next_round=dict(self._next),
+            closed={g: frozenset(ids) for g, ids in self._closed.items()},
+            pending=len(self._waiters) + len(self._waiter_refs),
+        )
