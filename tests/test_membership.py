@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from dreamp2p.collective.ring import RoundAborted
 from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig
 from dreamp2p.errors import RoundFailed
 from dreamp2p.peer import Peer
+from dreamp2p.peer.commit import CommitVotes
 from dreamp2p.peer.membership import Membership, view_id
 
 # ---------------------------------------------------------------------------------------- pure bookkeeping
@@ -135,14 +137,16 @@ async def test_round_is_applied_nowhere_if_one_member_fails_after_its_part(monke
     """Two members finish the ring; the third fails before committing: nobody applies the round."""
     peers = await _ring(3, round_retries=0)
     try:
-        real_agree = Peer._agree
+        real_agree = CommitVotes.agree
 
-        async def failing_agree(self: Peer, key: tuple[int, int], vid: int, others: list[str], t: float) -> None:
-            if self.config.node_id == "p1":
+        async def failing_agree(
+            self: CommitVotes, key: tuple[int, int], vid: int, others: Sequence[str], t: float
+        ) -> None:
+            if self.node_id == "p1":
                 raise RoundAborted("injected: p1 fails between its ring part and its commit")
             await real_agree(self, key, vid, others, t)
 
-        monkeypatch.setattr(Peer, "_agree", failing_agree)
+        monkeypatch.setattr(CommitVotes, "agree", failing_agree)
         data = [[torch.full((10_000,), float(r))] for r in range(3)]
         before = [d[0].clone() for d in data]
         results = await asyncio.gather(
@@ -151,7 +155,7 @@ async def test_round_is_applied_nowhere_if_one_member_fails_after_its_part(monke
         assert all(isinstance(r, RoundFailed) for r in results), results
         for d, b in zip(data, before, strict=True):
             assert torch.equal(d[0], b)
-        monkeypatch.setattr(Peer, "_agree", real_agree)
+        monkeypatch.setattr(CommitVotes, "agree", real_agree)
         # the next round is applied everywhere
         await asyncio.gather(*(p.allreduce(d, round_id=8) for p, d in zip(peers, data, strict=True)))
         assert all(torch.all(d[0] == 1.0) for d in data)

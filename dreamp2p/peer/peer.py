@@ -19,7 +19,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from dreamp2p.messages import (
     TrainingInfo,
     Vote,
 )
+from dreamp2p.peer.commit import CommitVotes
 from dreamp2p.peer.guard import ContributionGuard
 from dreamp2p.peer.membership import Membership, view_id
 from dreamp2p.peer.rounds import RoundRegistry
@@ -56,8 +57,6 @@ log = logging.getLogger(__name__)
 MAX_PROBE_BYTES = 4 << 20
 # A failed round is retried under its group id with this bit set (same round id), see allreduce().
 RETRY_GROUP_BIT = 1 << 31
-# Rounds whose votes are remembered (votes may arrive before our own part of the round finishes).
-MAX_VOTE_ROUNDS = 4096
 
 
 class Peer:
@@ -92,8 +91,7 @@ class Peer:
         # live members in ring order; replaced whole on every change, so other threads may read it
         self.view: tuple[str, ...] = ()
         self.view_changes = 0
-        self._votes: dict[tuple[int, int], dict[str, Vote]] = {}
-        self._vote_events: dict[tuple[int, int], asyncio.Event] = {}
+        self._commits = CommitVotes(config.node_id, self._send_vote, self._is_alive)
         self._heart: asyncio.Task[None] | None = None
         self._beat = asyncio.Event()  # set (and replaced) after each heartbeat pass over the members
         # A joining node answers heartbeats from the start, so every member counts it alive and runs its
@@ -346,51 +344,16 @@ class Peer:
             # whatever view it ran in, a member of ours that gave the round up will not help finish it
             if rnd is not None and v.sender in self.rounds.members_of(key):
                 rnd.fail(f"{v.sender} reports the round failed there")
-        if key not in self._votes and len(self._votes) >= MAX_VOTE_ROUNDS:
-            del self._votes[next(iter(self._votes))]  # oldest first: dicts keep insertion order
-        self._votes.setdefault(key, {})[v.sender] = v
-        event = self._vote_events.get(key)
-        if event is not None:
-            event.set()
+        self._commits.record(v)
 
-    async def _agree(self, key: tuple[int, int], vid: int, others: list[str], timeout: float) -> None:
-        """Commit our part to every other member, then wait for all of theirs (raises if one failed)."""
-        if not others:
-            return
-        self._announce(key, vid, others, commit=True)
-        event = self._vote_events.setdefault(key, asyncio.Event())
-        deadline = time.monotonic() + max(0.1, timeout)
-        while True:
-            votes = self._votes.get(key, {})
-            missing = []
-            for node in others:
-                v = votes.get(node)
-                if v is not None and not v.commit:
-                    raise RoundAborted(f"{node} reports the round failed there")
-                if v is None or v.view_id != vid:
-                    missing.append(node)
-            if not missing:
-                return
-            gone = [n for n in missing if self.membership is not None and not self.membership.is_alive(n)]
-            if gone:
-                raise RoundAborted(f"member(s) {', '.join(gone)} left before committing")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no commit from {', '.join(missing)} in time")
-            event.clear()
-            # re-check liveness now and then: a member can die without sending anything
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), min(left, 0.5))
+    def _send_vote(self, node: str, key: tuple[int, int], vid: int, commit: bool) -> Coroutine[Any, Any, None] | None:
+        link = self._links.get(node)
+        if link is None:
+            return None
+        return link.vote(key[0], key[1], vid, commit, self.config.transport.rpc_deadline_s)
 
-    def _announce(self, key: tuple[int, int], vid: int, others: list[str], *, commit: bool) -> None:
-        """Send our vote to every other member without waiting (failures surface through liveness)."""
-        limit = self.config.transport.rpc_deadline_s
-        for node in others:
-            link = self._links.get(node)
-            if link is None:
-                continue
-            task = asyncio.ensure_future(link.vote(key[0], key[1], vid, commit, limit))
-            task.add_done_callback(_quiet)
+    def _is_alive(self, node: str) -> bool:
+        return self.membership is None or self.membership.is_alive(node)
 
     def set_training_info(self, info: TrainingInfo) -> None:
         """What this node trains and at which step, as its Status reports it (replaced whole)."""
@@ -596,19 +559,19 @@ class Peer:
         )
         rnd = RingRound(spec, flat, stream)
         others = [p.node_id for p in members if p.node_id != self.config.node_id]
-        early = [v.sender for v in self._votes.get(key, {}).values() if not v.commit and v.sender in others]
-        if early:  # a member gave this round up before it even opened here
-            rnd.fail(f"{early[0]} reports the round failed there")
+        early = self._commits.failed_before(key, others)
+        if early is not None:  # a member gave this round up before it even opened here
+            rnd.fail(f"{early} reports the round failed there")
         self.rounds.open(key, rnd, (p.node_id for p in members))
         limit = timeout or self.config.transport.round_timeout_s
         try:
             await self._run(rnd, stream, limit)
             # all-or-none: the result counts only once every member of the view finished its part
-            await self._agree(key, vid, others, limit - (time.perf_counter() - t0))
+            await self._commits.agree(key, vid, others, limit - (time.perf_counter() - t0))
         except (PeerError, TimeoutError, RoundAborted) as exc:
             rnd.fail(str(exc))
             self.rounds_failed += 1
-            self._announce(key, vid, others, commit=False)
+            self._commits.announce(key, vid, others, commit=False)
             if isinstance(exc, PeerError) and exc.status == Status.VIEW_MISMATCH:
                 log.info("round %s: members disagree about who is alive (%s); skipped", key, exc.detail)
             raise RoundFailed(key, str(exc) or type(exc).__name__) from None
@@ -617,8 +580,7 @@ class Peer:
             raise
         finally:
             self.rounds.close(key)
-            self._votes.pop(key, None)
-            self._vote_events.pop(key, None)
+            self._commits.forget(key)
         _unflatten(flat[:numel], out if out is not None else tensors)
         self.rounds_completed += 1
         return RoundResult(
@@ -782,9 +744,3 @@ def _link_codec_fields(links: RingCodecPlan | None, rank: int, world: int) -> di
         "gather_codec": get_codec(links.gather) if fitting else None,
         "allowed_codecs": tuple(get_codec(c).wire_id for c in links.allowed),
     }
-
-
-def _quiet(task: asyncio.Future[None]) -> None:
-    """Votes are fire-and-forget: a lost one shows up as a missing commit or a dead member."""
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("vote not delivered: %s", task.exception())

@@ -1,0 +1,101 @@
+"""All-or-none commit of a round: each member's vote, and the wait for every member's commit.
+
+A member that finished its part of a round sends a commit vote to every other member and applies the
+result only once every member's commit (for the same view) is in; a member whose round failed votes
+"failed" and the others give up at once. So a round either completes everywhere or is applied nowhere.
+Votes may arrive before our own part of the round is done, so they are kept per round (bounded).
+Runs on the peer's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from dreamp2p.collective.ring import RoundAborted
+from dreamp2p.messages import Vote
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int]  # (group id, round id)
+# Rounds whose votes are remembered (votes may arrive before our own part of the round finishes).
+MAX_VOTE_ROUNDS = 4096
+# How often a wait for commits re-checks liveness: a member can die without sending anything.
+LIVENESS_RECHECK_S = 0.5
+
+SendVote = Callable[[str, Key, int, bool], Coroutine[Any, Any, None] | None]
+
+
+class CommitVotes:
+    def __init__(self, node_id: str, send: SendVote, is_alive: Callable[[str], bool]) -> None:
+        self.node_id = node_id
+        self._send = send  # coroutine that sends our vote to a member (None: no link to it)
+        self._is_alive = is_alive
+        self._votes: dict[Key, dict[str, Vote]] = {}
+        self._events: dict[Key, asyncio.Event] = {}
+
+    def record(self, v: Vote) -> None:
+        """Keep a member's vote and wake a wait on its round."""
+        key = (v.group_id, v.round_id)
+        if key not in self._votes and len(self._votes) >= MAX_VOTE_ROUNDS:
+            del self._votes[next(iter(self._votes))]  # oldest first: dicts keep insertion order
+        self._votes.setdefault(key, {})[v.sender] = v
+        event = self._events.get(key)
+        if event is not None:
+            event.set()
+
+    def failed_before(self, key: Key, members: Sequence[str]) -> str | None:
+        """A member of ``members`` that already voted the round failed (before it opened here), if any."""
+        for v in self._votes.get(key, {}).values():
+            if not v.commit and v.sender in members:
+                return v.sender
+        return None
+
+    def announce(self, key: Key, vid: int, others: Sequence[str], *, commit: bool) -> None:
+        """Send our vote to every other member without waiting (failures surface through liveness)."""
+        for node in others:
+            coro = self._send(node, key, vid, commit)
+            if coro is not None:
+                asyncio.ensure_future(coro).add_done_callback(_quiet)
+
+    async def agree(self, key: Key, vid: int, others: Sequence[str], timeout: float) -> None:
+        """Commit our part to every other member, then wait for all of theirs (raises if one failed)."""
+        if not others:
+            return
+        self.announce(key, vid, others, commit=True)
+        event = self._events.setdefault(key, asyncio.Event())
+        deadline = time.monotonic() + max(0.1, timeout)
+        while True:
+            votes = self._votes.get(key, {})
+            missing = []
+            for node in others:
+                v = votes.get(node)
+                if v is not None and not v.commit:
+                    raise RoundAborted(f"{node} reports the round failed there")
+                if v is None or v.view_id != vid:
+                    missing.append(node)
+            if not missing:
+                return
+            gone = [n for n in missing if not self._is_alive(n)]
+            if gone:
+                raise RoundAborted(f"member(s) {', '.join(gone)} left before committing")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no commit from {', '.join(missing)} in time")
+            event.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), min(left, LIVENESS_RECHECK_S))
+
+    def forget(self, key: Key) -> None:
+        self._votes.pop(key, None)
+        self._events.pop(key, None)
+
+
+def _quiet(task: asyncio.Future[None]) -> None:
+    """Votes are fire-and-forget: a lost one shows up as a missing commit or a dead member."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("vote not delivered: %s", task.exception())
