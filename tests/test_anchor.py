@@ -57,8 +57,8 @@ def test_bad_anchor_settings_are_refused(bad: dict[str, object], message: str) -
         SyncConfig(**bad)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("adaptive", "expected"), [(True, (1.0, 0.0)), (False, (1.0, 0.0))])
-def test_group_outer_defaults_to_plain_averaging(adaptive: bool, expected: tuple[float, float]) -> None:
+@pytest.mark.parametrize(("adaptive", "expected"), [(True, (1.0, 0.5)), (False, (1.0, 0.0))])
+def test_group_outer_defaults_by_inner_optimizer(adaptive: bool, expected: tuple[float, float]) -> None:
     assert SyncConfig().with_outer_defaults(adaptive).group_outer == expected
     assert SyncConfig(group_outer_lr=0.5).with_outer_defaults(adaptive).group_outer == (0.5, expected[1])
     with pytest.raises(ValueError, match="unresolved"):

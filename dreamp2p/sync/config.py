@@ -17,6 +17,13 @@ BUFFER_MODES = ("average", "broadcast")
 # overshoots, so plain averaging of the pseudo-gradient (lr 1, momentum 0) is the default there.
 ADAPTIVE_OUTER = (0.7, 0.9)
 PLAIN_OUTER = (1.0, 0.0)
+# DreamDDP's per-layer outer step over an adaptive inner optimizer: lr 1 with Nesterov momentum 0.5 (a 2x
+# step at steady state). Measured (docs/BENCHMARKS.md): on bench lm (AdamW 3e-4, H 20, 200 steps) held-out
+# 2.4169 against 2.4381 with 0.7/0.9 and 2.4662 with plain averaging; on the demo (AdamW 3e-3, H 10,
+# 1 minute) eval 1.56-1.59 against 2.04-2.08 with 0.7/0.9 and 1.58-1.65 plain. DiLoCo's 0.7/0.9 (a 7x
+# step) suits its 500-step periods, not syncs every few steps. Over SGD, plain averaging (PLAIN_OUTER):
+# on bench digits (SGD momentum 0.9) 0.9806 against 0.9778 with 1/0.5.
+GROUP_OUTER_ADAPTIVE = (1.0, 0.5)
 REMOVED_KEYS = {
     "round_timeout_s": "sync rounds are governed by [node.transport] round_timeout_s; set it there",
 }
@@ -159,14 +166,15 @@ class SyncConfig:
     def with_outer_defaults(self, adaptive_inner: bool) -> SyncConfig:
         """Fill the outer optimizer settings left unset from the kind of inner optimizer (see PLAIN_OUTER)."""
         lr, momentum = ADAPTIVE_OUTER if adaptive_inner else PLAIN_OUTER
+        group_lr, group_momentum = GROUP_OUTER_ADAPTIVE if adaptive_inner else PLAIN_OUTER
         return replace(
             self,
             outer_lr=self.outer_lr if self.outer_lr is not None else lr,
             outer_momentum=self.outer_momentum if self.outer_momentum is not None else momentum,
             # DreamDDP's per-layer step: plain averaging for every inner optimizer (make demo over AdamW,
             # ~600 steps: eval loss 1.58-1.65 plain against 2.04-2.08 with Nesterov 0.7/0.9)
-            group_outer_lr=self.group_outer_lr if self.group_outer_lr is not None else PLAIN_OUTER[0],
-            group_outer_momentum=self.group_outer_momentum if self.group_outer_momentum is not None else PLAIN_OUTER[1],
+            group_outer_lr=self.group_outer_lr if self.group_outer_lr is not None else group_lr,
+            group_outer_momentum=self.group_outer_momentum if self.group_outer_momentum is not None else group_momentum,
         )
 
     def shared_settings(self) -> dict[str, str]:
