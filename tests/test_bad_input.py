@@ -27,13 +27,14 @@ import grpc
 import pytest
 import torch
 import xxhash
+from conftest import ring_configs, running_ring
 from grpc import aio
 
 import dreamp2p.peer.rounds as rounds_module
 from dreamp2p import PROTOCOL_VERSION
 from dreamp2p.collective.partition import reduce_scatter_recv, split_segments
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
-from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig
+from dreamp2p.config import TransportConfig
 from dreamp2p.errors import RoundFailed, Status
 from dreamp2p.peer import MAX_PROBE_BYTES, MAX_ROUNDS_AHEAD, Peer
 from dreamp2p.peer.membership import view_id
@@ -63,29 +64,12 @@ PUSH = "/dreamp2p.v1.Peer/Push"
 # ---------------------------------------------------------------------------------------------- peers
 
 
-@contextlib.asynccontextmanager
-async def running_ring(size: int = 2, transport: TransportConfig = TRANSPORT) -> AsyncIterator[list[Peer]]:
-    """Start ``size`` token-protected peers ``p0..`` on ephemeral ports and connect them into one ring."""
-    peers = [
-        Peer(
-            PeerConfig(
-                node_id=f"p{i}",
-                cluster_id=CLUSTER,
-                token=TOKEN,
-                manifest_hash=MANIFEST,
-                transport=transport,
-            )
-        )
-        for i in range(size)
-    ]
-    try:
-        for p in peers:
-            await p.start()
-        ring = [PeerInfo(p.config.node_id, p.address) for p in peers]
-        await asyncio.gather(*(p.connect(ring, timeout=5.0) for p in peers))
-        yield peers
-    finally:
-        await asyncio.gather(*(p.close(grace=0.1) for p in peers))
+def token_ring(
+    size: int = 2, transport: TransportConfig = TRANSPORT
+) -> contextlib.AbstractAsyncContextManager[list[Peer]]:
+    """``size`` token-protected peers ``p0..`` on ephemeral ports, connected into one ring (closed after)."""
+    configs = ring_configs(size, cluster_id=CLUSTER, token=TOKEN, manifest_hash=MANIFEST, transport=transport)
+    return running_ring(configs, timeout=5.0)
 
 
 class Attacker:
@@ -127,7 +111,7 @@ class Attacker:
 
 @pytest.fixture
 async def ring2() -> AsyncIterator[list[Peer]]:
-    async with running_ring(2) as peers:
+    async with token_ring(2) as peers:
         yield peers
 
 
@@ -581,7 +565,7 @@ async def test_frame_for_finished_rounds_is_stale(ring2: list[Peer], attacker: A
 
 async def test_frame_from_a_member_that_is_not_the_predecessor() -> None:
     """In the ring [p0, p1, p2], p1's rounds take frames from p0 only: p2 gets UNKNOWN_PEER."""
-    async with running_ring(3) as peers:
+    async with token_ring(3) as peers:
         p1 = peers[1]
         attacker = Attacker(p1.address)
         try:
@@ -615,7 +599,7 @@ async def test_oversize_frame_is_resource_exhausted(n: int, status: Status | Non
         round_timeout_s=5.0,
         rpc_deadline_s=5.0,
     )
-    async with running_ring(2, small) as peers:
+    async with token_ring(2, small) as peers:
         p1 = peers[1]
         attacker = Attacker(p1.address)
         try:
@@ -670,7 +654,7 @@ async def test_bad_zstd_frame_is_refused(
 ) -> None:
     """On a zstd ring: a decompression bomb, a lying raw_length, a corrupt stream, compressed NaN."""
     transport = TransportConfig(probe_interval_s=3600.0, round_timeout_s=5.0, rpc_deadline_s=5.0, zstd=True)
-    async with running_ring(2, transport) as peers:
+    async with token_ring(2, transport) as peers:
         attacker = Attacker(peers[1].address)
         try:
             await attacker.handshake(node_id="p0")
@@ -687,7 +671,7 @@ async def test_bad_zstd_frame_is_refused(
 async def test_frame_for_round_that_never_opens_times_out() -> None:
     """A frame ahead of the peer waits for its round at most round_timeout_s, then DEADLINE_EXCEEDED."""
     transport = TransportConfig(probe_interval_s=3600.0, round_timeout_s=0.3, rpc_deadline_s=5.0)
-    async with running_ring(2, transport) as peers:
+    async with token_ring(2, transport) as peers:
         attacker = Attacker(peers[1].address)
         try:
             await attacker.handshake(node_id="p0")
@@ -702,7 +686,7 @@ async def test_timed_out_waits_do_not_exhaust_pending_rounds(monkeypatch: pytest
     """Frames for rounds that never open time out; afterwards nothing is pending, so a new one may wait."""
     monkeypatch.setattr(rounds_module, "MAX_PENDING_ROUNDS", 2)  # the real 256 behaves the same, slower
     transport = TransportConfig(probe_interval_s=3600.0, round_timeout_s=0.3, rpc_deadline_s=5.0)
-    async with running_ring(2, transport) as peers:
+    async with token_ring(2, transport) as peers:
         attacker = Attacker(peers[1].address)
         try:
             await attacker.handshake(node_id="p0")

@@ -59,13 +59,14 @@ import pytest
 import torch
 import xxhash
 import zstandard
+from conftest import start_ring
 from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
 from dreamp2p import PROTOCOL_VERSION
 from dreamp2p.collective.partition import all_gather_recv, reduce_scatter_recv, split_segments
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
-from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig
+from dreamp2p.config import PeerConfig, TransportConfig
 from dreamp2p.errors import RoundFailed, Status
 from dreamp2p.messages import Hello
 from dreamp2p.peer import MAX_PROBE_BYTES, MAX_ROUNDS_AHEAD, Peer
@@ -564,15 +565,12 @@ class Cluster:
 
 
 async def _start_ring() -> tuple[Peer, Peer]:
-    peers = [
-        Peer(PeerConfig(node_id=node, cluster_id=CLUSTER, token=TOKEN, manifest_hash=MANIFEST, transport=transport))
+    configs = [
+        PeerConfig(node_id=node, cluster_id=CLUSTER, token=TOKEN, manifest_hash=MANIFEST, transport=transport)
         for node, transport in zip(RING, (P0_TRANSPORT, P1_TRANSPORT), strict=True)
     ]
-    for p in peers:
-        await p.start()
-    ring = [PeerInfo(p.config.node_id, p.address) for p in peers]
-    await asyncio.gather(*(p.connect(ring, timeout=5.0) for p in peers))
-    return peers[0], peers[1]
+    p0, p1 = await start_ring(configs, timeout=5.0)
+    return p0, p1
 
 
 async def _close_ring(p0: Peer, p1: Peer) -> None:

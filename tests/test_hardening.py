@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -19,6 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
+from conftest import make_certs
 from grpc import aio
 
 from dreamp2p import PROTOCOL_VERSION
@@ -318,17 +318,10 @@ async def test_every_rpc_refuses_a_bad_or_missing_token(method: Any) -> None:
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two CAs from deploy/tls/make-certs.sh, each with one certificate for localhost / 127.0.0.1."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
     out: dict[str, Path] = {}
     for ca in ("cluster", "stranger"):
         d = tmp_path_factory.mktemp(ca)
-        subprocess.run(
-            ["bash", str(MAKE_CERTS), "--out", str(d), "--days", "2", "localhost,127.0.0.1"],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
+        make_certs(d)
         out[ca] = d
     return out
 

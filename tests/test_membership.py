@@ -8,9 +8,10 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from conftest import ring_configs, start_ring
 
 from dreamp2p.collective.ring import RoundAborted
-from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig
+from dreamp2p.config import TransportConfig
 from dreamp2p.errors import RoundFailed
 from dreamp2p.peer import Peer
 from dreamp2p.peer.commit import CommitVotes
@@ -84,12 +85,7 @@ def test_view_ids_differ_by_members_and_order() -> None:
 
 async def _ring(n: int, **transport: object) -> list[Peer]:
     t = TransportConfig(**{"heartbeat_s": 0.2, "round_timeout_s": 20.0, **transport})  # type: ignore[arg-type]
-    peers = [Peer(PeerConfig(node_id=f"p{i}", transport=t)) for i in range(n)]
-    for p in peers:
-        await p.start()
-    ring = [PeerInfo(f"p{i}", p.address) for i, p in enumerate(peers)]
-    await asyncio.gather(*(p.connect(ring) for p in peers))
-    return peers
+    return await start_ring(ring_configs(n, transport=t))
 
 
 async def _wait_for(cond: object, timeout: float = 10.0) -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_certs, ring_configs, start_ring
 
 from dreamp2p.config import PeerConfig, PeerInfo, TLSConfig, TransportConfig
 from dreamp2p.errors import PeerError, RoundFailed, Status
@@ -18,19 +19,7 @@ from dreamp2p.transport.client import Link
 
 
 async def make_ring(n: int, **kw: object) -> list[Peer]:
-    peers = [Peer(PeerConfig(node_id=f"p{i}", **kw)) for i in range(n)]  # type: ignore[arg-type]
-    for p in peers:
-        await p.start()
-    ring = [PeerInfo(f"p{i}", p.address) for i, p in enumerate(peers)]
-    await asyncio.gather(*(p.connect(ring) for p in peers))
-    return peers
-
-
-@pytest.fixture
-async def ring3() -> AsyncIterator[list[Peer]]:
-    peers = await make_ring(3)
-    yield peers
-    await asyncio.gather(*(p.close() for p in peers))
+    return await start_ring(ring_configs(n, **kw))
 
 
 async def average(peers: Sequence[Peer], data: Sequence[list[torch.Tensor]], **kw: object) -> None:
@@ -182,67 +171,9 @@ async def test_connect_refuses_other_cluster() -> None:
         await b.close()
 
 
-def _make_certs(tmp: Path) -> dict[str, str]:
-    """A CA and one leaf certificate for 'localhost', made with the openssl CLI."""
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp)
-
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=dreamp2p-test-ca",
-    )
-    run(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "node.key",
-        "-out",
-        "node.csr",
-        "-subj",
-        "/CN=localhost",
-    )
-    (tmp / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
-    run(
-        "x509",
-        "-req",
-        "-in",
-        "node.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "node.pem",
-        "-days",
-        "1",
-        "-extfile",
-        "ext.cnf",
-    )
-    return {
-        "cert_file": str(tmp / "node.pem"),
-        "key_file": str(tmp / "node.key"),
-        "ca_file": str(tmp / "ca.pem"),
-    }
-
-
 @pytest.mark.parametrize("mutual", [False, True])
 async def test_tls_ring(tmp_path: Path, mutual: bool) -> None:
-    files = _make_certs(tmp_path)
+    files = make_certs(tmp_path)
     tls = TLSConfig(**files, mutual=mutual, server_name_override="localhost")
     peers = await make_ring(2, tls=tls, token="t")
     try:
@@ -254,7 +185,7 @@ async def test_tls_ring(tmp_path: Path, mutual: bool) -> None:
 
 
 async def test_plain_client_cannot_talk_to_tls_peer(tmp_path: Path) -> None:
-    files = _make_certs(tmp_path)
+    files = make_certs(tmp_path)
     peer = Peer(PeerConfig(node_id="p0", tls=TLSConfig(**files, mutual=True)))
     await peer.start()
     try:
@@ -283,7 +214,7 @@ async def test_emulated_delay_adds_latency_not_throughput_loss() -> None:
 async def test_status_cli_over_mutual_tls(tmp_path: Path) -> None:
     import sys
 
-    files = _make_certs(tmp_path)
+    files = make_certs(tmp_path)
     peer = Peer(PeerConfig(node_id="p0", tls=TLSConfig(**files, mutual=True)))
     await peer.start()
     try:

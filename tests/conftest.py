@@ -1,0 +1,76 @@
+"""What many test files share: a ring of real peers on loopback (127.0.0.1) and TLS material.
+
+Helpers are imported by name (``from conftest import start_ring``); pytest puts this folder on the path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.peer import Peer
+
+ROOT = Path(__file__).resolve().parents[1]
+MAKE_CERTS = ROOT / "deploy" / "tls" / "make-certs.sh"
+
+
+def ring_configs(n: int, **fields: Any) -> list[PeerConfig]:
+    """``n`` peer configs named p0, p1, ... sharing ``fields`` (PeerConfig keyword arguments)."""
+    return [PeerConfig(node_id=f"p{i}", **fields) for i in range(n)]
+
+
+async def start_ring(configs: Sequence[PeerConfig], timeout: float | None = None) -> list[Peer]:
+    """Start one peer per config on an ephemeral loopback port and connect them all into one ring."""
+    peers = [Peer(c) for c in configs]
+    started: list[Peer] = []
+    try:
+        for p in peers:
+            await p.start()
+            started.append(p)
+        ring = [PeerInfo(p.config.node_id, p.address) for p in peers]
+        await asyncio.gather(*(p.connect(ring, timeout=timeout) for p in peers))
+    except BaseException:
+        await asyncio.gather(*(p.close(grace=0.1) for p in started))
+        raise
+    return peers
+
+
+@contextlib.asynccontextmanager
+async def running_ring(
+    configs: Sequence[PeerConfig], timeout: float | None = None, grace: float = 0.1
+) -> AsyncIterator[list[Peer]]:
+    """:func:`start_ring`, closed again on the way out."""
+    peers = await start_ring(configs, timeout)
+    try:
+        yield peers
+    finally:
+        await asyncio.gather(*(p.close(grace=grace) for p in peers))
+
+
+def make_certs(out: Path, names: str = "localhost,127.0.0.1") -> dict[str, str]:
+    """A CA and one certificate for ``names``, made by the shipped deploy/tls/make-certs.sh (openssl)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    subprocess.run(
+        ["bash", str(MAKE_CERTS), "--out", str(out), "--days", "2", names], check=True, capture_output=True, timeout=60
+    )
+    return {
+        "cert_file": str(out / "localhost.pem"),
+        "key_file": str(out / "localhost.key"),
+        "ca_file": str(out / "ca.pem"),
+    }
+
+
+@pytest.fixture
+async def ring3() -> AsyncIterator[list[Peer]]:
+    """Three default peers on loopback, connected into one ring."""
+    async with running_ring(ring_configs(3), grace=2.0) as peers:
+        yield peers
