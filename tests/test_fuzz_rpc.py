@@ -592,7 +592,7 @@ def _snapshot(p1: Peer, victim_key: tuple[int, int] | None) -> PeerState:
             done=rnd.done.done(),
         )
     return PeerState(
-        admitted=dict(p1._admitted),
+        admitted=p1.admitted(),
         next_round=registry.next_round,
         closed=registry.closed,
         open_rounds=registry.open_rounds,

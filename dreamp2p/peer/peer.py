@@ -41,6 +41,7 @@ from dreamp2p.messages import (
     TrainingInfo,
     Vote,
 )
+from dreamp2p.peer.admission import Admission
 from dreamp2p.peer.commit import CommitVotes
 from dreamp2p.peer.guard import ContributionGuard
 from dreamp2p.peer.membership import Membership, view_id
@@ -70,7 +71,9 @@ class Peer:
         self.port = 0
         self._ring: tuple[PeerInfo, ...] = ()
         self._links: dict[str, Link] = {}
-        self._admitted: dict[str, Hello] = {}
+        # whose handshakes we accepted, and the members we refused for their model or settings: our own
+        # handshakes with those fail at once with the same words (see _introduce)
+        self._admission = Admission()
         self.rounds = RoundRegistry(config.transport.round_timeout_s)
         self._zstd = ZstdStage(config.transport.zstd_level) if config.transport.zstd else None
         self._prober: asyncio.Task[None] | None = None
@@ -102,9 +105,6 @@ class Peer:
         self.ready = True
         # training settings every member must share (see `dreamp2p.settings`); empty until declared
         self._settings: tuple[tuple[str, str], ...] = ()
-        # members we refused for their model or settings: our own handshakes with them fail at once, with
-        # the same words, instead of retrying a member that already gave up (see _introduce)
-        self._conflicts: dict[str, PeerError] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -202,8 +202,9 @@ class Peer:
         task = asyncio.ensure_future(link.handshake(hello, timeout))
         try:
             while not task.done():
-                if node in self._conflicts:
-                    raise self._conflicts[node]
+                conflict = self._admission.conflict_with(node)
+                if conflict is not None:
+                    raise conflict
                 await asyncio.wait({task}, timeout=0.1)
             return task.result()
         finally:
@@ -273,38 +274,10 @@ class Peer:
     # ------------------------------------------------------------------ server backend
 
     def admit(self, hello: Hello) -> Hello:
+        """Accept a member's handshake (PeerError saying why not) and answer with our own hello."""
         mine = self.hello()
-        if hello.cluster_id != mine.cluster_id:
-            raise PeerError(
-                Status.CLUSTER_MISMATCH, f"cluster {hello.cluster_id!r}, this peer is in {mine.cluster_id!r}"
-            )
-        if hello.protocol_version != PROTOCOL_VERSION:
-            raise PeerError(
-                Status.VERSION_MISMATCH,
-                f"protocol version {hello.protocol_version}, this peer speaks {PROTOCOL_VERSION}",
-            )
-        if hello.manifest_hash != mine.manifest_hash:
-            err = PeerError(
-                Status.MANIFEST_MISMATCH,
-                f"{hello.node_id}'s model manifest {hello.manifest_hash.hex()[:16]} differs from "
-                f"{mine.node_id}'s {mine.manifest_hash.hex()[:16]} (names, shapes or dtypes of the model state)",
-            )
-            log.error("refusing %s: %s", hello.node_id, err.detail)
-            self._conflicts[hello.node_id] = err
-            raise err
-        allowed = {p.node_id for p in (self._ring or self.config.ring)}
-        if allowed and hello.node_id not in allowed:
-            raise PeerError(Status.UNKNOWN_PEER, f"node {hello.node_id!r} is not a member of this ring")
-        codec = get_codec(self.config.codec).wire_id
-        if codec not in hello.codecs:
-            raise PeerError(Status.UNKNOWN_CODEC, f"peer cannot decode codec {self.config.codec}")
-        differ = settings_mismatch(dict(self._settings), dict(hello.settings), self.config.node_id, hello.node_id)
-        if differ is not None:
-            log.error("refusing %s: %s", hello.node_id, differ)
-            self._conflicts[hello.node_id] = PeerError(Status.CONFIG_MISMATCH, differ)
-            raise self._conflicts[hello.node_id]
-        self._conflicts.pop(hello.node_id, None)  # it came back with matching settings
-        self._admitted[hello.node_id] = hello
+        members = {p.node_id for p in (self._ring or self.config.ring)}
+        self._admission.admit(hello, mine, members, get_codec(self.config.codec).wire_id, self.config.codec)
         return mine
 
     async def accept_frame(self, frame: Frame) -> None:
@@ -312,7 +285,7 @@ class Peer:
             raise PeerError(Status.SHUTTING_DOWN, "peer shutting down")
         if not self.ready:
             raise PeerError(Status.JOINING, "joining: no training state yet, so no part in rounds")
-        if frame.sender not in self._admitted:
+        if not self._admission.is_admitted(frame.sender):
             if any(p.node_id == frame.sender for p in self._ring):
                 # a member that handshook with this node's previous process: it must introduce itself again
                 raise PeerError(
@@ -379,15 +352,19 @@ class Peer:
         self.ready = False
         self.rounds.refuse_waiting(PeerError(Status.JOINING, "joining: no training state yet, so no part in rounds"))
 
+    def admitted(self) -> dict[str, Hello]:
+        """Every member whose handshake this process accepted (a copy)."""
+        return self._admission.admitted()
+
     def is_admitted(self, sender: str) -> bool:
         """Whether ``sender`` completed a handshake with this process (gate for every non-handshake call)."""
-        return sender in self._admitted
+        return self._admission.is_admitted(sender)
 
     def note_rejected(self, err: PeerError) -> None:
         self.frames_rejected += 1
 
     def note_probe(self, sender: str, nbytes: int) -> None:
-        if self.membership is not None and sender in self._admitted:
+        if self.membership is not None and self._admission.is_admitted(sender):
             self.membership.heard(sender, time.monotonic(), revive=False)
         link = self._links.get(sender)
         if link is not None:
