@@ -251,6 +251,9 @@ class CO2(Strategy):
         self._launched: torch.Tensor | None = None  # local parameters sent in the round in flight
         self._fut: concurrent.futures.Future[RoundResult] | None = None
         self._gap = FlatGroup([torch.zeros(1)])  # this member's last gap, averaged with the parameters
+        # no gap before the first landing: 0 (FlatGroup buffers start uninitialized)
+        self._gap.snap.zero_()
+        self._gap.work.zero_()
         self._gap_fut: concurrent.futures.Future[RoundResult] | None = None
         self._mean_gap = 0.0
         self.last_penalty = 1.0
