@@ -45,6 +45,7 @@ from dreamp2p.peer.admission import Admission
 from dreamp2p.peer.commit import CommitVotes
 from dreamp2p.peer.guard import ContributionGuard
 from dreamp2p.peer.membership import Membership, view_id
+from dreamp2p.peer.probing import probe_forever, probe_once
 from dreamp2p.peer.rounds import RoundRegistry
 from dreamp2p.schedule.chunking import choose_chunk_bytes
 from dreamp2p.schedule.linkcodec import RingCodecPlan
@@ -187,7 +188,8 @@ class Peer:
             raise PeerError(Status.TIMEOUT, "no member of the ring answered the handshake")
         self.view = self.membership.view()
         if self._prober is None and cfg.transport.probe_interval_s > 0:
-            self._prober = asyncio.create_task(self._probe_loop(), name=f"probe-{cfg.node_id}")
+            probe = probe_forever(self._links.values, cfg.transport.probe_interval_s, cfg.transport.probe_burst_bytes)
+            self._prober = asyncio.create_task(probe, name=f"probe-{cfg.node_id}")
         if self._heart is None and cfg.transport.heartbeat_s > 0 and len(ring) > 1:
             self._heart = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{cfg.node_id}")
 
@@ -607,25 +609,7 @@ class Peer:
             if rnd.done.done() and not rnd.done.cancelled():
                 rnd.done.exception()
 
-    # ------------------------------------------------------------------ probing
-
-    async def _probe_loop(self) -> None:
-        interval = self.config.transport.probe_interval_s
-        burst = self.config.transport.probe_burst_bytes
-        tick = 0
-        while True:
-            await asyncio.sleep(interval)
-            tick += 1
-            for link in list(self._links.values()):
-                idle = time.monotonic() - link.stats.last_activity >= interval
-                try:
-                    await link.probe_rtt()  # a tiny echo costs nothing even on a busy link
-                    if idle and (link.stats.samples == 0 or tick % 4 == 0):
-                        # busy links are measured passively from real transfers
-                        await link.probe_bandwidth(burst)
-                        link.stats.last_activity = time.monotonic()
-                except PeerError as exc:
-                    log.warning("probe of %s failed: %s", link.dest.node_id, exc)
+    # ------------------------------------------------------------------ liveness
 
     async def _heartbeat_loop(self) -> None:
         t = self.config.transport
@@ -673,9 +657,7 @@ class Peer:
 
     async def probe_now(self, burst_bytes: int | None = None) -> list[LinkSnapshot]:
         """Measure every link once (RTT echo + burst) and return the snapshots."""
-        for link in self._links.values():
-            await link.probe_rtt()
-            await link.probe_bandwidth(burst_bytes or self.config.transport.probe_burst_bytes)
+        await probe_once(self._links.values(), burst_bytes or self.config.transport.probe_burst_bytes)
         return self.link_snapshots()
 
 

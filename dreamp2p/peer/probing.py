@@ -1,0 +1,45 @@
+"""The active link probe: a tiny echo on every link each interval, and a bandwidth burst on idle ones.
+
+Busy links are measured passively from real transfers (see `transport.linkstats`); a link with no
+traffic for a whole interval gets a burst now and then, so a plan made for a link that went quiet or
+changed rate still has a current goodput. Runs on the peer's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from dreamp2p.errors import PeerError
+from dreamp2p.transport.client import Link
+
+log = logging.getLogger(__name__)
+
+# An idle link gets a bandwidth burst every this many probe intervals (the first one at once).
+BURST_EVERY = 4
+
+
+async def probe_forever(links: Callable[[], Iterable[Link]], interval_s: float, burst_bytes: int) -> None:
+    """Probe ``links()`` every ``interval_s`` until cancelled; a failed probe is logged, never raised."""
+    tick = 0
+    while True:
+        await asyncio.sleep(interval_s)
+        tick += 1
+        for link in list(links()):
+            idle = time.monotonic() - link.stats.last_activity >= interval_s
+            try:
+                await link.probe_rtt()  # a tiny echo costs nothing even on a busy link
+                if idle and (link.stats.samples == 0 or tick % BURST_EVERY == 0):
+                    await link.probe_bandwidth(burst_bytes)
+                    link.stats.last_activity = time.monotonic()
+            except PeerError as exc:
+                log.warning("probe of %s failed: %s", link.dest.node_id, exc)
+
+
+async def probe_once(links: Iterable[Link], burst_bytes: int) -> None:
+    """Measure every link now: an RTT echo and a burst each."""
+    for link in links:
+        await link.probe_rtt()
+        await link.probe_bandwidth(burst_bytes)
