@@ -19,8 +19,6 @@ from dreamp2p.sync.collective import Collective
 from dreamp2p.sync.groups import GROUP_BUFFERS
 from dreamp2p.sync.layers import FlatGroup
 
-# Collective group id of buffer rounds (see `dreamp2p.sync.base` for the others).
-
 
 def frozen_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Parameters that no optimizer moves (``requires_grad=False``), each once (tied weights)."""
