@@ -28,6 +28,7 @@ from dreamp2p.devtools.localrun import (
     wait_started,
     write_configs,
 )
+from dreamp2p.service.metrics import RecordKind
 
 POLL_S = 0.25  # how often the daemons are checked for an early exit
 PROGRESS_S = 10.0  # how often progress is printed
@@ -37,8 +38,8 @@ def _progress_line(run_dir: Path, names: list[str]) -> list[str]:
     rows = []
     for name in names:
         recs = read_records(run_dir, name)
-        steps = [r for r in recs if r.get("kind") == "step"][-20:]
-        links = [r for r in recs if r.get("kind") == "link"]
+        steps = [r for r in recs if r.get("kind") == RecordKind.STEP][-20:]
+        links = [r for r in recs if r.get("kind") == RecordKind.LINK]
         if not steps:
             rows.append(f"  {name:<9} starting...")
             continue
@@ -134,7 +135,7 @@ def run_demo(
     print(summary_table(load_run(run_dir)))
     ok = True
     for name in names:
-        evals = [r["eval_loss"] for r in read_records(run_dir, name) if r.get("kind") == "eval"]
+        evals = [r["eval_loss"] for r in read_records(run_dir, name) if r.get("kind") == RecordKind.EVAL]
         falls = len(evals) >= 2 and evals[-1] < evals[0]
         ok &= falls
         print(f"{name}: eval loss {evals[0]:.3f} -> {evals[-1]:.3f} ({'falls' if falls else 'DOES NOT FALL'})")

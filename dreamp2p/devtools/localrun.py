@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import dreamp2p
+from dreamp2p.service.metrics import RecordKind
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +256,7 @@ def read_records(run_dir: Path, node: str) -> list[dict[str, Any]]:
 
 
 def last_step(run_dir: Path, node: str) -> int:
-    steps = [r["step"] for r in read_records(run_dir, node) if r.get("kind") == "step"]
+    steps = [r["step"] for r in read_records(run_dir, node) if r.get("kind") == RecordKind.STEP]
     return max(steps) if steps else -1
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import IterationTimeline, Plan, simulate
+from dreamp2p.service.metrics import RecordKind
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -110,12 +111,12 @@ def _is_peer(value: object) -> bool:
 _Check = Callable[[object], bool]
 # Fields each kind must have, then fields it may have; numbers are stored as float, ints as int.
 _REQUIRED: dict[str, dict[str, _Check]] = {
-    "step": {"t": _is_time, "step": _is_int, "loss": _is_real},
-    "eval": {"t": _is_time, "step": _is_int, "eval_loss": _is_real},
-    "link": {"t": _is_time, "peer": _is_peer, "goodput_Bps": _is_real, "rtt_s": _is_real},
+    RecordKind.STEP: {"t": _is_time, "step": _is_int, "loss": _is_real},
+    RecordKind.EVAL: {"t": _is_time, "step": _is_int, "eval_loss": _is_real},
+    RecordKind.LINK: {"t": _is_time, "peer": _is_peer, "goodput_Bps": _is_real, "rtt_s": _is_real},
 }
 _OPTIONAL: dict[str, dict[str, _Check]] = {
-    "step": {
+    RecordKind.STEP: {
         "tokens_per_s": _is_real,
         "exposed_s": _is_real,
         "comm_s": _is_real,
@@ -123,13 +124,13 @@ _OPTIONAL: dict[str, dict[str, _Check]] = {
         "bytes_sent": _is_real,
         "plan_version": _is_int,
     },
-    "eval": {},
-    "link": {},
+    RecordKind.EVAL: {},
+    RecordKind.LINK: {},
 }
 
 
 # Records the daemon writes about its own lifecycle: known, but not plotted.
-_LIFECYCLE = frozenset({"start", "resume", "join", "checkpoint", "stop"})
+_LIFECYCLE = frozenset(set(RecordKind) - set(_REQUIRED))
 
 
 def _parse_record(line: str) -> tuple[str, dict[str, Any] | None, str]:

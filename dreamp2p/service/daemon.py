@@ -29,7 +29,7 @@ from dreamp2p.errors import PeerError, RoundFailed
 from dreamp2p.manifest import manifest_hash, param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.checkpoint import agree_resume_step, checkpoint_step, list_checkpoints, load_step, save_checkpoint
-from dreamp2p.service.metrics import NodeMetrics
+from dreamp2p.service.metrics import NodeMetrics, RecordKind
 from dreamp2p.service.tasks import TaskConfig, make_task
 from dreamp2p.sync.config import SyncConfig
 
@@ -170,7 +170,9 @@ def run_node(
     model = task.model()
     node_cfg = dataclasses.replace(node_cfg, manifest_hash=manifest_hash(model.state_dict().items()))
     metrics = NodeMetrics(node_cfg.node_id, cfg.metrics.run_dir)
-    metrics.record("start", device=device, params=sum(p.numel() for p in model.parameters()), resume=resume, join=join)
+    metrics.record(
+        RecordKind.START, device=device, params=sum(p.numel() for p in model.parameters()), resume=resume, join=join
+    )
     if cfg.metrics.listen:
         port = metrics.serve(cfg.metrics.listen)
         log.info("metrics on %s (port %d)", cfg.metrics.listen, port)
@@ -192,12 +194,12 @@ def run_node(
                 restored = decided
         sync = node.attach(model, opt, sync=cfg.sync, broadcast=restored is None, join=join)
         if join:
-            metrics.record("join", step=sync.step_count, digest=param_digest(model), resumed=resume)
+            metrics.record(RecordKind.JOIN, step=sync.step_count, digest=param_digest(model), resumed=resume)
         if restored is not None:
             path, state = restored
             sync.load_state_dict(state["sync"])
             log.info("resumed from %s at step %d", path, sync.step_count)
-            metrics.record("resume", step=sync.step_count, path=str(path), digest=param_digest(model))
+            metrics.record(RecordKind.RESUME, step=sync.step_count, path=str(path), digest=param_digest(model))
         done = threading.Event()
         watcher = threading.Thread(
             target=_abort_when_stuck, args=(stop, done, cfg.stop_grace_s, node), name="stop-watcher", daemon=True
@@ -329,7 +331,7 @@ def _train(
         metrics.plan_version.set(stats.plan_version)
         if step % cfg.metrics.log_every == 0:
             metrics.record(
-                "step",
+                RecordKind.STEP,
                 step=step,
                 loss=value,
                 tokens_per_s=tokens_per_s,
@@ -353,17 +355,19 @@ def _train(
             last_eval = task.evaluate(model)
             first_eval = last_eval if first_eval is None else first_eval
             metrics.eval_loss.set(last_eval)
-            metrics.record("eval", step=step, eval_loss=last_eval)
+            metrics.record(RecordKind.EVAL, step=step, eval_loss=last_eval)
         if (step + 1) % cfg.checkpoint.every_steps == 0:
             sync.close()  # land rounds in flight so the checkpoint is a consistent cut
             path = save_checkpoint(cfg.checkpoint.dir, step + 1, {"sync": sync.state_dict()}, cfg.checkpoint.keep)
             # the digest lets a resume be checked against what was saved (xxh3: cheap beside the write)
-            metrics.record("checkpoint", step=step + 1, path=str(path), digest=param_digest(model))
+            metrics.record(RecordKind.CHECKPOINT, step=step + 1, path=str(path), digest=param_digest(model))
     _drain(sync, node, cfg.stop_grace_s)
     path = save_checkpoint(cfg.checkpoint.dir, sync.step_count, {"sync": sync.state_dict()}, cfg.checkpoint.keep)
     last_eval = task.evaluate(model)
-    metrics.record("eval", step=sync.step_count - 1, eval_loss=last_eval)
-    metrics.record("stop", step=sync.step_count, signal=stop.signal, checkpoint=str(path), digest=param_digest(model))
+    metrics.record(RecordKind.EVAL, step=sync.step_count - 1, eval_loss=last_eval)
+    metrics.record(
+        RecordKind.STOP, step=sync.step_count, signal=stop.signal, checkpoint=str(path), digest=param_digest(model)
+    )
     return {
         "step": sync.step_count,
         "first_eval": first_eval,

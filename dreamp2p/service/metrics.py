@@ -5,6 +5,7 @@ One registry per node (no process globals), so several nodes can live in one pro
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import time
@@ -14,6 +15,21 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from dreamp2p.messages import LinkSnapshot
+
+
+class RecordKind(enum.StrEnum):
+    """The ``kind`` of each line of ``metrics.jsonl``: written here, parsed by `dreamp2p.devtools.report`."""
+
+    STEP = "step"
+    EVAL = "eval"
+    LINK = "link"
+    # the node's lifecycle: known to readers, not plotted
+    START = "start"
+    RESUME = "resume"
+    JOIN = "join"
+    CHECKPOINT = "checkpoint"
+    STOP = "stop"
+
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +68,9 @@ class NodeMetrics:
         self._server = server
         return int(server.server_port)
 
-    def record(self, kind: str, **fields: Any) -> None:
+    def record(self, kind: RecordKind, **fields: Any) -> None:
         if self._log is not None:
-            self._log.write(json.dumps({"kind": kind, "t": time.time(), **fields}) + "\n")
+            self._log.write(json.dumps({"kind": kind.value, "t": time.time(), **fields}) + "\n")
 
     def links(self, snaps: list[LinkSnapshot]) -> None:
         for s in snaps:
@@ -63,7 +79,7 @@ class NodeMetrics:
             self.link_bw.labels(s.peer).set(s.goodput_Bps)
             self.link_rtt.labels(s.peer).set(s.rtt_s)
             if s.goodput_Bps > 0:
-                self.record("link", peer=s.peer, goodput_Bps=s.goodput_Bps, rtt_s=s.rtt_s)
+                self.record(RecordKind.LINK, peer=s.peer, goodput_Bps=s.goodput_Bps, rtt_s=s.rtt_s)
 
     def write_json(self, name: str, data: dict[str, Any]) -> None:
         if self.dir is not None:
