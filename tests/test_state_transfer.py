@@ -27,10 +27,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from dreamp2p import statemeta as meta
 from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.peer import Peer
-from dreamp2p.state import meta
 from dreamp2p.state.donor import KEEP_SNAPSHOTS, StateDonor
 from dreamp2p.state.fetch import FetchedState, StateTransferError, fetch_state
 from dreamp2p.state.snapshot import (

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.state.meta import MAX_RANGE_BYTES
 from dreamp2p.state.snapshot import Snapshot, capture_snapshot
+from dreamp2p.statemeta import MAX_RANGE_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.state.meta import MAX_RANGE_BYTES, StateManifest, TensorMeta
 from dreamp2p.state.snapshot import ChecksumMismatch, skeleton_tensor_names, tensor_from_bytes, unflatten_state
+from dreamp2p.statemeta import MAX_RANGE_BYTES, StateManifest, TensorMeta
 from dreamp2p.transport.client import Link
 
 log = logging.getLogger(__name__)

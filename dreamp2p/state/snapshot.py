@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dreamp2p.state.meta import (
+from dreamp2p.statemeta import (
     MAX_SKELETON_BYTES,
     MAX_TENSORS,
     MAX_TOTAL_BYTES,

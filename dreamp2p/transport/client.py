@@ -21,7 +21,7 @@ from grpc import aio
 from dreamp2p.config import PeerInfo, TLSConfig, TransportConfig
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import Frame, Hello, PeerStatus
-from dreamp2p.state.meta import StateManifest, StateRange
+from dreamp2p.statemeta import StateManifest, StateRange
 from dreamp2p.transport import serde
 from dreamp2p.transport.auth import token_metadata
 from dreamp2p.transport.limiter import TokenBucket

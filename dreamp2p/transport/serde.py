@@ -12,7 +12,7 @@ import grpc
 
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, Phase, TrainingInfo, Vote
-from dreamp2p.state.meta import (
+from dreamp2p.statemeta import (
     MAX_RANGE_BYTES,
     MAX_SKELETON_BYTES,
     MAX_TENSORS,

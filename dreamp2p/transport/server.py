@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import grpc
 from grpc import aio
@@ -16,16 +16,13 @@ from grpc import aio
 from dreamp2p.config import PeerConfig
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import Frame, Hello, PeerStatus, Vote
-from dreamp2p.state.meta import STREAM_CHUNK_BYTES
+from dreamp2p.statemeta import STREAM_CHUNK_BYTES, StateManifest
 from dreamp2p.transport import serde
 from dreamp2p.transport.auth import TokenAuthInterceptor
 from dreamp2p.transport.budget import SenderBudget
 from dreamp2p.transport.options import server_credentials, server_options
 from dreamp2p.v1 import peer_pb2 as pb
 from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:  # the donor module needs torch; the transport does not import it at run time
-    from dreamp2p.state.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +59,17 @@ class StateBackend(Protocol):
     def is_admitted(self, sender: str) -> bool: ...
 
 
+class ServedSnapshot(Protocol):
+    """A captured state as the servicer sees it (see `dreamp2p.state.snapshot.Snapshot`)."""
+
+    @property
+    def manifest(self) -> StateManifest: ...
+
+
 class StateSource(Protocol):
     """What the servicer needs from a node's state donor (see `dreamp2p.state.donor.StateDonor`)."""
 
-    async def manifest(self, timeout: float) -> Snapshot: ...
+    async def manifest(self, timeout: float) -> ServedSnapshot: ...
 
     def chunks(
         self, snapshot_id: int, tensor: str, offset: int, length: int, chunk_bytes: int
