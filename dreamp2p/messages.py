@@ -128,3 +128,18 @@ class RoundResult:
     chunk_bytes: int
     contributors: int = 0  # fewest peers whose values entered a segment's mean (refused ones excluded)
     contributed: bool = True
+
+
+@dataclass(frozen=True)
+class RingCodecPlan:
+    """Codecs of one ring all-reduce, the same at every member that saw the same bandwidths.
+
+    ``send[i]``: reduce-scatter codec of ring member ``i`` (its link to member ``i + 1``).
+    ``gather``: all-gather codec of every segment owner. ``allowed``: every codec a member may receive,
+    the base codec first; it depends only on the configuration, not on measurements, so members whose
+    measurements differ still agree on it (and on the segment layout derived from its blocks).
+    """
+
+    send: tuple[str, ...]
+    gather: str
+    allowed: tuple[str, ...]

@@ -45,10 +45,6 @@ Edge = tuple[str, str]
 # Today's violations, (importer, imported). Each exists for the reason given and goes with issue 12.
 ALLOWED: frozenset[Edge] = frozenset(
     {
-        # "peer imports the planner" (issue 12): peer/peer.py sizes ring chunks with schedule.chunking and takes
-        # per-link codecs from schedule.linkcodec.RingCodecPlan. Issue 12 lists it among the upward arrows
-        # its split of the peer removes.
-        ("peer", "schedule"),
         # The console script's developer subcommands (`dreamp2p bench ...`, `dreamp2p demo`) import
         # devtools lazily inside their handlers; `dreamp2p node` never reaches them. Not named in issue 12's
         # list, but its layout (the CLI in service/, devtools above it: nothing the service imports) has

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dreamp2p.collective.chunking import choose_chunk_bytes
 from dreamp2p.collective.partition import (
     all_gather_recv,
     all_gather_send,
@@ -17,7 +18,6 @@ from dreamp2p.collective.partition import (
     split_chunks,
     split_segments,
 )
-from dreamp2p.schedule.chunking import choose_chunk_bytes
 
 
 @pytest.mark.parametrize(

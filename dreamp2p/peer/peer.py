@@ -3,7 +3,7 @@
 One Peer lives on one event loop. It owns the gRPC server (see `transport.server` for the thin
 servicer), one :class:`~dreamp2p.transport.client.Link` per other member, and the rounds in flight.
 Averaging is the ring all-reduce of `collective.ring`; chunk sizes come from each link's measured
-goodput (`schedule.chunking`), which passive metering and a light idle-time probe keep current.
+goodput (`collective.chunking`), which passive metering and a light idle-time probe keep current.
 
 Membership: heartbeats feed `membership.Membership`; each round runs among the members alive when it
 starts (its view, whose id every frame carries), so the ring re-forms among survivors at the next round.
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from grpc import aio
 
+from dreamp2p.collective.chunking import choose_chunk_bytes
 from dreamp2p.collective.partition import split_segments
 from dreamp2p.collective.ring import RingRound, RoundAborted, RoundSpec
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
@@ -37,6 +38,7 @@ from dreamp2p.messages import (
     Hello,
     LinkSnapshot,
     PeerStatus,
+    RingCodecPlan,
     RoundResult,
     TrainingInfo,
     Vote,
@@ -47,8 +49,6 @@ from dreamp2p.peer.guard import ContributionGuard
 from dreamp2p.peer.membership import Membership, view_id
 from dreamp2p.peer.probing import probe_forever, probe_once
 from dreamp2p.peer.rounds import RoundRegistry
-from dreamp2p.schedule.chunking import choose_chunk_bytes
-from dreamp2p.schedule.linkcodec import RingCodecPlan
 from dreamp2p.settings import settings_mismatch
 from dreamp2p.transport.client import Link, OutboundStream
 from dreamp2p.transport.server import build_server

@@ -21,9 +21,9 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from dreamp2p.compression import get_codec
+from dreamp2p.messages import RingCodecPlan
 
 # Elements used to measure a codec's wire ratio: many whole 64-element blocks, so per-block scales
 # count at their steady-state share and a partial last block does not skew the ratio.
@@ -108,21 +108,6 @@ def gather_codec(base: str, candidates: Sequence[str], choices: Sequence[str]) -
         if name not in usable:
             raise ValueError(f"choice {name} is not a usable codec {list(usable)}")
     return max(picked, key=usable.index, default=usable[0])
-
-
-@dataclass(frozen=True)
-class RingCodecPlan:
-    """Codecs of one ring all-reduce, the same at every member that saw the same bandwidths.
-
-    ``send[i]``: reduce-scatter codec of ring member ``i`` (its link to member ``i + 1``).
-    ``gather``: all-gather codec of every segment owner. ``allowed``: every codec a member may receive,
-    the base codec first; it depends only on the configuration, not on measurements, so members whose
-    measurements differ still agree on it (and on the segment layout derived from its blocks).
-    """
-
-    send: tuple[str, ...]
-    gather: str
-    allowed: tuple[str, ...]
 
 
 def plan_ring_codecs(

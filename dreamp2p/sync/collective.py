@@ -12,8 +12,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Protocol
 
-from dreamp2p.messages import LinkSnapshot, RoundResult, TrainingInfo
-from dreamp2p.schedule.linkcodec import RingCodecPlan
+from dreamp2p.messages import LinkSnapshot, RingCodecPlan, RoundResult, TrainingInfo
 from dreamp2p.sync.layers import FlatGroup
 
 

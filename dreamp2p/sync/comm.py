@@ -17,9 +17,8 @@ from typing import Any, TypeVar
 import torch
 
 from dreamp2p.config import PeerConfig, PeerInfo
-from dreamp2p.messages import LinkSnapshot, PeerStatus, RoundResult, TrainingInfo
+from dreamp2p.messages import LinkSnapshot, PeerStatus, RingCodecPlan, RoundResult, TrainingInfo
 from dreamp2p.peer import Peer
-from dreamp2p.schedule.linkcodec import RingCodecPlan
 from dreamp2p.state.fetch import FetchedState, fetch_state
 from dreamp2p.sync.layers import FlatGroup
 

@@ -19,8 +19,7 @@ import torch
 
 from dreamp2p.compression import get_codec
 from dreamp2p.errors import RoundFailed
-from dreamp2p.messages import LinkSnapshot, RoundResult, TrainingInfo
-from dreamp2p.schedule.linkcodec import RingCodecPlan
+from dreamp2p.messages import LinkSnapshot, RingCodecPlan, RoundResult, TrainingInfo
 from dreamp2p.sync.layers import FlatGroup
 
 

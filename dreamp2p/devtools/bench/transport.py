@@ -24,11 +24,11 @@ from typing import Any
 
 import xxhash
 
+from dreamp2p.collective.chunking import choose_chunk_bytes
 from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig, parse_rate
 from dreamp2p.devtools.launch import enter_netns
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import DType, Frame, Hello, PeerStatus, Phase, Vote
-from dreamp2p.schedule.chunking import choose_chunk_bytes
 
 log = logging.getLogger(__name__)
 
