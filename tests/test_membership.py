@@ -117,11 +117,11 @@ async def test_round_in_flight_fails_fast_when_a_member_dies_and_nothing_is_appl
         before = [d[0].clone() for d in data]
         tasks = [asyncio.ensure_future(p.allreduce(d, round_id=3)) for p, d in zip(peers, data, strict=True)]
         await asyncio.sleep(0.3)
-        t0 = time.monotonic()
         await peers[2].close(grace=0)
         results = await asyncio.gather(*tasks[:2], return_exceptions=True)
         assert all(isinstance(r, RoundFailed) for r in results), results
-        assert time.monotonic() - t0 < 10  # bounded by failure detection, not the 20 s round deadline
+        # ended by the dead member's failure, not by the 20 s round deadline
+        assert all("p2" in r.reason and "in time" not in r.reason for r in results), results
         for d, b in zip(data[:2], before[:2], strict=True):
             assert torch.equal(d[0], b)  # all or none: none
     finally:
@@ -168,12 +168,12 @@ async def test_members_that_disagree_about_the_view_skip_the_round_then_agree() 
         peers[0]._set_view(peers[0].membership.view())
         data = [[torch.full((1000,), float(r))] for r in range(3)]
         before = [d[0].clone() for d in data]
-        t0 = time.monotonic()
         results = await asyncio.gather(
             *(p.allreduce(d, round_id=4) for p, d in zip(peers, data, strict=True)), return_exceptions=True
         )
         assert all(isinstance(r, RoundFailed) for r in results), results
-        assert time.monotonic() - t0 < 10
+        # ended by the disagreement itself, not by a deadline
+        assert all("VIEW_MISMATCH" in r.reason or "reports the round failed there" in r.reason for r in results)
         assert all(torch.equal(d[0], b) for d, b in zip(data, before, strict=True))
         # heartbeats bring p2 back into p0's view; the next round runs among all three
         await _wait_for(lambda: peers[0].view == ("p0", "p1", "p2"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -99,10 +98,9 @@ async def test_round_fails_when_nobody_contributes(ring3: list[Peer]) -> None:
 async def test_missing_partner_times_out_and_leaves_tensors(ring3: list[Peer]) -> None:
     t = torch.arange(100, dtype=torch.float32)
     before = t.clone()
-    t0 = time.monotonic()
-    with pytest.raises(RoundFailed):
+    # the round's own deadline governs it, not the transport's default round_timeout_s
+    with pytest.raises(RoundFailed, match=r"did not finish within 1\.0 s"):
         await ring3[0].allreduce([t], timeout=1.0)
-    assert time.monotonic() - t0 < 5.0
     assert torch.equal(t, before)
 
 
@@ -206,7 +204,8 @@ async def test_emulated_delay_adds_latency_not_throughput_loss() -> None:
         res = await asyncio.gather(*(p.allreduce(d) for p, d in zip(peers, data, strict=True)))
         assert all(torch.all(d[0] == 0.5) for d in data)
         assert res[0].seconds >= 2 * 0.05 * 0.9  # two one-way hops at least
-        assert res[0].seconds < 1.0  # frames overlap in the delay line
+        # frames overlap in the delay line (a per-frame delay would hold one frame at a time)
+        assert peers[0].link("p1").stats.delay_line_peak > 1
     finally:
         await asyncio.gather(*(p.close() for p in peers))
 

@@ -539,11 +539,9 @@ async def test_manifest_waits_for_a_publication_from_the_training_thread() -> No
 
 async def test_manifest_times_out_when_nobody_publishes() -> None:
     donor = StateDonor()
-    t0 = time.monotonic()
-    with pytest.raises(PeerError, match="published no state snapshot") as err:
+    with pytest.raises(PeerError, match=r"published no state snapshot within 0\.2 s") as err:
         await donor.manifest(timeout=0.2)
     assert err.value.status == Status.TIMEOUT
-    assert time.monotonic() - t0 < 2.0
     assert not donor.wanted  # nobody waits any more
 
 
@@ -697,10 +695,9 @@ async def test_bad_requests_get_precise_statuses() -> None:
         assert err.value.status == Status.NOT_FOUND
         # a peer that is joining itself says so at once (no wait for a snapshot it cannot have)
         peers["d0"].stand_aside()
-        t0 = time.monotonic()
         with pytest.raises(PeerError, match="no training state to give yet") as err:
             await link.state_manifest(5.0)
-        assert err.value.status == Status.JOINING and time.monotonic() - t0 < 2.0
+        assert err.value.status == Status.JOINING  # an answer, not the 5 s deadline (that would be TIMEOUT)
         peers["d0"].admit_from(0)
         # a caller that never handshook (right token, no admission)
         stranger = Link("stranger", PeerInfo("d0", peers["d0"].address), FAST, None, TOKEN)
@@ -750,11 +747,10 @@ async def test_fetch_from_a_training_donor() -> None:
 
 async def test_trainer_that_never_publishes_times_out() -> None:
     async with cluster([("d0", StateDonor())]) as (_, joiner):
-        t0 = time.monotonic()
         with pytest.raises(StateTransferError) as err:
             await fetch_state(links(joiner, "d0"), timeout=10.0, rpc_timeout=0.5)
-        assert time.monotonic() - t0 < 5.0
     assert err.value.status == Status.TIMEOUT
+    assert err.value.failures["d0"].status == Status.TIMEOUT  # the donor's manifest call ran out of time
 
 
 async def test_fetched_state_type() -> None:

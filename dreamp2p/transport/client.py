@@ -407,6 +407,8 @@ class OutboundStream:
         try:
             while (frame := await self._paced()) is not None:
                 self._timed.append((time.monotonic() + self._link.delay_s, frame))
+                stats = self._link.stats
+                stats.delay_line_peak = max(stats.delay_line_peak, len(self._timed))
                 self._timed_wake.set()
         finally:
             self._timed_done = True

@@ -22,6 +22,7 @@ class LinkEstimator:
     bytes_sent: int = 0
     bytes_received: int = 0
     last_activity: float = 0.0
+    delay_line_peak: int = 0  # most frames at once in the emulated delay line (transport.delay_s)
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         """A period during which the link was kept busy moved ``nbytes`` in ``seconds``."""
