@@ -20,7 +20,7 @@ from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 from dreamp2p.config import PeerInfo
-from dreamp2p.devtools.launch import expect_message, node_config
+from dreamp2p.devtools.launch import expect_message, node_config, reap
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,4 @@ def kill_and_rejoin(
         results = [expect_message(pipes[rank], "ok", deadline, f"rank {rank}") for rank in range(n)]
         return FaultReport(results, at_kill, after_kill, to_progress, joined_at)
     finally:
-        for p in procs:
-            if p is not None and p.is_alive():
-                p.kill()
-                p.join(5)
+        reap(procs)

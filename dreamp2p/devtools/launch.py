@@ -13,7 +13,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from dreamp2p.config import PeerConfig, PeerInfo
@@ -176,12 +176,17 @@ def run_local(
             p.join(max(1.0, deadline - time.monotonic()))
         return results
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for pipe in pipes:
-            pipe.close()
+        reap(procs, pipes)
+
+
+def reap(procs: Sequence[Any], pipes: Sequence[mp.connection.Connection] = ()) -> None:
+    """Kill the child processes still running (None: never started) and close their pipes."""
+    for p in procs:
+        if p is not None and p.is_alive():
+            p.kill()
+            p.join(5)
+    for pipe in pipes:
+        pipe.close()
 
 
 def expect_message(pipe: mp.connection.Connection, kind: str, deadline: float, who: str) -> Any:

@@ -65,7 +65,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dreamp2p.config import parse_rate
-from dreamp2p.devtools.launch import expect_message, run_local
+from dreamp2p.devtools.launch import expect_message, reap, run_local
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.tasks import ByteTransformer, stdlib_files
@@ -319,12 +319,7 @@ def run_ceiling(n: int, workload: dict[str, Any], timeout: float) -> list[dict[s
             p.join(max(1.0, deadline - time.monotonic()))
         return results
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for pipe in pipes:
-            pipe.close()
+        reap(procs, pipes)
 
 
 # ---------------------------------------------------------------------------------------------- network
