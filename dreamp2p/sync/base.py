@@ -295,11 +295,12 @@ def broadcast_state(comm: Collective, model: nn.Module, timeout: float) -> None:
 
 def broadcast_tensors(comm: Collective, tensors: list[torch.Tensor], timeout: float) -> None:
     """Make every replica hold rank 0's values of ``tensors`` (bit-identical on all peers afterwards)."""
-    if comm.world == 1 or not tensors:
+    members = comm.members  # read once: the view may change on the comm thread meanwhile
+    if len(members) == 1 or not tensors:
         return
     group = FlatGroup(tensors)
     group.snapshot()
     # rank 0 contributes N x its values, the others zero: the mean is rank 0's values on every peer
-    group.snap.mul_(float(comm.world) if comm.rank == 0 else 0.0)
+    group.snap.mul_(float(len(members)) if members.index(comm.node_id) == 0 else 0.0)
     comm.allreduce_group(group, GROUP_INIT, "fp32", guard_norm=False).result(timeout)
     group.write(group.work)

@@ -395,14 +395,13 @@ class DreamDDP(Strategy):
         start = max(cfg.warmup_steps, 1)
         if self._control is None and t >= start and (t - start) % cfg.control_every == 0:
             links = {s.peer: s for s in self.comm.links()}
-            ring = list(self.comm.members)
-            succ = ring[(ring.index(self.comm.node_id) + 1) % len(ring)] if len(ring) > 1 else None
+            members = self.comm.members  # read once: the view may change on the comm thread meanwhile
+            world, rank = len(members), members.index(self.comm.node_id)
+            succ = members[(rank + 1) % world] if world > 1 else None
             snap = links.get(succ) if succ else None
             bw = snap.goodput_Bps if snap is not None and snap.goodput_Bps > 0 else math.nan
             rtt = snap.rtt_s if snap is not None and snap.rtt_s > 0 else math.nan
             costs = self.profiler.costs() if self.profiler.steps else self._blank
-            members = self.comm.members
-            world, rank = len(members), members.index(self.comm.node_id)
             group = FlatGroup([pack_control(rank, world, bw, rtt, costs, self._sync_rate)])
             group.snapshot()
             fut = self.comm.allreduce_group(group, GROUP_CONTROL, "fp32", round_id=self._round(), guard_norm=False)
