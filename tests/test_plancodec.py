@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel
-from dreamp2p.schedule.dreamddp import Plan, plan_dreamddp
+from dreamp2p.schedule.dreamddp import plan_dreamddp
+from dreamp2p.schedule.plan import Plan
 from dreamp2p.schedule.plancodec import choose_plan_codec
 
 CANDIDATES = [("fp32", 1.0), ("bf16", 0.5), ("int8", 0.265625), ("int4", 0.140625)]

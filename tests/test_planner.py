@@ -15,20 +15,18 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from planner_oracle import brute_force
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel, ring_comm_time, ring_wire_bytes
 from dreamp2p.schedule.dreamddp import (
     STRATEGIES,
-    GroupSync,
-    Plan,
-    brute_force,
     even_plan,
     plan_dreamddp,
     predict,
     simulate,
-    total_exposed,
 )
 from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided_fragments
+from dreamp2p.schedule.plan import GroupSync, Plan, total_exposed
 
 # ----------------------------------------------------------------------------------------------------- helpers
 

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel
-from dreamp2p.schedule.dreamddp import IterationTimeline, Plan, simulate
+from dreamp2p.schedule.dreamddp import IterationTimeline, simulate
+from dreamp2p.schedule.plan import Plan
 from dreamp2p.service.metrics import RecordKind
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ segments, one per iteration, walking layer by layer:
 The best completion from (first layer of a segment, iteration) does not depend on how earlier iterations were
 cut, so the search is memoised on those states and evaluated bottom-up (no deep recursion); within a state a
 branch is cut off as soon as its wait reaches the best found. This makes the search exact for the model above,
-up to float rounding (``brute_force`` checks it), in O(min(H, L) * L^2) steps. Ties keep the first branch
+up to float rounding (``tests/planner_oracle.py`` checks it), in O(min(H, L) * L^2) steps. Ties keep the first branch
 found, i.e. close iterations as early as possible (spreads traffic over more iterations).
 
 WAN extension (``max_delay > 0``; see docs/PLANNING.md): a group launched in
@@ -73,211 +73,17 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel, ring_comm_time, ring_wire_bytes
+from dreamp2p.schedule.plan import GroupSync, Plan, is_int
 
-PLAN_FORMAT = "dreamp2p.plan/1"
 STRATEGIES = ("dreamddp", "plsgd", "localsgd", "ssgd")
 # A steady state is normally reached in a few periods; the cap only bounds pathological float behaviour.
 _MAX_PERIODS = 64
 _MAX_DESCENT_PASSES = 16
-# brute_force enumerates C(L + H - 1, H - 1) segmentations times 2^(n-1) bucketings: tests only.
-BRUTE_FORCE_MAX_LAYERS = 10
-
-
-# --------------------------------------------------------------------------------------------------- plan types
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check_time(name: str, value: float) -> None:
-    if not _is_real(value) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-@dataclass(frozen=True)
-class GroupSync:
-    """One ring all-reduce of a group of layers, launched in one iteration of the period."""
-
-    iteration: int  # 0..H-1: iteration of the period that launches this sync
-    layers: tuple[int, ...]  # indices into the FORWARD-order layer list, sorted ascending
-    delay: int  # 0 = lands in the same iteration; d > 0 = lands d iterations later (WAN extension)
-    start_s: float  # predicted start on the link, relative to the start of its iteration's backward
-    comm_s: float  # predicted comm time (ring_comm_time of the group's bytes)
-    repeat: bool = False  # True for bubble-filling extra syncs of layers already synced in the period
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.iteration) or self.iteration < 0:
-            raise ValueError(f"sync iteration must be an int >= 0, got {self.iteration!r}")
-        if not isinstance(self.layers, tuple) or not self.layers:
-            raise ValueError(f"sync layers must be a non-empty tuple, got {self.layers!r}")
-        if not all(_is_int(x) and x >= 0 for x in self.layers):
-            raise ValueError(f"sync layers must be ints >= 0, got {self.layers!r}")
-        if any(a >= b for a, b in itertools.pairwise(self.layers)):
-            raise ValueError(f"sync layers must be strictly ascending, got {self.layers!r}")
-        if not _is_int(self.delay) or self.delay < 0:
-            raise ValueError(f"sync delay must be an int >= 0, got {self.delay!r}")
-        _check_time("sync start_s", self.start_s)
-        _check_time("sync comm_s", self.comm_s)
-        if not isinstance(self.repeat, bool):
-            raise ValueError(f"sync repeat must be a bool, got {self.repeat!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "iteration": self.iteration,
-            "layers": list(self.layers),
-            "delay": self.delay,
-            "start_s": float(self.start_s),
-            "comm_s": float(self.comm_s),
-            "repeat": self.repeat,
-        }
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A layer synchronization schedule for one period of ``H`` iterations, identical on every peer.
-
-    Invariants (checked on construction, so a plan from a peer or a checkpoint is safe to use): syncs are
-    ordered by ``(iteration, start_s)`` (the link order within an iteration), iterations and layers are in
-    range, delays are below ``period``, and every layer is in at least one non-repeat sync.
-    """
-
-    version: int
-    effective_step: int
-    period: int  # H
-    layer_names: tuple[str, ...]  # forward order
-    syncs: tuple[GroupSync, ...]  # ordered by (iteration, start_s)
-    exposed_s: tuple[float, ...]  # predicted exposed wait per iteration (len H)
-    compute_s: float  # predicted fwd+bwd time of one iteration
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.version) or self.version < 0:
-            raise ValueError(f"plan version must be an int >= 0, got {self.version!r}")
-        if not _is_int(self.effective_step) or self.effective_step < 0:
-            raise ValueError(f"plan effective_step must be an int >= 0, got {self.effective_step!r}")
-        if not _is_int(self.period) or self.period < 1:
-            raise ValueError(f"plan period must be an int >= 1, got {self.period!r}")
-        names = self.layer_names
-        if not isinstance(names, tuple) or not names or not all(isinstance(n, str) and n for n in names):
-            raise ValueError("plan layer_names must be a non-empty tuple of non-empty str")
-        if len(set(names)) != len(names):
-            raise ValueError("plan layer_names must be unique")
-        if not isinstance(self.syncs, tuple) or not all(isinstance(s, GroupSync) for s in self.syncs):
-            raise ValueError("plan syncs must be a tuple of GroupSync")
-        if not isinstance(self.exposed_s, tuple) or len(self.exposed_s) != self.period:
-            raise ValueError(f"plan exposed_s must be a tuple of {self.period} values")
-        for i, wait in enumerate(self.exposed_s):
-            _check_time(f"plan exposed_s[{i}]", wait)
-        _check_time("plan compute_s", self.compute_s)
-        covered = [False] * len(names)
-        for i, sync in enumerate(self.syncs):
-            if sync.iteration >= self.period:
-                raise ValueError(f"sync {i}: iteration {sync.iteration} outside period {self.period}")
-            if sync.delay >= self.period:
-                raise ValueError(f"sync {i}: delay {sync.delay} must be < period {self.period}")
-            if sync.layers[-1] >= len(names):
-                raise ValueError(f"sync {i}: layer {sync.layers[-1]} outside {len(names)} layers")
-            if not sync.repeat:
-                for x in sync.layers:
-                    covered[x] = True
-        for a, b in itertools.pairwise(self.syncs):
-            if (b.iteration, b.start_s) < (a.iteration, a.start_s):
-                raise ValueError("plan syncs must be ordered by (iteration, start_s)")
-        if not all(covered):
-            missing = [names[x] for x in range(len(names)) if not covered[x]]
-            raise ValueError(f"every layer must sync at least once per period; never synced: {missing}")
-
-    def syncs_at(self, iteration: int) -> tuple[GroupSync, ...]:
-        """Syncs launched in ``iteration`` (0..H-1 within the period), in link order."""
-        if not _is_int(iteration) or not 0 <= iteration < self.period:
-            raise ValueError(f"iteration must be an int in [0, {self.period}), got {iteration!r}")
-        return tuple(s for s in self.syncs if s.iteration == iteration)
-
-    def iteration_of(self, step: int) -> int:
-        """Iteration within the period of global training step ``step`` (the plan starts at effective_step)."""
-        if not _is_int(step) or step < self.effective_step:
-            raise ValueError(f"step must be an int >= effective_step {self.effective_step}, got {step!r}")
-        return (step - self.effective_step) % self.period
-
-    def step_time_s(self) -> float:
-        """Predicted mean time of one training step: compute plus the mean exposed wait."""
-        return self.compute_s + math.fsum(self.exposed_s) / self.period
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe form; ``from_dict`` restores an equal plan (floats survive JSON via repr exactly)."""
-        return {
-            "format": PLAN_FORMAT,
-            "version": self.version,
-            "effective_step": self.effective_step,
-            "period": self.period,
-            "layer_names": list(self.layer_names),
-            "syncs": [s.to_dict() for s in self.syncs],
-            "exposed_s": [float(w) for w in self.exposed_s],
-            "compute_s": float(self.compute_s),
-        }
-
-    @staticmethod
-    def from_dict(d: Mapping[str, Any]) -> Plan:
-        """Rebuild a plan from ``to_dict`` output, refusing anything malformed with ValueError."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"plan must be a mapping, got {type(d).__name__}")
-        if d.get("format") != PLAN_FORMAT:
-            raise ValueError(f"unknown plan format {d.get('format')!r}, expected {PLAN_FORMAT!r}")
-        keys = ("version", "effective_step", "period", "layer_names", "syncs", "exposed_s", "compute_s")
-        missing = [k for k in keys if k not in d]
-        if missing:
-            raise ValueError(f"plan lacks fields {missing}")
-        for k in ("layer_names", "syncs", "exposed_s"):
-            if not isinstance(d[k], list | tuple):
-                raise ValueError(f"plan field {k!r} must be a list")
-        syncs = []
-        for i, raw in enumerate(d["syncs"]):
-            if not isinstance(raw, Mapping):
-                raise ValueError(f"sync {i} must be a mapping")
-            fields = ("iteration", "layers", "delay", "start_s", "comm_s", "repeat")
-            if sorted(raw.keys()) != sorted(fields):
-                raise ValueError(f"sync {i} must have exactly the fields {list(fields)}")
-            if not isinstance(raw["layers"], list | tuple):
-                raise ValueError(f"sync {i}: layers must be a list")
-            syncs.append(
-                GroupSync(
-                    iteration=raw["iteration"],
-                    layers=tuple(raw["layers"]),
-                    delay=raw["delay"],
-                    start_s=_as_float(f"sync {i} start_s", raw["start_s"]),
-                    comm_s=_as_float(f"sync {i} comm_s", raw["comm_s"]),
-                    repeat=raw["repeat"],
-                )
-            )
-        return Plan(
-            version=d["version"],
-            effective_step=d["effective_step"],
-            period=d["period"],
-            layer_names=tuple(d["layer_names"]),
-            syncs=tuple(syncs),
-            exposed_s=tuple(_as_float("exposed_s", w) for w in d["exposed_s"]),
-            compute_s=_as_float("compute_s", d["compute_s"]),
-        )
-
-
-def _as_float(name: str, value: object) -> float:
-    if not _is_real(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
-
-
-def total_exposed(plan: Plan) -> float:
-    """Predicted exposed wait summed over one period."""
-    return math.fsum(plan.exposed_s)
 
 
 # ------------------------------------------------------------------------------------------------ timing model
@@ -326,14 +132,14 @@ def _profile(costs: Sequence[LayerCost]) -> _Profile:
 
 
 def _check_H(H: int) -> None:
-    if not _is_int(H) or H < 1:
+    if not is_int(H) or H < 1:
         raise ValueError(f"H (the period) must be an int >= 1, got {H!r}")
 
 
 def _check_version(version: int, effective_step: int) -> None:
-    if not _is_int(version) or version < 0:
+    if not is_int(version) or version < 0:
         raise ValueError(f"version must be an int >= 0, got {version!r}")
-    if not _is_int(effective_step) or effective_step < 0:
+    if not is_int(effective_step) or effective_step < 0:
         raise ValueError(f"effective_step must be an int >= 0, got {effective_step!r}")
 
 
@@ -706,7 +512,7 @@ def even_plan(costs: Sequence[LayerCost], H: int, version: int = 0, effective_st
     prof = _profile(costs)
     _check_H(H)
     _check_version(version, effective_step)
-    if not _is_int(delay) or delay < 0:
+    if not is_int(delay) or delay < 0:
         raise ValueError(f"delay must be an int >= 0, got {delay!r}")
     delay = min(delay, H - 1)
     L = prof.L
@@ -735,7 +541,7 @@ def plan_dreamddp(
         raise ValueError(f"link must be a LinkModel, got {type(link).__name__}")
     _check_H(H)
     _check_version(version, effective_step)
-    if not _is_int(max_delay) or max_delay < 0:
+    if not is_int(max_delay) or max_delay < 0:
         raise ValueError(f"max_delay must be an int >= 0, got {max_delay!r}")
     if not isinstance(bubble_fill, bool):
         raise ValueError(f"bubble_fill must be a bool, got {bubble_fill!r}")
@@ -766,48 +572,6 @@ def plan_dreamddp(
     if any(new > old for new, old in zip(filled.exposed_s, plan.exposed_s, strict=True)):
         return plan  # guard: repeats must never cost wait (only reachable with multi-period steady states)
     return filled
-
-
-def brute_force(costs: Sequence[LayerCost], link: LinkModel, H: int) -> tuple[float, tuple[tuple[int, ...], ...]]:
-    """Exhaustive optimum of the delay-0 model without bubble filling, for checking the planner (L <= 10).
-
-    Enumerates every split of the backward-order layers into H contiguous, possibly empty segments (iteration
-    h syncs segment h) and every bucketing of each segment. Returns the least total exposed wait and, per
-    iteration, the forward indices it syncs (ascending). Ties keep the lexicographically first split.
-    """
-    prof = _profile(costs)
-    _check_H(H)
-    L = prof.L
-    if L > BRUTE_FORCE_MAX_LAYERS:
-        raise ValueError(f"brute_force is exhaustive; at most {BRUTE_FORCE_MAX_LAYERS} layers, got {L}")
-    ready_b = [prof.ready[L - 1 - k] for k in range(L)]
-    prefix = [0] * (L + 1)
-    for k in range(L):
-        prefix[k + 1] = prefix[k] + prof.nbytes[L - 1 - k]
-    waits: dict[tuple[int, int], float] = {}
-
-    def wait(s: int, e: int) -> float:
-        if s == e:
-            return 0.0
-        if (s, e) not in waits:
-            best = math.inf
-            for mask in range(1 << (e - s - 1)):
-                bounds = [s] + [s + 1 + p for p in range(e - s - 1) if mask >> p & 1] + [e]
-                f = 0.0
-                for i, j in itertools.pairwise(bounds):
-                    f = max(ready_b[j - 1], f) + ring_comm_time(prefix[j] - prefix[i], link)
-                best = min(best, f)
-            waits[(s, e)] = max(0.0, best - prof.B)
-        return waits[(s, e)]
-
-    best_total, best_bounds = math.inf, (0,) * H + (L,)
-    for cuts in itertools.combinations_with_replacement(range(L + 1), H - 1):
-        bounds = (0, *cuts, L)
-        total = math.fsum(wait(a, b) for a, b in itertools.pairwise(bounds))
-        if total < best_total:
-            best_total, best_bounds = total, bounds
-    segments = tuple(_layers_of(L, a, b) for a, b in itertools.pairwise(best_bounds))
-    return best_total, segments
 
 
 # ------------------------------------------------------------------------------------------------- simulation

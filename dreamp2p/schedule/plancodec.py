@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel, ring_comm_time
-from dreamp2p.schedule.dreamddp import Plan, total_exposed
+from dreamp2p.schedule.plan import Plan, total_exposed
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,9 @@ from dreamp2p.compression import get_codec
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RingCodecPlan, RoundResult, TrainingInfo
 from dreamp2p.schedule.cost import LayerCost, LinkModel
-from dreamp2p.schedule.dreamddp import GroupSync, Plan, even_plan, plan_dreamddp
+from dreamp2p.schedule.dreamddp import even_plan, plan_dreamddp
 from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs
+from dreamp2p.schedule.plan import GroupSync, Plan
 from dreamp2p.schedule.plancodec import choose_plan_codec
 from dreamp2p.sync.base import Strategy, landed
 from dreamp2p.sync.groups import GROUP_CONTROL, anchor_check_group, plan_sync_group
