@@ -212,8 +212,9 @@ class Peer:
         finally:
             if not task.done():
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, PeerError):
-                    await task
+                await asyncio.wait({task})  # its outcome is moot now; our own cancellation still propagates
+            if not task.cancelled():
+                task.exception()  # retrieved, so asyncio does not log it as never retrieved
 
     async def agree(self, settings: dict[str, str], timeout: float) -> None:
         """Declare our training settings and check them against every live member's, before training.
@@ -252,11 +253,11 @@ class Peer:
     async def close(self, grace: float = 2.0) -> None:
         """Stop probing, fail rounds in flight, stop the server with ``grace`` seconds, close channels."""
         self._closing = True
-        for task in (self._prober, self._heart):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        loops = [t for t in (self._prober, self._heart) if t is not None]
+        for task in loops:
+            task.cancel()
+        if loops:  # asyncio.wait re-raises nothing of theirs, and a cancel of close() itself still propagates
+            await asyncio.wait(loops)
         self._prober = self._heart = None
         self.rounds.fail_open("peer shutting down")
         self.rounds.refuse_waiting(PeerError(Status.SHUTTING_DOWN, "peer shutting down"))
@@ -600,8 +601,9 @@ class Peer:
         finally:
             if not starter.done():
                 starter.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await starter
+                await asyncio.wait({starter})  # our own cancellation still propagates
+            if not starter.cancelled():
+                starter.exception()
             if failed is not None and not failed.done():
                 failed.cancel()
             elif failed is not None and not failed.cancelled():

@@ -178,15 +178,37 @@ class CommThread:
         self.on_loop(self.peer.set_rate_limit, rate_Bps)
 
     def close(self, grace: float = 2.0) -> None:
+        """Close the peer, then end every task still on the loop before stopping it.
+
+        A task left pending would be finalized later by the garbage collector, possibly at interpreter
+        exit on another thread, running its cleanup (gRPC call cancels) against a closed loop.
+        """
         if not self._thread.is_alive():
             return
         try:
             self.call(self.peer.close(grace), timeout=grace + 30)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            try:
+                self.call(_drain_loop(grace), timeout=grace + 30)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
             if not self._thread.is_alive():
                 self._loop.close()
+
+
+async def _drain_loop(timeout: float) -> None:
+    """Cancel and await every other task on this loop, then close async generators and the executor."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        log.debug("closing: cancelled %d leftover task(s); %d did not end", len(tasks), len(pending))
+    loop = asyncio.get_running_loop()
+    await loop.shutdown_asyncgens()
+    await loop.shutdown_default_executor()
 
 
 async def _allreduce_group(
