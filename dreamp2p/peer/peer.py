@@ -46,6 +46,7 @@ from dreamp2p.messages import (
 from dreamp2p.peer.admission import Admission
 from dreamp2p.peer.commit import CommitVotes
 from dreamp2p.peer.guard import ContributionGuard
+from dreamp2p.peer.heartbeat import beat_once
 from dreamp2p.peer.membership import Membership, view_id
 from dreamp2p.peer.probing import probe_forever, probe_once
 from dreamp2p.peer.rounds import RoundRegistry
@@ -617,28 +618,14 @@ class Peer:
         t = self.config.transport
         while True:
             await asyncio.sleep(t.heartbeat_s)
-            results = await asyncio.gather(
-                *(link.heartbeat(max(0.5, 2 * t.heartbeat_s)) for link in self._links.values()),
-                return_exceptions=True,
-            )
             assert self.membership is not None
-            now = time.monotonic()
-            for (node, link), res in zip(list(self._links.items()), results, strict=True):
-                if isinstance(res, asyncio.CancelledError):
-                    raise res
-                if not isinstance(res, BaseException):
-                    if self.membership.heard(node, now):
-                        log.warning("%s answers again: it rejoins the ring", node)
-                        # a restarted process admits nobody yet: introduce ourselves before our frames come
-                        with contextlib.suppress(PeerError):
-                            await link.handshake(self.hello(), t.rpc_deadline_s)
-                    continue
-                refused = isinstance(res, PeerError) and res.grpc_code == "UNAVAILABLE"
-                if self.membership.missed(node, now, fatal=refused):
-                    log.warning("%s is not answering (%s): the ring re-forms without it", node, res)
+            await beat_once(self._links, self.membership, max(0.5, 2 * t.heartbeat_s), self._reintroduce)
             self._set_view(self.membership.view())
             done, self._beat = self._beat, asyncio.Event()
             done.set()
+
+    async def _reintroduce(self, link: Link) -> Hello:
+        return await link.handshake(self.hello(), self.config.transport.rpc_deadline_s)
 
     async def _next_heartbeat(self) -> None:
         """Wait until the heartbeat loop has checked every member once more (no wait without heartbeats)."""
