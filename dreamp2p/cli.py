@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import functools
 import json
 import logging
@@ -279,6 +280,8 @@ def _node(args: argparse.Namespace) -> int:
     from dreamp2p.service.daemon import DaemonConfig, JsonFormatter, StopFlag, run_node
 
     cfg = DaemonConfig.from_toml(args.config)
+    # a fatal signal (a native abort or crash) leaves every thread's Python stack in the node's log
+    faulthandler.enable()
     if cfg.metrics.json_logs:
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dreamp2p.devtools.localrun import last_step, read_records, start_node, wait_until, write_configs
+from dreamp2p.devtools.localrun import last_step, read_records, start_node, wait_exits, wait_until, write_configs
 from dreamp2p.service.checkpoint import list_checkpoints
 from dreamp2p.service.daemon import DaemonConfig
 
@@ -83,7 +83,7 @@ def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
         # SIGTERM: the node finishes its step, drains, checkpoints and exits 0
         victim = procs[1]
         victim.send_signal(signal.SIGTERM)
-        assert victim.wait(120) == 0
+        wait_exits({"us-east": victim}, tmp_path, 120)
         stop = [r for r in read_records(tmp_path, "us-east") if r["kind"] == "stop"][-1]
         assert stop["signal"] == "SIGTERM"
         ckpts = list_checkpoints(tmp_path / "us-east" / "checkpoints")
@@ -104,8 +104,7 @@ def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
         assert join["resumed"] is True and join["step"] > stop["step"] + 20
         final = max(last_step(tmp_path, n) for n in names) + 40
         stop_at.write_text(str(final))
-        for p in procs:
-            assert p.wait(300) == 0
+        wait_exits(dict(zip(names, procs, strict=True)), tmp_path, 300)
         for name in names:
             records = read_records(tmp_path, name)
             assert last_step(tmp_path, name) == final - 1
@@ -142,10 +141,10 @@ def test_whole_cluster_stopped_steps_apart_resumes_together(tmp_path: Path, stra
     try:
         assert wait_until(lambda: min(last_step(tmp_path, n) for n in names) >= 15, 180)
         procs[0].send_signal(signal.SIGTERM)
-        assert procs[0].wait(120) == 0
+        wait_exits({names[0]: procs[0]}, tmp_path, 120)
         for p in procs[1:]:
             p.send_signal(signal.SIGTERM)
-        assert [p.wait(120) for p in procs[1:]] == [0, 0]
+        wait_exits(dict(zip(names[1:], procs[1:], strict=True)), tmp_path, 120)
         stops = {n: last(n, "stop")["step"] for n in names}  # type: ignore[index]
         newest = max(stops.values())
         leaders = {n for n in names if stops[n] == newest}
@@ -154,7 +153,7 @@ def test_whole_cluster_stopped_steps_apart_resumes_together(tmp_path: Path, stra
         procs = [start_node(c, resume=True, stop_at_file=stop_at) for c in configs]
         assert wait_until(lambda: all(last(n, "resume") or last(n, "join") for n in names), 180)
         stop_at.write_text(str(max(last_step(tmp_path, n) for n in names) + 40))
-        assert [p.wait(300) for p in procs] == [0, 0, 0]
+        wait_exits(dict(zip(names, procs, strict=True)), tmp_path, 300)
         final = int(stop_at.read_text())
         resumed = [n for n in names if last(n, "resume") is not None]
         # a node holding the newest checkpoint resumed from it; a second one may instead have found it
@@ -184,7 +183,7 @@ def test_fresh_cluster_started_with_resume_trains_from_scratch(tmp_path: Path) -
     names = ("eu-west", "us-east", "ap-south")
     procs = [start_node(c, resume=True) for c in configs]
     try:
-        assert [p.wait(240) for p in procs] == [0, 0, 0]
+        wait_exits(dict(zip(names, procs, strict=True)), tmp_path, 240)
         for n in names:
             records = read_records(tmp_path, n)
             assert not [r for r in records if r["kind"] in ("resume", "join")]

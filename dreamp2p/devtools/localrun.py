@@ -191,6 +191,19 @@ def check_nodes(procs: Mapping[str, subprocess.Popen[bytes]], log_dir: Path, *, 
         raise NodeExited(name, code, path, log_tail(path), when, exited)
 
 
+def wait_exits(
+    procs: Mapping[str, subprocess.Popen[bytes]], log_dir: Path, timeout: float, *, when: str = "on its way out"
+) -> None:
+    """Wait up to ``timeout`` s in all for every node to exit; :class:`NodeExited` (with its log's tail) unless 0.
+
+    Raises ``subprocess.TimeoutExpired`` for a node still running at the deadline.
+    """
+    deadline = time.monotonic() + timeout
+    for p in procs.values():
+        p.wait(max(0.0, deadline - time.monotonic()))
+    check_nodes(procs, log_dir, clean_exit_ok=True, when=when)
+
+
 def stop_nodes(procs: Mapping[str, subprocess.Popen[bytes]], grace_s: float = 10.0) -> dict[str, int]:
     """SIGTERM every node still running, SIGKILL those not gone after ``grace_s``; their exit codes."""
     for p in procs.values():
