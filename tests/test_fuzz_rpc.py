@@ -582,12 +582,10 @@ def _snapshot(p1: Peer, victim_key: tuple[int, int] | None) -> PeerState:
     registry = p1.rounds.snapshot()
     victim = None
     if rnd is not None:
+        received, starts, lengths = rnd.progress()
         victim = RoundState(
-            received=rnd._received,
-            chunks=(
-                tuple(sorted((k, tuple(v)) for k, v in rnd._starts.items())),
-                tuple(sorted(rnd._lengths.items())),
-            ),
+            received=received,
+            chunks=(starts, lengths),
             acc=rnd.acc.clone(),
             done=rnd.done.done(),
         )
@@ -642,12 +640,12 @@ async def _abandon(p0: Peer, v: Victim) -> str:
         outcome = type(exc).__name__
     else:
         raise AssertionError(f"victim round {v.key} completed")
-    calls, v.stream = (v.stream._calls if v.stream else []), None
+    stream, v.stream = v.stream, None
     for _ in range(200):
-        if all(call.done() for call in calls):
+        if stream is None or stream.calls_done():
             break
         await asyncio.sleep(0.005)
-    assert all(call.done() for call in calls), f"p1's Push of victim round {v.key} to p0 did not end"
+    assert stream is None or stream.calls_done(), f"p1's Push of victim round {v.key} to p0 did not end"
     return outcome
 
 

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import xxhash
@@ -133,6 +133,14 @@ def round_block(codec: Codec, allowed_codecs: tuple[int, ...] = ()) -> int:
     """
     blocks = [get_codec(i).block for i in allowed_codecs if i != codec.wire_id]
     return math.lcm(codec.block, *blocks)
+
+
+class RoundProgress(NamedTuple):
+    """A round's receive bookkeeping at one moment: elements in, and the chunks seen per (phase, step)."""
+
+    received: int
+    starts: tuple[tuple[tuple[Phase, int], tuple[int, ...]], ...]
+    lengths: tuple[tuple[tuple[Phase, int, int], int], ...]
 
 
 class RingRound:
@@ -413,6 +421,11 @@ class RingRound:
     def _maybe_finish(self) -> None:
         if self._received >= self._expected and not self.done.done():
             self.done.set_result(None)
+
+    def progress(self) -> RoundProgress:
+        """What has arrived so far, as sorted tuples: comparable across calls, e.g. around refused input."""
+        starts = tuple(sorted((k, tuple(v)) for k, v in self._starts.items()))
+        return RoundProgress(self._received, starts, tuple(sorted(self._lengths.items())))
 
     def fail(self, reason: str) -> None:
         if not self.done.done():

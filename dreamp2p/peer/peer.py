@@ -636,6 +636,17 @@ class Peer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(tick.wait(), t.heartbeat_s + max(0.5, 2 * t.heartbeat_s) + 1.0)
 
+    def mark_unreachable(self, node: str) -> None:
+        """Take ``node`` out of our view now, as a refused heartbeat would; a later answer brings it back.
+
+        Rounds that need it fail at once. For an operator or a caller that learned of the loss first
+        (and for tests that partition the view on one member only).
+        """
+        if self.membership is None:
+            raise RuntimeError("mark_unreachable before connect: there is no membership yet")
+        self.membership.missed(node, time.monotonic(), fatal=True)
+        self._set_view(self.membership.view())
+
     def _set_view(self, view: tuple[str, ...]) -> None:
         if view == self.view:
             return

@@ -347,6 +347,10 @@ class OutboundStream:
         self._wake.set()
         self._space.set()
 
+    def calls_done(self) -> bool:
+        """Whether every gRPC call of the current connection generation has ended (so its HTTP/2 stream is free)."""
+        return all(call.done() for call in self._calls)
+
     def failed(self) -> asyncio.Future[None]:
         """A future that raises as soon as any of this stream's calls fails."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
