@@ -17,16 +17,28 @@ GROUP_CO2_GAP = 6  # CO2's staleness gap, beside its parameters
 GROUP_CONTROL = 9  # DreamDDP's control round (link and profile gather)
 GROUP_FRAGMENT_BASE = 100  # Streaming DiLoCo fragment p: base + p
 GROUP_PLAN_BASE = 1_000_000  # DreamDDP plan v's sync i: base + v * SYNCS_PER_PLAN + i
-SYNCS_PER_PLAN = 1000
-ANCHOR_CHECK_OFFSET = 500  # an anchor's check round: its sync's group id + this
+# A plan syncs at most MAX_PLAN_SYNCS groups (a model with that many parameter-owning modules and every
+# one its own all-reduce); its anchor checks take the upper half of the plan's range.
+MAX_PLAN_SYNCS = 1 << 13
+SYNCS_PER_PLAN = 2 * MAX_PLAN_SYNCS
+ANCHOR_CHECK_OFFSET = MAX_PLAN_SYNCS  # an anchor's check round: its sync's group id + this
+# every group id stays below the peer's retry bit (bit 31)
+MAX_PLAN_VERSION = ((1 << 31) - GROUP_PLAN_BASE) // SYNCS_PER_PLAN - 1
+MAX_FRAGMENTS = GROUP_PLAN_BASE - GROUP_FRAGMENT_BASE
 
 
 def fragment_group(fragment: int) -> int:
+    if not 0 <= fragment < MAX_FRAGMENTS:
+        raise ValueError(f"fragment {fragment} outside 0..{MAX_FRAGMENTS - 1}")
     return GROUP_FRAGMENT_BASE + fragment
 
 
 def plan_sync_group(plan_version: int, index: int) -> int:
-    """Group id of sync ``index`` of plan ``plan_version`` (unique while a plan has < ANCHOR_CHECK_OFFSET syncs)."""
+    """Group id of sync ``index`` of plan ``plan_version``; ValueError outside the ranges that keep ids unique."""
+    if not 0 <= index < MAX_PLAN_SYNCS:
+        raise ValueError(f"a plan syncs at most {MAX_PLAN_SYNCS} groups; sync index {index} is outside")
+    if not 0 <= plan_version <= MAX_PLAN_VERSION:
+        raise ValueError(f"plan version {plan_version} outside 0..{MAX_PLAN_VERSION}")
     return GROUP_PLAN_BASE + plan_version * SYNCS_PER_PLAN + index
 
 
