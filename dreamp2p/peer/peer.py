@@ -28,7 +28,7 @@ from grpc import aio
 from dreamp2p.collective.chunking import choose_chunk_bytes
 from dreamp2p.collective.partition import split_segments
 from dreamp2p.collective.ring import RingRound, RoundAborted, RoundSpec
-from dreamp2p.compression import ZstdStage, codec_names, get_codec
+from dreamp2p.compression import Codec, ZstdStage, codec_names, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.errors import PeerError, RoundFailed, Status
 from dreamp2p.messages import (
@@ -487,11 +487,10 @@ class Peer:
         rank = [p.node_id for p in members].index(self.config.node_id)
         round_id = self.rounds.claim(group_id, round_id)
         key = (group_id, round_id)
-        links: RingCodecPlan | None = None
         if isinstance(codec, RingCodecPlan):
             links, codec_obj = codec, get_codec(codec.allowed[0])
         else:
-            codec_obj = get_codec(codec or self.config.codec)
+            links, codec_obj = None, get_codec(codec or self.config.codec)
         flat = _flatten(tensors)
         numel = flat.numel()
         if 0 < numel < world:
@@ -506,21 +505,9 @@ class Peer:
             flat.zero_()
         succ = members[(rank + 1) % world]
         pred = members[(rank - 1) % world]
-        chunk_bytes = 0
-        stream = None
+        chunk_bytes, stream = 0, None
         if world > 1:
-            link = self._links[succ.node_id]
-            seg_elems = max(s.length for s in split_segments(flat.numel(), world, codec_obj.block))
-            t = self.config.transport
-            goodput = link.stats.goodput_Bps if link.stats.samples else math.nan
-            chunk_bytes = choose_chunk_bytes(
-                goodput, seg_elems * 4, world, min_bytes=t.chunk_min_bytes, max_bytes=t.chunk_max_bytes
-            )
-            link.chunk_bytes = chunk_bytes
-            # a small round gains nothing from parallel streams and pays each one's setup
-            wire = flat.numel() * 4 * 2 * (world - 1) / world
-            nstreams = 1 if wire <= 4 * chunk_bytes else t.streams_per_link
-            stream = link.open_stream(nstreams, timeout=timeout or t.round_timeout_s)
+            chunk_bytes, stream = self._stream_to(succ.node_id, flat.numel(), world, codec_obj, timeout)
         spec = RoundSpec(
             group_id=group_id,
             round_id=round_id,
@@ -545,23 +532,7 @@ class Peer:
             rnd.fail(f"{early} reports the round failed there")
         self.rounds.open(key, rnd, (p.node_id for p in members))
         limit = timeout or self.config.transport.round_timeout_s
-        try:
-            await self._run(rnd, stream, limit)
-            # all-or-none: the result counts only once every member of the view finished its part
-            await self._commits.agree(key, vid, others, limit - (time.perf_counter() - t0))
-        except (PeerError, TimeoutError, RoundAborted) as exc:
-            rnd.fail(str(exc))
-            self.rounds_failed += 1
-            self._commits.announce(key, vid, others, commit=False)
-            if isinstance(exc, PeerError) and exc.status == Status.VIEW_MISMATCH:
-                log.info("round %s: members disagree about who is alive (%s); skipped", key, exc.detail)
-            raise RoundFailed(key, str(exc) or type(exc).__name__) from None
-        except BaseException:
-            rnd.fail("cancelled")
-            raise
-        finally:
-            self.rounds.close(key)
-            self._commits.forget(key)
+        await self._settle(rnd, stream, vid, others, limit, t0)
         _unflatten(flat[:numel], out if out is not None else tensors)
         self.rounds_completed += 1
         return RoundResult(
@@ -576,6 +547,50 @@ class Peer:
             contributors=rnd.contributors,
             contributed=refusal is None,
         )
+
+    def _stream_to(
+        self, succ: str, numel: int, world: int, codec: Codec, timeout: float | None
+    ) -> tuple[int, OutboundStream]:
+        """This round's chunk size, sized to the link's measured goodput, and a stream to our successor."""
+        link = self._links[succ]
+        seg_elems = max(s.length for s in split_segments(numel, world, codec.block))
+        t = self.config.transport
+        goodput = link.stats.goodput_Bps if link.stats.samples else math.nan
+        chunk_bytes = choose_chunk_bytes(
+            goodput, seg_elems * 4, world, min_bytes=t.chunk_min_bytes, max_bytes=t.chunk_max_bytes
+        )
+        link.chunk_bytes = chunk_bytes
+        # a small round gains nothing from parallel streams and pays each one's setup
+        wire = numel * 4 * 2 * (world - 1) / world
+        nstreams = 1 if wire <= 4 * chunk_bytes else t.streams_per_link
+        return chunk_bytes, link.open_stream(nstreams, timeout=timeout or t.round_timeout_s)
+
+    async def _settle(
+        self, rnd: RingRound, stream: OutboundStream | None, vid: int, others: Sequence[str], limit: float, t0: float
+    ) -> None:
+        """Run an opened round and agree on its outcome with ``others``; RoundFailed on any failure.
+
+        ``limit`` seconds from ``t0`` (perf_counter) for both. All-or-none: the result counts only once
+        every member of the view finished its part, and a failure here is announced to them, so they
+        drop the round too. The round is closed either way.
+        """
+        key = rnd.spec.key
+        try:
+            await self._run(rnd, stream, limit)
+            await self._commits.agree(key, vid, others, limit - (time.perf_counter() - t0))
+        except (PeerError, TimeoutError, RoundAborted) as exc:
+            rnd.fail(str(exc))
+            self.rounds_failed += 1
+            self._commits.announce(key, vid, others, commit=False)
+            if isinstance(exc, PeerError) and exc.status == Status.VIEW_MISMATCH:
+                log.info("round %s: members disagree about who is alive (%s); skipped", key, exc.detail)
+            raise RoundFailed(key, str(exc) or type(exc).__name__) from None
+        except BaseException:
+            rnd.fail("cancelled")
+            raise
+        finally:
+            self.rounds.close(key)
+            self._commits.forget(key)
 
     async def _run(self, rnd: RingRound, out: OutboundStream | None, timeout: float) -> None:
         loop = asyncio.get_running_loop()
