@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -206,6 +207,9 @@ async def _drain_loop(timeout: float) -> None:
     if tasks:
         _, pending = await asyncio.wait(tasks, timeout=timeout)
         log.debug("closing: cancelled %d leftover task(s); %d did not end", len(tasks), len(pending))
+    # a failed round's frames can hold its gRPC calls in reference cycles: free them here, on the loop
+    # thread while the loop still runs, not in a collection at interpreter exit
+    gc.collect()
     loop = asyncio.get_running_loop()
     await loop.shutdown_asyncgens()
     await loop.shutdown_default_executor()
