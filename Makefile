@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # pip must take the torch CPU wheel lying on disk, never a multi-GB CUDA build.
 WHEELS ?= /opt/wheels
 
-.PHONY: install demo test test-fast lint proto bench clean
+.PHONY: install demo test test-fast test-unit lint proto bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

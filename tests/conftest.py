@@ -1,5 +1,8 @@
-"""What many test files share: a ring of real peers on loopback (127.0.0.1) and TLS material.
+"""What many test files share: a ring of real peers on loopback (127.0.0.1), TLS material, test kinds.
 
+Tests are grouped by kind, one folder each, and marked with it (``pytest -m unit``): ``unit`` (pure logic,
+no sockets), ``net`` (real peers on loopback sockets or in network namespaces), ``adversarial`` (hostile
+and malformed input against real servers), ``e2e`` (node daemons, the CLI and benches as processes).
 Helpers are imported by name (``from conftest import start_ring``); pytest puts this folder on the path.
 """
 
@@ -20,6 +23,16 @@ from dreamp2p.peer import Peer
 
 ROOT = Path(__file__).resolve().parents[1]
 MAKE_CERTS = ROOT / "deploy" / "tls" / "make-certs.sh"
+KINDS = ("unit", "net", "adversarial", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its kind, which is the folder it lives in."""
+    for item in items:
+        kind = item.path.parent.name
+        if kind not in KINDS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in one of the folders {', '.join(KINDS)}")
+        item.add_marker(getattr(pytest.mark, kind))
 
 
 def ring_configs(n: int, **fields: Any) -> list[PeerConfig]:

@@ -34,8 +34,8 @@ segments, one per iteration, walking layer by layer:
 The best completion from (first layer of a segment, iteration) does not depend on how earlier iterations were
 cut, so the search is memoised on those states and evaluated bottom-up (no deep recursion); within a state a
 branch is cut off as soon as its wait reaches the best found. This makes the search exact for the model above,
-up to float rounding (``tests/planner_oracle.py`` checks it), in O(min(H, L) * L^2) steps. Ties keep the first branch
-found, i.e. close iterations as early as possible (spreads traffic over more iterations).
+up to float rounding (``tests/unit/planner_oracle.py`` checks it), in O(min(H, L) * L^2) steps. Ties keep the
+first branch found, i.e. close iterations as early as possible (spreads traffic over more iterations).
 
 WAN extension (``max_delay > 0``; see docs/PLANNING.md): a group launched in
 iteration ``h`` with delay ``d`` must land before the optimizer step of iteration ``h + d``, i.e. within

@@ -33,7 +33,7 @@ from dreamp2p.transport.server import PeerServicer
 from dreamp2p.v1 import peer_pb2 as pb
 from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAKE_CERTS = ROOT / "deploy" / "tls" / "make-certs.sh"
 TOKEN = "hardening-token"
 CLUSTER = "hardening-test"

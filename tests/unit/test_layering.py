@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1] / "dreamp2p"
+PACKAGE_DIR = Path(__file__).resolve().parents[2] / "dreamp2p"
 
 # Highest first. A unit may import a unit of its own tier or of any tier below it.
 TIERS: tuple[frozenset[str], ...] = (

@@ -10,7 +10,7 @@ import grpc
 
 import dreamp2p.v1.peer_pb2 as pb
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STUBS = ["peer_pb2.py", "peer_pb2.pyi", "peer_pb2_grpc.py"]
 
 

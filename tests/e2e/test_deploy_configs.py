@@ -19,7 +19,7 @@ import pytest
 
 from dreamp2p.service.daemon import DaemonConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAKE_CERTS = ROOT / "deploy" / "tls" / "make-certs.sh"
 COMPOSE = ROOT / "deploy" / "compose.yaml"
 K8S = ROOT / "deploy" / "k8s" / "statefulset.yaml"
