@@ -79,6 +79,9 @@ class TLSConfig:
     ca_file: str | None = None  # verifies peers' certificates; required for mutual TLS
     mutual: bool = False
     server_name_override: str | None = None  # when peers are dialled by IP but certs name a host
+    # with mutual TLS: the node id a caller claims (handshake, frames, votes, probes, state requests)
+    # must be its certificate's CN or one of its SANs (see dreamp2p.transport.identity)
+    bind_identity: bool = True
 
     def __post_init__(self) -> None:
         if self.mutual and not self.ca_file:

@@ -31,6 +31,7 @@ class Status(enum.IntEnum):
     NOT_FOUND = 18
     JOINING = 19
     CONFIG_MISMATCH = 20
+    IDENTITY_MISMATCH = 21
 
 
 class PeerError(Exception):

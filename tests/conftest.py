@@ -82,6 +82,20 @@ def make_certs(out: Path, names: str = "localhost,127.0.0.1") -> dict[str, str]:
     }
 
 
+def make_node_certs(out: Path, node_ids: Sequence[str]) -> dict[str, dict[str, str]]:
+    """A CA and one certificate per node id (its common name; SANs: the id, localhost, 127.0.0.1)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    specs = [f"{n}={n},localhost,127.0.0.1" for n in node_ids]
+    subprocess.run(
+        ["bash", str(MAKE_CERTS), "--out", str(out), "--days", "2", *specs], check=True, capture_output=True, timeout=60
+    )
+    return {
+        n: {"cert_file": str(out / f"{n}.pem"), "key_file": str(out / f"{n}.key"), "ca_file": str(out / "ca.pem")}
+        for n in node_ids
+    }
+
+
 @pytest.fixture
 async def ring3() -> AsyncIterator[list[Peer]]:
     """Three default peers on loopback, connected into one ring."""

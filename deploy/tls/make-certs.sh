@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Private CA and one certificate per node for dreamp2p's (mutual) TLS, with openssl.
 #
-#   deploy/tls/make-certs.sh [--out DIR] [--days N] [--ca-days N] [--force] NAME[,EXTRA...] ...
+#   deploy/tls/make-certs.sh [--out DIR] [--days N] [--ca-days N] [--force] [ID=]NAME[,EXTRA...] ...
 #
+#   ID       the node id (node_id in its TOML) the certificate vouches for, as its common name. With
+#            mutual TLS a peer may only claim a node id its certificate names (CN or a SAN), so give
+#            each node its own: eu-west=eu-west.example.org. Without ID the common name is NAME.
 #   NAME     the host name (or IP address) other nodes dial this node by: the host part of its ring
 #            address. Files are named after it (an IPv6 address's colons become _).
 #            EXTRA: more names or IPs for the same certificate, comma-separated
@@ -56,8 +59,15 @@ is_ip() {
 }
 
 # Check every argument before writing anything.
+node_id() { [[ $1 == *=* ]] && echo "${1%%=*}" || true; }
+hosts() { echo "${1#*=}"; }
+
 for spec in "${names[@]}"; do
-  IFS=, read -r -a parts <<< "$spec"
+  id=$(node_id "$spec")
+  if [[ $spec == *=* ]]; then
+    [[ $id =~ ^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$ ]] || die "node id '$id' must be letters, digits, '.', '_' or '-'"
+  fi
+  IFS=, read -r -a parts <<< "$(hosts "$spec")"
   [ ${#parts[@]} -gt 0 ] || die "empty node name"
   for n in "${parts[@]}"; do
     is_ip "$n" || [[ $n =~ ^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$ ]] \
@@ -101,8 +111,10 @@ if [ ! -e "$out/ca.pem" ]; then
 fi
 
 for spec in "${names[@]}"; do
-  IFS=, read -r -a parts <<< "$spec"
+  id=$(node_id "$spec")
+  IFS=, read -r -a parts <<< "$(hosts "$spec")"
   first=${parts[0]//:/_}      # file name; an IPv6 address's colons become underscores
+  cn=${id:-${parts[0]}}
   san=""
   for n in "${parts[@]}"; do
     if is_ip "$n"; then san+="${san:+,}IP:$n"; else san+="${san:+,}DNS:$n"; fi
@@ -116,7 +128,7 @@ authorityKeyIdentifier = keyid,issuer
 subjectAltName = $san
 EOF
   openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$tmp/node.key"
-  openssl req -new -key "$tmp/node.key" -subj "/CN=${parts[0]}" -out "$tmp/node.csr"
+  openssl req -new -key "$tmp/node.key" -subj "/CN=$cn" -out "$tmp/node.csr"
   openssl x509 -req -in "$tmp/node.csr" -CA "$out/ca.pem" -CAkey "$out/ca.key" \
     -set_serial "0x$(openssl rand -hex 16)" -days "$days" -sha256 \
     -extfile "$tmp/ext.cnf" -out "$tmp/node.pem" 2>"$tmp/x509.err" \
@@ -124,5 +136,5 @@ EOF
   chmod 0644 "$tmp/node.pem"
   mv "$tmp/node.key" "$out/$first.key"
   mv "$tmp/node.pem" "$out/$first.pem"
-  echo "wrote $out/$first.pem and $out/$first.key ($san)" >&2
+  echo "wrote $out/$first.pem and $out/$first.key (CN $cn; $san)" >&2
 done

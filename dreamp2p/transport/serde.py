@@ -48,6 +48,7 @@ GRPC_CODE: dict[Status, grpc.StatusCode] = {
     Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Status.JOINING: grpc.StatusCode.UNAVAILABLE,
     Status.CONFIG_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    Status.IDENTITY_MISMATCH: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 # Prefix of every error detail string, so clients can recover the application status from it.

@@ -20,6 +20,7 @@ from dreamp2p.statemeta import STREAM_CHUNK_BYTES, StateManifest
 from dreamp2p.transport import serde
 from dreamp2p.transport.auth import TokenAuthInterceptor
 from dreamp2p.transport.budget import SenderBudget
+from dreamp2p.transport.identity import certificate_names, identity_refusal
 from dreamp2p.transport.options import server_credentials, server_options
 from dreamp2p.v1 import peer_pb2 as pb
 from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
@@ -77,12 +78,23 @@ class StateSource(Protocol):
 
 
 class PeerServicer(pb_grpc.PeerServicer):
-    def __init__(self, backend: PeerBackend) -> None:
+    def __init__(self, backend: PeerBackend, bind_identity: bool = False) -> None:
         self._b = backend
         self._budget = SenderBudget.for_backend(backend)  # bytes each sender has waiting in Push
+        # mutual TLS with binding: every node id a caller claims must be named by its certificate
+        self._bind = bind_identity
+
+    def _names(self, context: aio.ServicerContext) -> frozenset[str] | None:
+        return certificate_names(context) if self._bind else None
+
+    async def _refuse_impostor(self, context: aio.ServicerContext, claimed: str) -> None:
+        err = identity_refusal(self._names(context), claimed)
+        if err is not None:
+            await _abort(context, err)
 
     async def Handshake(self, request: pb.HandshakeRequest, context: aio.ServicerContext) -> pb.HandshakeResponse:
         await _refuse_undecodable(request, context)
+        await self._refuse_impostor(context, request.node_id)
         try:
             mine = self._b.admit(serde.hello_from_proto(request))
         except PeerError as err:
@@ -95,9 +107,12 @@ class PeerServicer(pb_grpc.PeerServicer):
         nbytes = 0
         sender = ""
         keys: set[tuple[int, int]] = set()  # rounds this stream carried: only they fail if it breaks
+        names = self._names(context)
         try:
             async for message in request_iterator:
                 frame = serde.frame_from_wire(message, self._b.max_payload)
+                if (impostor := identity_refusal(names, frame.sender)) is not None:
+                    raise impostor
                 sender = frame.sender
                 # a frame ahead of its round waits in accept_frame: bounded per sender across its streams
                 with self._budget.holding(sender, len(frame.payload)):
@@ -118,6 +133,7 @@ class PeerServicer(pb_grpc.PeerServicer):
         await _refuse_undecodable(request, context)
         if request.reply_bytes > self._b.max_probe_bytes or len(request.burst) > self._b.max_probe_bytes:
             await _abort(context, PeerError(Status.OVERSIZE, f"probe larger than {self._b.max_probe_bytes} bytes"))
+        await self._refuse_impostor(context, request.sender)
         self._b.note_probe(request.sender, len(request.burst))
         return serde.probe_response(request.nonce, len(request.burst), request.reply_bytes)
 
@@ -127,6 +143,7 @@ class PeerServicer(pb_grpc.PeerServicer):
 
     async def Vote(self, request: pb.VoteRequest, context: aio.ServicerContext) -> pb.VoteReply:
         await _refuse_undecodable(request, context)
+        await self._refuse_impostor(context, request.sender)
         try:
             self._b.vote(serde.vote_from_proto(request))
         except PeerError as err:
@@ -138,6 +155,7 @@ class PeerServicer(pb_grpc.PeerServicer):
     ) -> pb.StateManifest:
         """Describe a snapshot of this node's state, waiting (bounded) for the trainer to publish one."""
         await _refuse_undecodable(request, context)
+        await self._refuse_impostor(context, request.sender)
         try:
             backend, donor = self._state_donor(serde.state_manifest_request_from_proto(request))
             wait = backend.config.transport.rpc_deadline_s
@@ -150,6 +168,7 @@ class PeerServicer(pb_grpc.PeerServicer):
     async def FetchState(self, request: pb.StateChunkRequest, context: aio.ServicerContext) -> AsyncIterator[bytes]:
         """Stream one byte range of one snapshot tensor as pre-serialized StateChunks (see `add_to_server`)."""
         await _refuse_undecodable(request, context)
+        await self._refuse_impostor(context, request.sender)
         try:
             r = serde.state_range_from_proto(request)
             _, donor = self._state_donor(r.sender)
@@ -250,7 +269,8 @@ def build_server(config: PeerConfig, backend: PeerBackend) -> tuple[aio.Server, 
         interceptors=interceptors,
         maximum_concurrent_rpcs=config.transport.max_concurrent_streams * 4,
     )
-    add_to_server(PeerServicer(backend), server)
+    tls = config.tls
+    add_to_server(PeerServicer(backend, bind_identity=tls is not None and tls.mutual and tls.bind_identity), server)
     if config.tls is not None:
         port = server.add_secure_port(config.listen, server_credentials(config.tls))
     else:

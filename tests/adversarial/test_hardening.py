@@ -381,6 +381,77 @@ async def test_server_only_tls_admits_clients_without_certificates(certs: dict[s
         )
 
 
+# ------------------------------------------------------------------------ node id bound to certificate
+
+
+@pytest.fixture(scope="module")
+def node_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One CA; p1 (the server) as localhost, p0 and p2 each with a certificate of its own node id."""
+    d = tmp_path_factory.mktemp("nodes")
+    subprocess.run(
+        ["bash", str(MAKE_CERTS), "--out", str(d), "--days", "2", "p1=localhost,127.0.0.1", "p0=p0", "p2=p2"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return d
+
+
+def bound_peer_tls(d: Path, bind: bool = True) -> TLSConfig:
+    return TLSConfig(
+        str(d / "localhost.pem"), str(d / "localhost.key"), str(d / "ca.pem"), mutual=True, bind_identity=bind
+    )
+
+
+def channel_as(d: Path, node: str, addr: str) -> aio.Channel:
+    """A mutual-TLS channel to ``addr`` presenting node ``node``'s certificate (CN = node)."""
+    creds = grpc.ssl_channel_credentials(
+        (d / "ca.pem").read_bytes(), (d / f"{node}.key").read_bytes(), (d / f"{node}.pem").read_bytes()
+    )
+    return aio.secure_channel(addr, creds, options=(("grpc.ssl_target_name_override", "localhost"),))
+
+
+async def test_a_member_may_claim_only_the_node_id_its_certificate_names(node_certs: Path) -> None:
+    async with running_peer(tls=bound_peer_tls(node_certs)) as peer:
+        channel = channel_as(node_certs, "p0", peer.address)
+        stub = pb_grpc.PeerStub(channel)
+        try:
+            # p0's certificate, p0's name: admitted
+            ok = await stub.Handshake(hello("p0"), metadata=GOOD_MD, timeout=CALL_TIMEOUT)
+            assert ok.node_id == "p1"
+            # p0's certificate, another member's name: every call that claims a node id refuses it
+            lead = "IDENTITY_MISMATCH: "
+            why = "claims node id 'p2', but its TLS certificate names only: p0"
+            denied = grpc.StatusCode.PERMISSION_DENIED
+            await refused(stub.Handshake(hello("p2"), metadata=GOOD_MD, timeout=CALL_TIMEOUT), denied, lead, why)
+            vote = pb.VoteRequest(sender="p2", group_id=1, round_id=1, view_id=0, commit=False)
+            await refused(stub.Vote(vote, metadata=GOOD_MD, timeout=CALL_TIMEOUT), denied, lead, why)
+            probe = pb.ProbeRequest(nonce=1, sender="p2")
+            await refused(stub.Probe(probe, metadata=GOOD_MD, timeout=CALL_TIMEOUT), denied, lead, why)
+            await refused(push(stub, waiting_frame("p2", 7)), denied, lead, why)
+            manifest = pb.StateManifestRequest(sender="p2")
+            await refused(stub.GetStateManifest(manifest, metadata=GOOD_MD, timeout=CALL_TIMEOUT), denied, lead, why)
+            # nothing of it reached the peer: no frame waits, and p2 was never admitted
+            assert peer.rounds.snapshot().pending == 0
+            assert "p2" not in peer.admitted()
+            # the refusal was about the name, not the connection: calls in its own name still answer
+            echo = await stub.Probe(pb.ProbeRequest(nonce=2, sender="p0"), metadata=GOOD_MD, timeout=CALL_TIMEOUT)
+            assert echo.nonce == 2
+        finally:
+            await channel.close(grace=None)
+
+
+async def test_identity_binding_can_be_turned_off(node_certs: Path) -> None:
+    """The check above is what refuses: with bind_identity = false the same impostor handshake is admitted."""
+    async with running_peer(tls=bound_peer_tls(node_certs, bind=False)) as peer:
+        channel = channel_as(node_certs, "p0", peer.address)
+        try:
+            ok = await pb_grpc.PeerStub(channel).Handshake(hello("p2"), metadata=GOOD_MD, timeout=CALL_TIMEOUT)
+            assert ok.node_id == "p1" and "p2" in peer.admitted()
+        finally:
+            await channel.close(grace=None)
+
+
 # ----------------------------------------------------------------------------------------- limits
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_certs, ring_configs, start_ring
+from conftest import make_certs, make_node_certs, ring_configs, start_ring
 
 from dreamp2p.config import PeerConfig, PeerInfo, TLSConfig, TransportConfig
 from dreamp2p.errors import PeerError, RoundFailed, Status
@@ -171,15 +171,30 @@ async def test_connect_refuses_other_cluster() -> None:
 
 @pytest.mark.parametrize("mutual", [False, True])
 async def test_tls_ring(tmp_path: Path, mutual: bool) -> None:
-    files = make_certs(tmp_path)
-    tls = TLSConfig(**files, mutual=mutual, server_name_override="localhost")
-    peers = await make_ring(2, tls=tls, token="t")
+    # each node its own certificate, naming its node id: with mutual TLS a node may claim only that id
+    certs = make_node_certs(tmp_path, ["p0", "p1"])
+    configs = [
+        PeerConfig(node_id=n, token="t", tls=TLSConfig(**certs[n], mutual=mutual, server_name_override="localhost"))
+        for n in ("p0", "p1")
+    ]
+    peers = await start_ring(configs)
     try:
         data = [[torch.full((1000,), float(r))] for r in range(2)]
         await average(peers, data, codec="int8")
         assert torch.allclose(data[1][0], torch.full((1000,), 0.5), atol=1e-2)
     finally:
         await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_a_node_with_another_nodes_certificate_cannot_join_the_ring(tmp_path: Path) -> None:
+    """Mutual TLS binds node ids: p1 started with p0's certificate is refused at once, naming why."""
+    certs = make_node_certs(tmp_path, ["p0", "p1"])
+    tls = TLSConfig(**certs["p0"], mutual=True, server_name_override="localhost")
+    configs = [PeerConfig(node_id=n, token="t", tls=tls) for n in ("p0", "p1")]
+    with pytest.raises(PeerError) as err:
+        await start_ring(configs, timeout=30)
+    assert err.value.status == Status.IDENTITY_MISMATCH
+    assert "claims node id 'p1', but its TLS certificate names only: 127.0.0.1, localhost, p0" in err.value.detail
 
 
 async def test_plain_client_cannot_talk_to_tls_peer(tmp_path: Path) -> None:
