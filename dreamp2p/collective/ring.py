@@ -31,6 +31,7 @@ from typing import NamedTuple, Protocol
 import torch
 import xxhash
 
+from dreamp2p.collective.feedback import GATHER, REDUCE, RoundFeedback
 from dreamp2p.collective.partition import (
     Segment,
     all_gather_recv,
@@ -146,7 +147,9 @@ class RoundProgress(NamedTuple):
 class RingRound:
     """One all-reduce round at one peer. Create, :meth:`start`, feed :meth:`deliver`, await :attr:`done`."""
 
-    def __init__(self, spec: RoundSpec, buffer: torch.Tensor, out: OutStream | None) -> None:
+    def __init__(
+        self, spec: RoundSpec, buffer: torch.Tensor, out: OutStream | None, feedback: RoundFeedback | None = None
+    ) -> None:
         if buffer.dtype != torch.float32 or buffer.dim() != 1 or not buffer.is_contiguous():
             raise ValueError("ring buffer must be a contiguous 1-D float32 tensor")
         if spec.world > 1 and out is None:
@@ -154,6 +157,7 @@ class RingRound:
         self.spec = spec
         self.acc = buffer
         self.out = out
+        self._feedback = feedback  # error feedback for lossy encodes (increments only; see collective.feedback)
         self._block = spec.block
         # decoders by wire id; the spec's own codec objects win, so they need not be registered
         self._codecs: dict[int, Codec] = {i: get_codec(i) for i in spec.accepted_codecs if i != spec.codec.wire_id}
@@ -203,8 +207,16 @@ class RingRound:
     def _encode_frame(self, phase: Phase, step: int, segment: int, start: int, length: int, excluded: int = 0) -> Frame:
         """A reduce-scatter frame of our partial sum, in our outgoing link's codec."""
         codec = self.spec.rs_codec
-        raw = bytes(codec.encode(self.acc[start : start + length]).numpy())
-        return self._frame(phase, step, segment, start, length, raw, codec, excluded)
+        values = self.acc[start : start + length]
+        fb = self._feedback
+        # a refused contribution is zeros marked excluded: nothing of ours, residual included, goes out
+        if fb is not None and not codec.lossless and (step > 0 or self.spec.contributes):
+            values = fb.compensate(REDUCE, start, values)
+            encoded = codec.encode(values)
+            fb.keep(REDUCE, start, values, codec.decode(encoded, length))
+        else:
+            encoded = codec.encode(values)
+        return self._frame(phase, step, segment, start, length, bytes(encoded.numpy()), codec, excluded)
 
     def _frame(
         self,
@@ -289,10 +301,14 @@ class RingRound:
                 view.div_(contributors)
                 # these bytes cross every ring link, so they use the slowest link's codec
                 gather = spec.ag_codec
-                out_raw = bytes(gather.encode(view).numpy())
+                fb = self._feedback
+                sent = fb.compensate(GATHER, chunk_start, view) if fb is not None and not gather.lossless else view
+                out_raw = bytes(gather.encode(sent).numpy())
                 if not gather.lossless:
                     # keep exactly what every other peer will decode
                     gather.decode(out_raw, length, out=view)
+                    if fb is not None:
+                        fb.keep(GATHER, chunk_start, sent, view)
                 seg = all_gather_send(spec.rank, spec.world, 0)
                 # all-gather frames tell everyone how many peers the mean is over
                 self._forward(self._frame(Phase.ALL_GATHER, 0, seg, chunk_start, length, out_raw, gather, excluded))

@@ -26,6 +26,7 @@ import torch
 from grpc import aio
 
 from dreamp2p.collective.chunking import choose_chunk_bytes
+from dreamp2p.collective.feedback import GroupFeedback
 from dreamp2p.collective.partition import split_segments
 from dreamp2p.collective.ring import RingRound, RoundAborted, RoundSpec
 from dreamp2p.compression import Codec, ZstdStage, codec_names, get_codec
@@ -86,6 +87,7 @@ class Peer:
         self.rounds_retried = 0
         self.frames_rejected = 0
         self._guard = ContributionGuard(config.max_norm_ratio)
+        self._feedback: dict[int, GroupFeedback] = {}  # error-feedback residuals per group (base group id)
         # set by the trainer's thread; replaced whole (never mutated), so readers see a consistent value
         self.training: TrainingInfo | None = None
         # set by a node that resumed: the checkpoint steps it held, so a restart wave can agree on one
@@ -408,6 +410,11 @@ class Peer:
             for node, link in self._links.items()
         ]
 
+    def feedback_norm(self, group_id: int) -> float:
+        """Norm of the error-feedback residuals carried into group ``group_id``'s next round (0 without)."""
+        group = self._feedback.get(group_id)
+        return group.residual_norm() if group is not None else 0.0
+
     @property
     def contributions_refused(self) -> int:
         """Rounds we took part in without our values (non-finite, or a norm jump): see `peer.guard`."""
@@ -436,13 +443,16 @@ class Peer:
         out: Sequence[torch.Tensor] | None = None,
         round_id: int | None = None,
         guard_norm: bool = True,
+        error_feedback: bool = False,
     ) -> RoundResult:
         """Average ``tensors`` across the ring (a collective: every member must call it).
 
         The mean is written into ``out`` (same shapes) when given, else into ``tensors`` in place.
         ``guard_norm`` withholds a contribution whose norm jumps far above the group's usual one; turn it
-        off for groups whose scale legitimately changes (control vectors). Rounds of a group are
-        numbered 1, 2, ... unless ``round_id`` is given: trainers pass ids derived
+        off for groups whose scale legitimately changes (control vectors). ``error_feedback`` carries what
+        a lossy codec lost into the group's next round (`dreamp2p.collective.feedback`): for groups that
+        average increments (pseudo-gradients), never parameters; every member must pass the same.
+        Rounds of a group are numbered 1, 2, ... unless ``round_id`` is given: trainers pass ids derived
         from the step, so a peer restarted from a checkpoint meets the others on the same round ids.
         On failure raises :class:`RoundFailed` and leaves every tensor exactly as it was.
 
@@ -456,7 +466,9 @@ class Peer:
         for attempt in range(retries + 1):
             gid = group_id if attempt == 0 else group_id | RETRY_GROUP_BIT
             try:
-                return await self._allreduce_once(tensors, gid, codec, plan_version, timeout, out, round_id, guard_norm)
+                return await self._allreduce_once(
+                    tensors, gid, codec, plan_version, timeout, out, round_id, guard_norm, error_feedback
+                )
             except RoundFailed as exc:
                 if attempt == retries or self._closing or round_id is None:
                     raise
@@ -476,6 +488,7 @@ class Peer:
         out: Sequence[torch.Tensor] | None,
         round_id: int | None,
         guard_norm: bool,
+        error_feedback: bool = False,
     ) -> RoundResult:
         if not self._ring:
             raise RuntimeError("allreduce before connect(): no ring")
@@ -525,7 +538,13 @@ class Peer:
             view_id=vid,
             **_link_codec_fields(links, rank, world),
         )
-        rnd = RingRound(spec, flat, stream)
+        feedback = None
+        if error_feedback and world > 1:
+            # a retry continues its group's residuals; a new member list, rank or codec starts from zero
+            layout = (vid, rank, spec.rs_codec.name, spec.ag_codec.name)
+            group = self._feedback.setdefault(group_id & ~RETRY_GROUP_BIT, GroupFeedback())
+            feedback = group.begin(layout, flat.numel())
+        rnd = RingRound(spec, flat, stream, feedback)
         others = [p.node_id for p in members if p.node_id != self.config.node_id]
         early = self._commits.failed_before(key, others)
         if early is not None:  # a member gave this round up before it even opened here
@@ -533,6 +552,8 @@ class Peer:
         self.rounds.open(key, rnd, (p.node_id for p in members))
         limit = timeout or self.config.transport.round_timeout_s
         await self._settle(rnd, stream, vid, others, limit, t0)
+        if feedback is not None:
+            feedback.commit()
         _unflatten(flat[:numel], out if out is not None else tensors)
         self.rounds_completed += 1
         return RoundResult(

@@ -47,11 +47,13 @@ class Collective(Protocol):
         round_id: int | None = None,
         guard_norm: bool = True,
         prepare: Callable[[], None] | None = None,
+        error_feedback: bool = False,
     ) -> concurrent.futures.Future[RoundResult]:
         """Average ``group.snap`` (or ``group.work`` filled by ``prepare``) into ``group.work``.
 
         The round is all-or-none across the members: the future raises RoundFailed on every member or
-        completes on every member with bit-identical ``work``.
+        completes on every member with bit-identical ``work``. ``error_feedback``: carry what a lossy
+        codec lost into this group id's next round (increments only, e.g. pseudo-gradients).
         """
         ...
 

@@ -104,6 +104,7 @@ class CommThread:
         round_id: int | None = None,
         guard_norm: bool = True,
         prepare: Callable[[], None] | None = None,
+        error_feedback: bool = False,
     ) -> concurrent.futures.Future[RoundResult]:
         """Average a group's snapshot into its ``work`` buffer; ``snap`` stays for the delta merge.
 
@@ -112,7 +113,9 @@ class CommThread:
         training thread never waits for an asynchronous device-to-host snapshot.
         """
         return self.submit(
-            _allreduce_group(self.peer, group, group_id, codec, plan_version, round_id, guard_norm, prepare)
+            _allreduce_group(
+                self.peer, group, group_id, codec, plan_version, round_id, guard_norm, prepare, error_feedback
+            )
         )
 
     def on_loop(self, fn: Callable[..., T], *args: Any) -> T:
@@ -224,6 +227,7 @@ async def _allreduce_group(
     round_id: int | None,
     guard_norm: bool,
     prepare: Callable[[], None] | None = None,
+    error_feedback: bool = False,
 ) -> RoundResult:
     if group.device.type == "cuda":
         await asyncio.to_thread(group.ready)
@@ -232,5 +236,12 @@ async def _allreduce_group(
         prepare()
         source = group.work
     return await peer.allreduce(
-        [source], group_id, codec, plan_version, out=[group.work], round_id=round_id, guard_norm=guard_norm
+        [source],
+        group_id,
+        codec,
+        plan_version,
+        out=[group.work],
+        round_id=round_id,
+        guard_norm=guard_norm,
+        error_feedback=error_feedback,
     )

@@ -74,6 +74,9 @@ class SyncConfig:
     # same theta (a partition or a lost round is healed there). Empty delta_codec: always parameters.
     delta_codec: str = "int4"
     anchor_every: int = 4
+    # error feedback on those pseudo-gradient syncs: what delta_codec lost in one round is added to the
+    # same group's next round, at every lossy encode of the ring (dreamp2p.collective.feedback)
+    error_feedback: bool = False
     # Bandwidth-aware compression per ring link (DreamDDP's layer syncs): candidates from least to most
     # lossy, ``codec`` among them; each link sends with the least lossy one that keeps its transfer within
     # (1 + link_codec_tolerance) of the fastest link's, from the bandwidths of the control round. Empty:
@@ -93,6 +96,9 @@ class SyncConfig:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {self.strategy!r}")
+        for name in ("bubble_fill", "error_feedback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"sync.{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("period", "fragments", "control_every", "control_lead", "replan_sustain", "anchor_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"sync.{name} must be >= 1, got {getattr(self, name)}")

@@ -272,6 +272,7 @@ class DreamDDP(Strategy):
             plan_version=self.plan.version,
             round_id=self._round(),
             prepare=pseudo_gradient,
+            error_feedback=self.cfg.error_feedback,
         )
         self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, sync.layers, fut))
 

@@ -32,6 +32,7 @@ class RoundRecord:
     codec: str
     elements: int
     failed: bool
+    error_feedback: bool = False
 
 
 @dataclass
@@ -57,6 +58,8 @@ class InProcessHub:
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, int], dict[int, _Contribution]] = {}
         self._fail: Callable[[int, int], bool] = lambda group_id, round_id: False
+        # error feedback, emulated on the hub's one encode of the mean: what it lost, per group
+        self._residuals: dict[int, torch.Tensor] = {}
         self._members = [InProcessCollective(self, i) for i in range(world)]
 
     def member(self, rank: int) -> InProcessCollective:
@@ -71,7 +74,13 @@ class InProcessHub:
         return [m.training.step if m.training is not None else None for m in self._members]
 
     def contribute(
-        self, rank: int, key: tuple[int, int], values: torch.Tensor, out: torch.Tensor, codec: str
+        self,
+        rank: int,
+        key: tuple[int, int],
+        values: torch.Tensor,
+        out: torch.Tensor,
+        codec: str,
+        error_feedback: bool = False,
     ) -> concurrent.futures.Future[RoundResult]:
         future: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
         with self._lock:
@@ -83,11 +92,13 @@ class InProcessHub:
                 return future
             del self._pending[key]
             failed = self._fail(*key)
-            self.rounds.append(RoundRecord(key[0], key[1], codec, values.numel(), failed))
-        self._complete(key, round_, codec, failed)
+            self.rounds.append(RoundRecord(key[0], key[1], codec, values.numel(), failed, error_feedback))
+        self._complete(key, round_, codec, failed, error_feedback)
         return future
 
-    def _complete(self, key: tuple[int, int], round_: dict[int, _Contribution], codec: str, failed: bool) -> None:
+    def _complete(
+        self, key: tuple[int, int], round_: dict[int, _Contribution], codec: str, failed: bool, feedback: bool
+    ) -> None:
         contributions = [round_[r] for r in sorted(round_)]
         if failed:
             for c in contributions:
@@ -99,7 +110,11 @@ class InProcessHub:
         mean = total / len(contributions)
         cod = get_codec(codec)
         if not cod.lossless:
-            mean = cod.decode(cod.encode(mean), mean.numel())
+            carried = self._residuals.get(key[0]) if feedback else None
+            sent = mean + carried if carried is not None and carried.shape == mean.shape else mean
+            mean = cod.decode(cod.encode(sent), mean.numel())
+            if feedback:
+                self._residuals[key[0]] = sent - mean
         world = len(contributions)
         wire = cod.encoded_nbytes(mean.numel()) * 2 * (world - 1) // max(world, 1)
         for c in contributions:
@@ -145,6 +160,7 @@ class InProcessCollective:
         round_id: int | None = None,
         guard_norm: bool = True,
         prepare: Callable[[], None] | None = None,
+        error_feedback: bool = False,
     ) -> concurrent.futures.Future[RoundResult]:
         group.ready()
         source = group.snap
@@ -155,7 +171,7 @@ class InProcessCollective:
             round_id = self._counters.get(group_id, 0)
             self._counters[group_id] = round_id + 1
         name = codec.gather if isinstance(codec, RingCodecPlan) else (codec or "fp32")
-        return self._hub.contribute(self._rank, (group_id, round_id), source.clone(), group.work, name)
+        return self._hub.contribute(self._rank, (group_id, round_id), source.clone(), group.work, name, error_feedback)
 
     def links(self) -> list[LinkSnapshot]:
         return [

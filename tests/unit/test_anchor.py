@@ -50,6 +50,8 @@ def test_only_the_low_bits_travel() -> None:
         ({"delta_codec": "int3"}, "delta_codec"),
         ({"group_outer_lr": 0.0}, "group_outer_lr"),
         ({"group_outer_momentum": 1.0}, "group_outer_momentum"),
+        ({"error_feedback": "yes"}, "sync.error_feedback must be true or false"),
+        ({"bubble_fill": 1}, "sync.bubble_fill must be true or false"),
     ],
 )
 def test_bad_anchor_settings_are_refused(bad: dict[str, object], message: str) -> None:

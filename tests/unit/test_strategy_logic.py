@@ -195,6 +195,23 @@ def test_dreamddp_members_adopt_the_same_plans_and_average_every_layer_each_peri
     assert len({digest(s) for s in strategies}) == 1
 
 
+@pytest.mark.parametrize("feedback", [False, True])
+def test_dreamddp_asks_error_feedback_for_its_pseudo_gradients_only(feedback: bool) -> None:
+    hub = InProcessHub(2, goodput_Bps=50e6, rtt_s=0.001)
+    cfg = config("dreamddp", period=4, max_delay=2, anchor_every=2, error_feedback=feedback)
+    strategies = members(hub, cfg)
+    train(strategies, 32)
+    layer_rounds = [r for r in hub.rounds if r.group_id >= GROUP_PLAN_BASE]
+    deltas = [r for r in layer_rounds if r.codec == cfg.delta_codec]
+    anchors = [r for r in layer_rounds if r.codec != cfg.delta_codec]
+    assert deltas and anchors
+    # parameters (anchors, checks) are never fed back; the pseudo-gradients are exactly when asked
+    assert {r.error_feedback for r in deltas} == {feedback}
+    assert not any(r.error_feedback for r in anchors)
+    each(strategies, lambda rank, s: s.flush())
+    assert len({digest(s) for s in strategies}) == 1
+
+
 def test_training_info_reaches_the_collective_every_step() -> None:
     hub = InProcessHub(2)
     strategies = members(hub, config("localsgd"))
