@@ -475,7 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rate", default=None, help="link rate, e.g. 20mbit (transport --netns: 100mbit; lm: 20mbit)")
     b.add_argument("--regions", type=_int_at_least(1), default=2, help="lm: regions (one process each)")
     b.add_argument("--minutes", type=float, default=10.0, help="soak: how long to run")
-    b.add_argument("--strategies", nargs="+", default=None, help="strategies: which to run (default: all)")
+    b.add_argument(
+        "--strategies",
+        nargs="+",
+        default=None,
+        help="which to run (default: all); lm also takes variants, e.g. dreamddp:error_feedback=true",
+    )
     b.add_argument(
         "--steps", type=_int_at_least(1), default=None, help="training steps per run (strategies 150, lm 200)"
     )

@@ -56,6 +56,7 @@ import multiprocessing.connection
 import os
 import subprocess
 import time
+import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -484,6 +485,25 @@ def _summarize(res: list[dict[str, Any]], steps: int, wire_run: list[int] | None
 # ---------------------------------------------------------------------------------------------- entry point
 
 
+def parse_variant(entry: str) -> tuple[str, dict[str, Any]]:
+    """``"dreamddp:error_feedback=true,delta_codec=e3m0"`` -> the strategy and its own SyncConfig overrides.
+
+    Values are read as TOML (true, 3, 0.5, "int8"); a bare word that is not TOML is taken as a string.
+    A plain strategy name has no overrides. Lets one run compare settings of a strategy side by side.
+    """
+    strategy, _, spec = entry.partition(":")
+    own: dict[str, Any] = {}
+    for item in filter(None, spec.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"strategy variant {entry!r}: expected key=value, got {item!r}")
+        try:
+            own[key.strip()] = tomllib.loads(f"v = {value.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            own[key.strip()] = value.strip()
+    return strategy, own
+
+
 def bench_lm(
     strategies: Sequence[str] | None = None,
     regions: int = 2,
@@ -510,6 +530,7 @@ def bench_lm(
     ``period``). Invalid settings raise ValueError before anything starts.
     """
     names = list(strategies) if strategies is not None else list(STRATEGIES)
+    variants = {name: parse_variant(name) for name in names}
     extra = dict(extra_sync or {})
     if regions < 1 or steps < 1 or batch < 1 or eval_batches < 1 or context < 1:
         raise ValueError("regions, steps, batch, eval_batches and context must be >= 1")
@@ -521,8 +542,10 @@ def bench_lm(
         raise ValueError("give strategy and period as arguments, not in extra_sync")
     if not names:
         raise ValueError("no strategies to run")
-    for name in names:
-        SyncConfig.from_dict({"strategy": name, "period": period, **extra})  # fail early on a bad name or knob
+    for strategy, own in variants.values():  # fail early on a bad name or knob
+        if {"strategy", "period"} & set(own):
+            raise ValueError("a variant may not set strategy or period")
+        SyncConfig.from_dict({"strategy": strategy, "period": period, **extra, **own})
     rate_Bps = parse_rate(rate)
     root = os.geteuid() == 0
     if netns and not root:
@@ -557,10 +580,11 @@ def bench_lm(
     with contextlib.ExitStack() as stack:
         ns_ctx = stack.enter_context(Namespaces(regions, rate)) if use_netns else None
         for name in names:
+            strategy, own = variants[name]
             args = {
-                "strategy": name,
+                "strategy": strategy,
                 "period": period,
-                "extra_sync": extra,
+                "extra_sync": {**extra, **own},
                 "workload": workload,
                 "wire_devs": [dev for _, dev in ns_ctx.devs] if ns_ctx is not None else [None] * regions,
             }

@@ -1,0 +1,29 @@
+"""`bench lm` strategy variants: NAME:key=value,... parsed into a strategy and its own overrides."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dreamp2p.devtools.bench.lm import parse_variant
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ("dreamddp", ("dreamddp", {})),
+        ("dreamddp:", ("dreamddp", {})),
+        ("dreamddp:error_feedback=true", ("dreamddp", {"error_feedback": True})),
+        ("streaming:fragments=2, stream_codec=int8", ("streaming", {"fragments": 2, "stream_codec": "int8"})),
+        ('dreamddp:plan_margin=0.5,delta_codec="e3m0"', ("dreamddp", {"plan_margin": 0.5, "delta_codec": "e3m0"})),
+    ],
+)
+def test_variants_parse_into_overrides(entry: str, expected: tuple[str, dict[str, Any]]) -> None:
+    assert parse_variant(entry) == expected
+
+
+@pytest.mark.parametrize("entry", ["dreamddp:error_feedback", "dreamddp:=1", "dreamddp:a=1,b"])
+def test_a_setting_without_a_value_is_refused(entry: str) -> None:
+    with pytest.raises(ValueError, match="expected key=value"):
+        parse_variant(entry)
