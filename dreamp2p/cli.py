@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -589,6 +590,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -597,6 +602,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             check(args)  # checks across options; exits 2 with a usage message, like argparse's own
         level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
         logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        # SIGTERM unwinds like Ctrl-C, so benches and the demo remove the namespaces and child processes
+        # they made (the node daemon installs its own handler: it drains and checkpoints instead)
+        signal.signal(signal.SIGTERM, _exit_on_signal)
         try:
             code = int(args.func(args))
         except BrokenPipeError:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -145,3 +146,43 @@ def test_a_closed_stdout_pipe_ends_the_cli_quietly() -> None:
     assert line.split() == [b"strategy", b"step", b"s", b"utilization", b"MB/step"]
     assert proc.returncode == 141, err.decode()  # 128 + SIGPIPE, as a C tool killed by the signal reports
     assert err == b"", err.decode()  # no traceback, no "Broken pipe"
+
+
+NETNS_SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "netns-wan.sh"
+
+
+def _namespaces(prefix: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_sigterm_to_a_bench_removes_the_namespaces_it_made() -> None:
+    """SIGTERM unwinds a bench like Ctrl-C: its shaped namespaces and child processes do not outlive it."""
+    assert not _namespaces("dp2pbench"), "namespaces left from an earlier run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dreamp2p.cli", "bench", "transport", "--netns", "--seconds", "120", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        for _ in range(600):  # the namespaces come up once the bench has started
+            if len(_namespaces("dp2pbench")) == 2 or proc.poll() is not None:
+                break
+            subprocess.run(["sleep", "0.1"], check=True)
+        assert len(_namespaces("dp2pbench")) == 2, proc.stderr.read().decode() if proc.poll() is not None else ""
+        proc.terminate()
+        assert proc.wait(60) == 128 + 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        left = _namespaces("dp2pbench")
+        if left:  # leave the machine clean for the next run whatever happened
+            subprocess.run(
+                ["bash", str(NETNS_SCRIPT), "down", "--prefix", "dp2pbench"],
+                capture_output=True,
+                timeout=60,
+                check=False,
+            )
+    assert left == []
