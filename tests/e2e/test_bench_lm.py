@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from dreamp2p.devtools.bench.lm import bench_lm, count_params
+from dreamp2p.devtools.bench.lm import bench_lm
+from dreamp2p.devtools.bench.lmwork import count_params
 
 TINY = {"width": 32, "layers": 1, "heads": 4, "context": 16, "batch": 2, "steps": 6, "period": 3, "eval_batches": 2}
 

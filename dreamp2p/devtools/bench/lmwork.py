@@ -1,0 +1,272 @@
+"""`bench lm`'s workload: the byte-level GPT, its corpus and shards, one region's training loop, the ceiling.
+
+Everything a region process runs (as a `run_local` job, or with nothing of dreamp2p attached for the
+ceiling); the bench itself (`bench.lm`) starts the regions and writes the report.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dreamp2p.devtools.launch import expect_message, reap
+from dreamp2p.manifest import param_digest
+from dreamp2p.node import Node
+from dreamp2p.service.tasks import ByteTransformer, stdlib_files
+from dreamp2p.sync.dreamddp import DreamDDP, plan_summary
+
+log = logging.getLogger(__name__)
+
+JOB = "dreamp2p.devtools.bench.lmwork:lm_job"
+HELDOUT_FRACTION = 0.05
+EVAL_POINTS = 10  # held-out evaluations per run (plus the final one)
+WEIGHT_DECAY = 0.1
+BETAS = (0.9, 0.95)
+SEED = 0
+VOCAB = 256
+
+
+# ---------------------------------------------------------------------------------------------- workload
+
+
+def load_corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    """The standard library's source as bytes (uint8): (training part, held-out last 5%)."""
+    chunks = []
+    for path in stdlib_files():
+        try:
+            chunks.append(path.read_bytes())
+        except OSError:
+            continue
+    data = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    cut = int(data.numel() * (1.0 - HELDOUT_FRACTION))
+    return data[:cut], data[cut:]
+
+
+def train_shard(train: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Shard ``rank`` of ``world``: a contiguous slice of the training part."""
+    size = train.numel() // world
+    return train[rank * size : (rank + 1) * size]
+
+
+def windows(data: torch.Tensor, starts: torch.Tensor, context: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-byte targets of the windows starting at ``starts``."""
+    w = data[starts.unsqueeze(1) + torch.arange(context + 1)].long()
+    return w[:, :-1].to(device), w[:, 1:].to(device)
+
+
+def train_batch(
+    shard: torch.Tensor, rank: int, step: int, batch: int, context: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Region ``rank``'s batch of ``step``: a pure function of (rank, step), the same in every run."""
+    g = torch.Generator().manual_seed(SEED * 1_000_003 + rank * 7919 + step)
+    starts = torch.randint(0, shard.numel() - context - 1, (batch,), generator=g)
+    return windows(shard, starts, context, device)
+
+
+def eval_set(
+    heldout: torch.Tensor, eval_batches: int, batch: int, context: int, device: str
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed held-out batches every strategy, region and the ceiling are evaluated on."""
+    g = torch.Generator().manual_seed(SEED + 7)
+    starts = torch.randint(0, heldout.numel() - context - 1, (eval_batches, batch), generator=g)
+    return [windows(heldout, s, context, device) for s in starts]
+
+
+def make_model(width: int, layers: int, heads: int, context: int, device: str) -> nn.Module:
+    torch.manual_seed(SEED)
+    return ByteTransformer(context, width, layers, heads).to(device)
+
+
+def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+
+
+def count_params(width: int, layers: int, heads: int, context: int) -> int:
+    return sum(p.numel() for p in ByteTransformer(context, width, layers, heads).parameters())
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+@torch.no_grad()
+def heldout_loss(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    was = model.training
+    model.eval()
+    loss = sum(float(lm_loss(model, x, y)) for x, y in batches) / len(batches)
+    model.train(was)
+    return loss if math.isfinite(loss) else float("inf")
+
+
+def eval_every(steps: int) -> int:
+    return max(1, math.ceil(steps / EVAL_POINTS))
+
+
+def read_tx_bytes(dev: str) -> int:
+    """Bytes ``dev`` transmitted, from /proc/net/dev (this process's network namespace)."""
+    with open("/proc/net/dev") as fh:
+        for line in fh:
+            name, sep, rest = line.partition(":")
+            if sep and name.strip() == dev:
+                return int(rest.split()[8])
+    raise RuntimeError(f"no device {dev!r} in /proc/net/dev of this network namespace")
+
+
+def _sync_device(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------- one region
+
+
+class _Workload:
+    """Everything one region (or ceiling process) trains on, built identically in every process."""
+
+    def __init__(self, rank: int, world: int, a: dict[str, Any]) -> None:
+        torch.set_num_threads(1)
+        self.rank = rank
+        self.a = a
+        train, heldout = load_corpus()
+        self.shard = train_shard(train, rank, world)
+        self.evals = eval_set(heldout, a["eval_batches"], a["batch"], a["context"], a["device"])
+        self.model = make_model(a["width"], a["layers"], a["heads"], a["context"], a["device"])
+        self.opt = make_optimizer(self.model, a["lr"])
+
+    def loop(self, step: Callable[[], Any], zero_grad: Callable[[], Any], wire_dev: str | None) -> dict[str, Any]:
+        """The timed training loop; parameter copies every ``eval_every`` steps (clock paused meanwhile)."""
+        a, model = self.a, self.model
+        steps, device, every = a["steps"], a["device"], eval_every(a["steps"])
+        snaps: list[tuple[int, float, list[torch.Tensor]]] = []
+        losses: list[float] = []
+        clock = 0.0
+        wire0 = read_tx_bytes(wire_dev) if wire_dev else 0
+        cpu0, thread0 = time.process_time(), time.thread_time()
+        t = time.perf_counter()
+        for k in range(steps):
+            x, y = train_batch(self.shard, self.rank, k, a["batch"], a["context"], device)
+            loss = lm_loss(model, x, y)
+            loss.backward()
+            step()
+            zero_grad()
+            losses.append(loss.item())
+            if (k + 1) % every == 0 and k + 1 < steps:
+                _sync_device(device)
+                clock += time.perf_counter() - t
+                snaps.append((k + 1, clock, [p.detach().clone() for p in model.parameters()]))
+                t = time.perf_counter()
+        _sync_device(device)
+        clock += time.perf_counter() - t
+        comm_cpu = (time.process_time() - cpu0) - (time.thread_time() - thread0)
+        wire = read_tx_bytes(wire_dev) - wire0 if wire_dev else None
+        snaps.append((steps, clock, [p.detach().clone() for p in model.parameters()]))
+        tail = losses[-10:]
+        return {
+            "wall_s": clock,
+            "comm_cpu_s": max(0.0, comm_cpu),
+            "wire_bytes": wire,
+            "train_loss_last10": sum(tail) / len(tail) if tail else None,
+            "snaps": snaps,
+        }
+
+    def evaluate(self, out: dict[str, Any]) -> dict[str, Any]:
+        """Replace the parameter copies by their held-out losses: ``curve`` = [[step, loop time, loss], ...]."""
+        curve = []
+        params = list(self.model.parameters())
+        with torch.no_grad():
+            for step, clock, values in out.pop("snaps"):
+                for p, v in zip(params, values, strict=True):
+                    p.copy_(v)
+                curve.append([step, clock, heldout_loss(self.model, self.evals)])
+        out["curve"] = curve
+        out["heldout_loss"] = curve[-1][2]
+        return out
+
+
+def lm_job(
+    node: Node,
+    rank: int,
+    world: int,
+    strategy: str,
+    period: int,
+    extra_sync: dict[str, Any],
+    workload: dict[str, Any],
+    wire_devs: list[str | None],
+) -> dict[str, Any]:
+    """One region (a peer process started by `dreamp2p.devtools.launch.run_local`)."""
+    w = _Workload(rank, world, workload)
+    sync = node.attach(w.model, w.opt, strategy=strategy, period=period, **extra_sync)
+    out = w.loop(sync.step, sync.zero_grad, wire_devs[rank])
+    tot = sync.totals
+    out.update(
+        exposed_s=tot.exposed_s,
+        comm_s=tot.comm_s,
+        compute_s=tot.compute_s,
+        bytes_sent=tot.bytes_sent,
+        digest=param_digest(w.model),  # before close(): rounds still in flight would change it
+        rounds_skipped=sync.rounds_skipped,
+        exposed_by_plan=_exposed_by_plan(tot.history),
+    )
+    if isinstance(sync, DreamDDP):  # its plans, for the report only
+        out["plan_history"] = [list(h) for h in sync.plan_history]
+        out["plan_summary"] = plan_summary(sync)
+    sync.close()
+    return w.evaluate(out)
+
+
+def _exposed_by_plan(history: Sequence[Any]) -> dict[str, list[float]]:
+    """Per plan version: [steps, exposed_s, comm_s] of one region (DreamDDP's warm-up plan v0 vs measured ones)."""
+    out: dict[str, list[float]] = {}
+    for s in history:
+        row = out.setdefault(str(s.plan_version), [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += s.exposed_s
+        row[2] += s.comm_s
+    return out
+
+
+def ceiling_child(
+    rank: int, world: int, workload: dict[str, Any], barrier: Any, conn: mp.connection.Connection
+) -> None:
+    """One ceiling process: the same loop with a plain AdamW step, no dreamp2p, no network."""
+    try:
+        w = _Workload(rank, world, workload)
+        barrier.wait(300)
+        out = w.loop(w.opt.step, w.opt.zero_grad, None)
+        conn.send(("ok", w.evaluate(out)))
+    except BaseException as exc:  # report every failure to the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        conn.close()
+
+
+def run_ceiling(n: int, workload: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    """``n`` concurrent plain training processes (started together); their results in rank order."""
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(n)
+    pipes, procs = [], []
+    for rank in range(n):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=ceiling_child, args=(rank, n, workload, barrier, child), daemon=True)
+        p.start()
+        child.close()
+        pipes.append(parent)
+        procs.append(p)
+    deadline = time.monotonic() + timeout
+    try:
+        results = [expect_message(pipes[r], "ok", deadline, f"ceiling rank {r}") for r in range(n)]
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        return results
+    finally:
+        reap(procs, pipes)

@@ -1,0 +1,123 @@
+"""Network namespaces for local multi-region runs: one per region, every link direction shaped by tbf.
+
+Needs root (ip netns, tc). Two regions get one veth pair (deploy/netns-wan.sh); more get a star through a
+bridge namespace. Used by `bench lm`; removed on exit, also when the run is interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+from dreamp2p.config import parse_rate
+
+log = logging.getLogger(__name__)
+
+SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "netns-wan.sh"
+
+
+# ---------------------------------------------------------------------------------------------- network
+
+
+def _ip(*args: str) -> str:
+    res = subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+    return res.stdout
+
+
+class Namespaces:
+    """Network namespaces for the regions, each link direction shaped by tbf; use as a context manager.
+
+    ``hosts``: (namespace, address) per rank for `run_local`; ``devs``: (namespace, device) per rank, the
+    region's own end of its link (its transmit counter is what the region sent).
+    """
+
+    def __init__(self, n: int, rate: str) -> None:
+        self.n = n
+        self.bps = parse_rate(rate) * 8.0
+        tag = os.getpid() % 100000
+        self.prefix = f"dpm{tag}"
+        self.subnet = f"10.204.{tag % 200 + 20}"
+        self.hosts: list[tuple[str | None, str]] = []
+        self.devs: list[tuple[str, str]] = []
+        self._created: list[str] = []
+
+    def __enter__(self) -> Namespaces:
+        try:
+            if self.n == 2:
+                self._up_pair()
+            else:
+                self._up_star()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def _up_pair(self) -> None:
+        p, s = self.prefix, self.subnet
+        self._created = [f"{p}-a", f"{p}-b"]
+        subprocess.run(
+            ["bash", str(SCRIPT), "up", "--prefix", p, "--rate", f"{int(self.bps)}bit", "--subnet", s],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        self.hosts = [(f"{p}-a", f"{s}.1"), (f"{p}-b", f"{s}.2")]
+        self.devs = [(f"{p}-a", f"{p}-va"), (f"{p}-b", f"{p}-vb")]
+
+    def _shape(self, ns: str, dev: str) -> None:
+        # tbf's bucket must hold at least rate/HZ: 4 ms worth of bytes, never under 32 KiB (as netns-wan.sh)
+        burst = max(32768, int(self.bps / 8 / 1000 * 4))
+        rate = f"{int(self.bps)}bit"
+        tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
+        _ip("netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf)
+
+    def _up_star(self) -> None:
+        p, s = self.prefix, self.subnet
+        hub, bridge = f"{p}-x", f"{p}-br"
+        _ip("netns", "add", hub)
+        self._created.append(hub)
+        _ip("-n", hub, "link", "add", bridge, "type", "bridge")
+        _ip("-n", hub, "link", "set", bridge, "up")
+        for i in range(self.n):
+            ns, dev, far = f"{p}-r{i}", f"{p}-v{i}", f"{p}-p{i}"
+            _ip("netns", "add", ns)
+            self._created.append(ns)
+            _ip("link", "add", dev, "type", "veth", "peer", "name", far)
+            _ip("link", "set", dev, "netns", ns)
+            _ip("link", "set", far, "netns", hub)
+            _ip("-n", hub, "link", "set", far, "master", bridge)
+            _ip("-n", hub, "link", "set", far, "up")
+            _ip("-n", ns, "addr", "add", f"{s}.{i + 1}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", dev, "up")
+            self._shape(ns, dev)  # region -> hub
+            self._shape(hub, far)  # hub -> region
+            self.hosts.append((ns, f"{s}.{i + 1}"))
+            self.devs.append((ns, dev))
+
+    def down(self) -> None:
+        """Remove every namespace (and any veth left in this one) created here; never raises."""
+        if self.n == 2:
+            subprocess.run(
+                ["bash", str(SCRIPT), "down", "--prefix", self.prefix], capture_output=True, timeout=60, check=False
+            )
+        for ns in self._created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30, check=False)
+        for i in range(self.n if self.n != 2 else 0):
+            subprocess.run(["ip", "link", "del", f"{self.prefix}-v{i}"], capture_output=True, timeout=30, check=False)
+        self._created = []
+
+    def tx_bytes(self) -> list[int]:
+        """Per rank: bytes its link end has transmitted so far (``ip -s -j link``)."""
+        out = []
+        for ns, dev in self.devs:
+            info = json.loads(_ip("-n", ns, "-s", "-j", "link", "show", "dev", dev))
+            out.append(int(info[0]["stats64"]["tx"]["bytes"]))
+        return out
