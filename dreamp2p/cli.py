@@ -458,11 +458,7 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dreamp2p", description=__doc__)
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
     b.add_argument("what", choices=["codec", "transport", "allreduce", "strategies", "soak", "digits", "lm"])
     b.add_argument("--json", action="store_true", help="print only the JSON result line")
@@ -500,6 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.set_defaults(func=_bench, check=functools.partial(_bench_check, b))
 
+
+def _add_node_parser(sub: Any) -> None:
     n = sub.add_parser("node", help="run one region's daemon (trainer + peer) from a TOML config")
     n.add_argument("--config", required=True, help="path to the node's TOML file (see nodes/)")
     n.add_argument(
@@ -520,6 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.set_defaults(func=_node)
 
+
+def _add_status_parser(sub: Any) -> None:
     s = sub.add_parser("status", help="live status of a peer: ring, links, counters")
     s.add_argument(
         "address", type=_address_with_port, help="HOST:PORT of the peer (a port is required: no default is assumed)"
@@ -531,6 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--server-name", default=None, help="name in the peer's certificate, when dialing an IP")
     s.set_defaults(func=_status)
 
+
+def _add_plan_parser(sub: Any) -> None:
     pl = sub.add_parser("plan", help="predict step time and utilization per strategy before launch")
     mode = pl.add_mutually_exclusive_group()
     mode.add_argument(
@@ -575,6 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan, check=functools.partial(_plan_check, pl))
 
+
+def _add_demo_parser(sub: Any) -> None:
     d = sub.add_parser("demo", help="train across N local node daemons over emulated WAN links, then report")
     d.add_argument("--nodes", type=int, default=3)
     d.add_argument("--link", default="20mbit", help="emulated link rate per hop")
@@ -587,6 +591,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the daemons train (auto: CUDA if any)"
     )
     d.set_defaults(func=_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dreamp2p", description=__doc__)
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    sub = p.add_subparsers(dest="command", required=True)
+    _add_bench_parser(sub)
+    _add_node_parser(sub)
+    _add_status_parser(sub)
+    _add_plan_parser(sub)
+    _add_demo_parser(sub)
     return p
 
 
