@@ -26,7 +26,7 @@ import torch
 from grpc import aio
 
 from dreamp2p.collective.chunking import choose_chunk_bytes
-from dreamp2p.collective.feedback import GroupFeedback
+from dreamp2p.collective.feedback import GroupFeedback, RoundFeedback
 from dreamp2p.collective.partition import split_segments
 from dreamp2p.collective.ring import RingRound, RoundAborted, RoundSpec
 from dreamp2p.compression import Codec, ZstdStage, codec_names, get_codec
@@ -538,12 +538,7 @@ class Peer:
             view_id=vid,
             **_link_codec_fields(links, rank, world),
         )
-        feedback = None
-        if error_feedback and world > 1:
-            # a retry continues its group's residuals; a new member list, rank or codec starts from zero
-            layout = (vid, rank, spec.rs_codec.name, spec.ag_codec.name)
-            group = self._feedback.setdefault(group_id & ~RETRY_GROUP_BIT, GroupFeedback())
-            feedback = group.begin(layout, flat.numel())
+        feedback = self._feedback_for(spec, flat.numel()) if error_feedback and world > 1 else None
         rnd = RingRound(spec, flat, stream, feedback)
         others = [p.node_id for p in members if p.node_id != self.config.node_id]
         early = self._commits.failed_before(key, others)
@@ -568,6 +563,15 @@ class Peer:
             contributors=rnd.contributors,
             contributed=refusal is None,
         )
+
+    def _feedback_for(self, spec: RoundSpec, numel: int) -> RoundFeedback:
+        """This round's draft of its group's error-feedback residuals (see `dreamp2p.collective.feedback`).
+
+        A retry continues its group's residuals; a new member list, rank or codec starts from zero.
+        """
+        layout = (spec.view_id, spec.rank, spec.rs_codec.name, spec.ag_codec.name)
+        group = self._feedback.setdefault(spec.group_id & ~RETRY_GROUP_BIT, GroupFeedback())
+        return group.begin(layout, numel)
 
     def _stream_to(
         self, succ: str, numel: int, world: int, codec: Codec, timeout: float | None
