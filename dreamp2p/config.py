@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
 import tomllib
 import types
 import typing
@@ -21,34 +22,33 @@ T = TypeVar("T")
 _CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "e3m0")
 
 
+# a number, a decimal prefix, then a unit: bits ("bit", "b" + per second) or bytes ("B"/"byte" + per second)
+_RATE = re.compile(
+    r"(?P<num>\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+)(?P<prefix>[kKmMgGtT]?)"
+    r"(?:(?P<bit>bit(?:/s|ps)?)|(?P<b>b(?:/s|ps))|(?P<byte>(?:B|byte)(?:/s|ps)))"
+)
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
 def parse_rate(text: str | float | int) -> float:
-    """Parse a link rate such as ``"100mbit"``, ``"1gbit"``, ``"20Mbps"`` or a number of bits/s into bytes/s."""
+    """Parse a link rate into bytes/s: a number of bits/s, or text such as ``"100mbit"``, ``"1gbit"``,
+    ``"100 Mbit/s"``, ``"20Mbps"`` (bits) or ``"2.5MB/s"``, ``"2.5MBps"`` (bytes; capital B).
+
+    The case of ``b`` decides bits or bytes, as in networking usage (tc's ``mbps`` for megabytes is not
+    followed: ``20mbps`` is 20 Mbit/s). Prefixes are decimal (k = 1000).
+    """
     if isinstance(text, int | float):
         if text <= 0:
             raise ValueError(f"rate must be > 0 bits/s, got {text}")
         return float(text) / 8.0
-    s = text.strip().lower().replace(" ", "")
-    units = {
-        "kbit": 1e3,
-        "mbit": 1e6,
-        "gbit": 1e9,
-        "kbps": 1e3,
-        "mbps": 1e6,
-        "gbps": 1e9,
-        "bit": 1.0,
-        "bps": 1.0,
-    }
-    for unit, mult in units.items():
-        if s.endswith(unit):
-            num = s[: -len(unit)]
-            try:
-                value = float(num) * mult
-            except ValueError:
-                break
-            if value <= 0:
-                break
-            return value / 8.0
-    raise ValueError(f"cannot parse link rate {text!r}: use e.g. '20mbit', '1gbit', '500kbit'")
+    m = _RATE.fullmatch(text.strip().replace(" ", ""))
+    if m is not None:
+        value = float(m["num"]) * _PREFIX[m["prefix"].lower()]
+        if 0 < value < float("inf"):
+            return value if m["byte"] else value / 8.0
+    raise ValueError(
+        f"cannot parse link rate {text!r}: use e.g. '20mbit', '1gbit', '100 Mbit/s' (bits) or '2.5MB/s' (bytes)"
+    )
 
 
 def parse_duration(text: str | float | int) -> float:

@@ -15,16 +15,26 @@ from dreamp2p.config import PeerConfig, TransportConfig, parse_duration, parse_r
         ("100mbit", 12.5e6),
         ("1gbit", 125e6),
         ("20Mbps", 2.5e6),
+        ("20mbps", 2.5e6),  # bits, as networking writes it (tc would read megabytes)
         ("500kbit", 62.5e3),
         (8e6, 1e6),
         ("64bit", 8.0),
+        ("100 Mbit/s", 12.5e6),
+        ("1.5Gbit/s", 187.5e6),
+        ("20Mb/s", 2.5e6),
+        ("20MBps", 20e6),  # capital B: bytes, not 8x less
+        ("2.5MB/s", 2.5e6),
+        ("10 kbyte/s", 1e4),
+        ("1e3kbit", 125e3),
     ],
 )
 def test_parse_rate(text: str | float, bytes_per_s: float) -> None:
     assert parse_rate(text) == pytest.approx(bytes_per_s)
 
 
-@pytest.mark.parametrize("text", ["fast", "-3mbit", "0mbit", "mbit", 0, -1])
+@pytest.mark.parametrize(
+    "text", ["fast", "-3mbit", "0mbit", "mbit", 0, -1, "20mb", "20MB", "20", "20 mbit per s", "1e999gbit", "nanmbit"]
+)
 def test_parse_rate_rejects(text: str | float) -> None:
     with pytest.raises(ValueError):
         parse_rate(text)

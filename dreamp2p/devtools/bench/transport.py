@@ -194,7 +194,8 @@ def bench_transport(
         # on a slow link a deep queue only adds drain time after the measuring window
         queue = int(min(mbytes * 1e6, max(2 * cfg.chunk_max_bytes, parse_rate(rate) * 0.5)))
         cfg = TransportConfig(streams_per_link=streams, outbound_queue_bytes=queue, probe_burst_bytes=1 << 20)
-        with wan_namespaces(rate) as hosts:
+        # tc reads "mbps" as megabytes: hand it plain bits/s, as parse_rate understood the rate
+        with wan_namespaces(f"{round(parse_rate(rate) * 8)}bit") as hosts:
             out = _run_pair(cfg, seconds, hosts)
         rate_MBps = parse_rate(rate) / 1e6
         out["rate"] = rate
