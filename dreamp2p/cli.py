@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dreamp2p import __version__
 from dreamp2p.errors import PeerError
+from dreamp2p.messages import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +151,17 @@ def _bench_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         if getattr(args, key) is None:
             setattr(args, key, value)
     _check_delay(parser, args)
+
+
+def _demo_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a strategy or codec the daemons would refuse, before any of them starts."""
+    from dreamp2p.compression import codec_names
+    from dreamp2p.sync.config import STRATEGIES
+
+    if args.strategy not in STRATEGIES:
+        parser.error(f"argument --strategy: invalid choice: {args.strategy!r} (choose from {', '.join(STRATEGIES)})")
+    if args.codec not in codec_names():
+        parser.error(f"argument --codec: invalid choice: {args.codec!r} (choose from {', '.join(codec_names())})")
 
 
 def _emit(result: dict[str, Any], as_json: bool) -> None:
@@ -590,19 +603,36 @@ def _add_demo_parser(sub: Any) -> None:
     d.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the daemons train (auto: CUDA if any)"
     )
-    d.set_defaults(func=_demo)
+    d.set_defaults(func=_demo, check=functools.partial(_demo_check, d))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dreamp2p", description=__doc__)
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"dreamp2p {__version__} (wire protocol {PROTOCOL_VERSION})")
+    sub = _Subcommands(p.add_subparsers(dest="command", required=True))
     _add_bench_parser(sub)
     _add_node_parser(sub)
     _add_status_parser(sub)
     _add_plan_parser(sub)
     _add_demo_parser(sub)
     return p
+
+
+class _Subcommands:
+    """Adds subcommands that also take ``-v`` after their name (``dreamp2p node -v``), like before it."""
+
+    def __init__(self, action: Any) -> None:
+        self._action = action
+        self._common = argparse.ArgumentParser(add_help=False)
+        # SUPPRESS: absent after the subcommand, the count given before it stands
+        self._common.add_argument(
+            "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more logging (-v info, -vv debug)"
+        )
+
+    def add_parser(self, name: str, **kw: Any) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = self._action.add_parser(name, parents=[self._common], **kw)
+        return parser
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dreamp2p.cli import main
+import dreamp2p
+from dreamp2p.cli import build_parser, main
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.peer import Peer
 
@@ -186,3 +187,35 @@ def test_sigterm_to_a_bench_removes_the_namespaces_it_made() -> None:
                 check=False,
             )
     assert left == []
+
+
+def test_python_dash_m_and_version() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "dreamp2p", "--version"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"dreamp2p {dreamp2p.__version__} (wire protocol {dreamp2p.PROTOCOL_VERSION})"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["demo", "--strategy", "foo"], "argument --strategy: invalid choice: 'foo' (choose from none, ssgd,"),
+        (["demo", "--codec", "int3"], "argument --codec: invalid choice: 'int3' (choose from fp32,"),
+    ],
+)
+def test_demo_refuses_bad_values_before_starting_anything(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "verbose"),
+    [(["plan", "--table"], 0), (["-v", "plan", "--table"], 1), (["plan", "-v", "--table"], 1), (["plan", "-vv"], 2)],
+)
+def test_verbose_is_taken_before_or_after_the_subcommand(args: list[str], verbose: int) -> None:
+    assert build_parser().parse_args(args).verbose == verbose

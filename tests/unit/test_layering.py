@@ -30,7 +30,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / "dreamp2p"
 # Highest first. A unit may import a unit of its own tier or of any tier below it.
 TIERS: tuple[frozenset[str], ...] = (
     frozenset({"devtools"}),  # dev tools and benchmarks: nothing a running node imports
-    frozenset({"service", "cli", "dreamp2p"}),  # a node as a process; the console script; the root facade
+    frozenset({"service", "cli", "__main__", "dreamp2p"}),  # a node as a process; the console script; the root facade
     frozenset({"node"}),  # what the user's training loop holds (Node, attach, join)
     frozenset({"sync"}),  # the torch side: strategies, comm thread, layer buffers
     frozenset({"schedule"}),  # pure plans that the strategies follow (the planner)
