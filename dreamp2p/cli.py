@@ -306,6 +306,14 @@ def _node(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    from dreamp2p.transport.health import check_health
+
+    status = asyncio.run(check_health(args.address, args.service, args.timeout))
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
 def _demo(args: argparse.Namespace) -> int:
     from dreamp2p.devtools.demo import run_demo
 
@@ -545,6 +553,14 @@ def _add_status_parser(sub: Any) -> None:
     s.set_defaults(func=_status)
 
 
+def _add_health_parser(sub: Any) -> None:
+    h = sub.add_parser("health", help="ask a node's health listener (grpc.health.v1); exit 0 only when SERVING")
+    h.add_argument("address", type=_address_with_port, help="HOST:PORT of the node's health_listen")
+    h.add_argument("--service", default="", help="service name ('' = the whole node, or dreamp2p.v1.Peer)")
+    h.add_argument("--timeout", type=_positive_float, default=5.0, help="seconds to wait for the answer")
+    h.set_defaults(func=_health)
+
+
 def _add_plan_parser(sub: Any) -> None:
     pl = sub.add_parser("plan", help="predict step time and utilization per strategy before launch")
     mode = pl.add_mutually_exclusive_group()
@@ -614,6 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(sub)
     _add_node_parser(sub)
     _add_status_parser(sub)
+    _add_health_parser(sub)
     _add_plan_parser(sub)
     _add_demo_parser(sub)
     return p

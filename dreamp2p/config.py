@@ -190,8 +190,15 @@ class PeerConfig:
     # its running norm; 0 disables the check. Non-finite contributions are always withheld.
     max_norm_ratio: float = 1000.0
     transport: TransportConfig = field(default_factory=TransportConfig)
+    # grpc.health.v1 on a plaintext listener of its own, for probes that carry no token or certificate
+    # (kubelet, grpcurl, load balancers): None serves none. It tells only SERVING or NOT_SERVING (joining,
+    # shutting down, or a trainer that published no step for health_stall_s seconds).
+    health_listen: str | None = None
+    health_stall_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if not self.health_stall_s > 0:
+            raise ValueError(f"health_stall_s must be > 0, got {self.health_stall_s}")
         if not self.node_id or any(c.isspace() for c in self.node_id):
             raise ValueError(f"node_id must be a non-empty word without spaces, got {self.node_id!r}")
         if not self.cluster_id:

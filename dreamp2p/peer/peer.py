@@ -53,9 +53,12 @@ from dreamp2p.peer.probing import probe_forever, probe_once
 from dreamp2p.peer.rounds import RoundRegistry
 from dreamp2p.settings import settings_mismatch
 from dreamp2p.transport.client import Link, OutboundStream
+from dreamp2p.transport.health import HealthListener
 from dreamp2p.transport.server import build_server
 
 log = logging.getLogger(__name__)
+# how often the health status is recomputed and published
+HEALTH_INTERVAL_S = 0.5
 
 # Probes larger than this are refused.
 MAX_PROBE_BYTES = 4 << 20
@@ -87,6 +90,10 @@ class Peer:
         self.rounds_retried = 0
         self.frames_rejected = 0
         self._guard = ContributionGuard(config.max_norm_ratio)
+        self._health: HealthListener | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self.health_port = 0
+        self._progress_at = time.monotonic()  # when the trainer last published a step
         self._feedback: dict[int, GroupFeedback] = {}  # error-feedback residuals per group (base group id)
         # set by the trainer's thread; replaced whole (never mutated), so readers see a consistent value
         self.training: TrainingInfo | None = None
@@ -116,7 +123,30 @@ class Peer:
         self._server, self.port = build_server(self.config, self)
         await self._server.start()
         log.info("%s listening on port %d", self.config.node_id, self.port)
+        if self.config.health_listen:
+            self._health = HealthListener(self.config.health_listen)
+            self.health_port = await self._health.start(self.health()[0])
+            self._health_task = asyncio.create_task(self._health_loop(), name=f"health-{self.config.node_id}")
+            log.info("%s health (grpc.health.v1) on port %d", self.config.node_id, self.health_port)
         return self.port
+
+    def health(self, now: float | None = None) -> tuple[bool, str]:
+        """Whether this node is serving, and why not: joining, shutting down, or its trainer stalled."""
+        if self._closing:
+            return False, "shutting down"
+        if not self.ready:
+            return False, "joining: no training state yet"
+        if self.training is not None:
+            idle = (time.monotonic() if now is None else now) - self._progress_at
+            if idle > self.config.health_stall_s:
+                return False, f"trainer stalled: no step published for {idle:.0f} s"
+        return True, "serving"
+
+    async def _health_loop(self) -> None:
+        assert self._health is not None
+        while True:
+            await self._health.set(*self.health())
+            await asyncio.sleep(HEALTH_INTERVAL_S)
 
     @property
     def address(self) -> str:
@@ -256,12 +286,14 @@ class Peer:
     async def close(self, grace: float = 2.0) -> None:
         """Stop probing, fail rounds in flight, stop the server with ``grace`` seconds, close channels."""
         self._closing = True
-        loops = [t for t in (self._prober, self._heart) if t is not None]
+        if self._health is not None:  # probes see NOT_SERVING while we drain
+            await self._health.set(*self.health())
+        loops = [t for t in (self._prober, self._heart, self._health_task) if t is not None]
         for task in loops:
             task.cancel()
         if loops:  # asyncio.wait re-raises nothing of theirs, and a cancel of close() itself still propagates
             await asyncio.wait(loops)
-        self._prober = self._heart = None
+        self._prober = self._heart = self._health_task = None
         self.rounds.fail_open("peer shutting down")
         self.rounds.refuse_waiting(PeerError(Status.SHUTTING_DOWN, "peer shutting down"))
         if self._server is not None:
@@ -269,6 +301,9 @@ class Peer:
             self._server = None
         await asyncio.gather(*(link.close() for link in self._links.values()))
         self._links.clear()
+        if self._health is not None:
+            await self._health.stop(grace)
+            self._health = None
 
     async def __aenter__(self) -> Peer:
         await self.start()
@@ -337,6 +372,7 @@ class Peer:
     def set_training_info(self, info: TrainingInfo) -> None:
         """What this node trains and at which step, as its Status reports it (replaced whole)."""
         self.training = info
+        self._progress_at = time.monotonic()
 
     def set_state_donor(self, donor: Any) -> None:
         """Serve this node's training state to joining members through ``donor`` (None: not offered)."""

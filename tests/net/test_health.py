@@ -1,0 +1,99 @@
+"""grpc.health.v1 on the health listener: no token needed, and the status follows the node's real state."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import grpc
+import pytest
+from conftest import ring_configs, start_ring
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dreamp2p.config import PeerConfig
+from dreamp2p.messages import TrainingInfo
+from dreamp2p.peer import Peer
+from dreamp2p.transport.health import PEER_SERVICE, check_health
+from dreamp2p.v1 import peer_pb2 as pb
+from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
+
+
+def info(step: int) -> TrainingInfo:
+    return TrainingInfo(strategy="dreamddp", step=step)
+
+
+async def eventually(address: str, want: str, service: str = "") -> None:
+    for _ in range(100):
+        if await check_health(address, service) == want:
+            return
+        await asyncio.sleep(0.1)
+    assert await check_health(address, service) == want
+
+
+async def test_probes_need_no_token_while_the_peer_service_still_does() -> None:
+    (peer,) = await start_ring(ring_configs(1, token="secret", health_listen="127.0.0.1:0"))
+    try:
+        health = f"127.0.0.1:{peer.health_port}"
+        assert await check_health(health) == "SERVING"
+        assert await check_health(health, PEER_SERVICE) == "SERVING"
+        # the Peer service itself still refuses a caller without the token
+        async with aio.insecure_channel(peer.address) as channel:
+            with pytest.raises(aio.AioRpcError) as err:
+                await pb_grpc.PeerStub(channel).Status(pb.StatusRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await peer.close(grace=0.1)
+
+
+async def test_status_follows_joining_a_stalled_trainer_and_shutdown() -> None:
+    (cfg,) = ring_configs(1, health_listen="127.0.0.1:0", health_stall_s=0.6)
+    peer = Peer(cfg)
+    peer.stand_aside()  # a joiner: no training state yet
+    await peer.start()
+    health = f"127.0.0.1:{peer.health_port}"
+    try:
+        assert await check_health(health) == "NOT_SERVING"
+        peer.admit_from(1)  # state taken: it takes part from round 1 on
+        await eventually(health, "SERVING")
+        peer.set_training_info(info(1))
+        assert await check_health(health) == "SERVING"
+        await eventually(health, "NOT_SERVING")  # no step for longer than health_stall_s
+        assert "trainer stalled" in peer.health()[1]
+        peer.set_training_info(info(2))
+        await eventually(health, "SERVING")
+        # a watcher sees the node turn NOT_SERVING as soon as it starts shutting down
+        async with aio.insecure_channel(health) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+            updates = watch.__aiter__()
+            assert (await updates.__anext__()).status == health_pb2.HealthCheckResponse.SERVING
+            closing = asyncio.ensure_future(peer.close(grace=1.0))
+            assert (await updates.__anext__()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
+            await closing
+    finally:
+        await peer.close(grace=0.1)
+    with pytest.raises(OSError, match=r"health check of .* failed: UNAVAILABLE"):
+        await check_health(health, timeout=1.0)
+
+
+def test_a_bad_stall_threshold_is_refused() -> None:
+    with pytest.raises(ValueError, match="health_stall_s must be > 0"):
+        PeerConfig(node_id="p0", health_stall_s=0)
+
+
+async def test_health_cli_exit_code_says_serving() -> None:
+    (peer,) = await start_ring(ring_configs(1, health_listen="127.0.0.1:0"))
+    args = [sys.executable, "-m", "dreamp2p", "health", f"127.0.0.1:{peer.health_port}"]
+    try:
+        proc = await asyncio.create_subprocess_exec(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert (proc.returncode, out.decode().strip()) == (0, "SERVING"), err.decode()
+        peer.stand_aside()
+        await eventually(f"127.0.0.1:{peer.health_port}", "NOT_SERVING")
+        proc = await asyncio.create_subprocess_exec(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert (proc.returncode, out.decode().strip()) == (1, "NOT_SERVING")
+    finally:
+        await peer.close(grace=0.1)
