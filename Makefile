@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # pip must take the torch CPU wheel lying on disk, never a multi-GB CUDA build.
 WHEELS ?= /opt/wheels
 
-.PHONY: install demo test test-fast test-unit lint proto bench clean
+.PHONY: install demo test test-fast test-unit test-loaded lint proto bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,10 @@ test-fast: $(STAMP)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
+
+# the slow multi-process tests with a busy process on every core beside them
+test-loaded: $(STAMP)
+	$(BIN)/python -m dreamp2p.devtools.cpuhog -- $(BIN)/python -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
