@@ -303,7 +303,13 @@ def _node(args: argparse.Namespace) -> int:
     stop.install()
     summary = run_node(cfg, resume=args.resume, stop=stop, stop_at_file=args.stop_at_file, join=args.join)
     print(json.dumps(summary))
-    return 0
+    # The run is over and saved (checkpoint, metrics, summary): leave without interpreter teardown, so
+    # that third-party daemon threads still alive then (gRPC's aio poller, torch's pools) cannot turn a
+    # clean run into a crash at exit (CI once saw a node exit -6 at the end of a run; cause not found).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
 
 
 def _health(args: argparse.Namespace) -> int:
