@@ -110,7 +110,8 @@ def test_slow_link_gets_a_more_compressive_codec_and_replicas_still_agree() -> N
         }
     }
     order = ["fp32", "bf16", "int8", "int4"]  # least to most lossy
-    sync = {"period": 4, "warmup_steps": 3, "control_every": 4, "max_delay": 2, "link_codecs": order}
+    # parameters on every layer sync (no 4-bit pseudo-gradients between anchors): link codecs apply to all
+    sync = {"period": 4, "warmup_steps": 3, "control_every": 4, "max_delay": 2, "link_codecs": order, "delta_codec": ""}
     results = train(
         3,
         "dreamddp",
