@@ -88,11 +88,13 @@ class Peer:
         self.rounds_completed = 0
         self.rounds_failed = 0
         self.rounds_retried = 0
+        self.heartbeat_rounds = 0  # completed passes over every member: tests count time in them
         self.frames_rejected = 0
         self._guard = ContributionGuard(config.max_norm_ratio)
         self._health: HealthListener | None = None
         self._health_task: asyncio.Task[None] | None = None
         self.health_port = 0
+        self.health_publications = 0  # passes of the health loop (each publishes the status)
         self._progress_at = time.monotonic()  # when the trainer last published a step
         self._feedback: dict[int, GroupFeedback] = {}  # error-feedback residuals per group (base group id)
         # set by the trainer's thread; replaced whole (never mutated), so readers see a consistent value
@@ -146,6 +148,7 @@ class Peer:
         assert self._health is not None
         while True:
             await self._health.set(*self.health())
+            self.health_publications += 1
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     @property
@@ -697,6 +700,7 @@ class Peer:
             assert self.membership is not None
             await beat_once(self._links, self.membership, max(0.5, 2 * t.heartbeat_s), self._reintroduce)
             self._set_view(self.membership.view())
+            self.heartbeat_rounds += 1
             done, self._beat = self._beat, asyncio.Event()
             done.set()
 

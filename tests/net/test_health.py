@@ -24,12 +24,13 @@ def info(step: int) -> TrainingInfo:
     return TrainingInfo(strategy="dreamddp", step=step)
 
 
-async def eventually(address: str, want: str, service: str = "") -> None:
-    for _ in range(100):
-        if await check_health(address, service) == want:
-            return
-        await asyncio.sleep(0.1)
-    assert await check_health(address, service) == want
+async def eventually(peer: Peer, want: str, passes: int = 20) -> None:
+    """Probe until the status is ``want``, for at most ``passes`` publications of the peer's health loop."""
+    address = f"127.0.0.1:{peer.health_port}"
+    start = peer.health_publications
+    while (got := await check_health(address)) != want:
+        assert peer.health_publications - start < passes, f"still {got} after {passes} health publications"
+        await asyncio.sleep(0.05)
 
 
 async def test_probes_need_no_token_while_the_peer_service_still_does() -> None:
@@ -56,13 +57,13 @@ async def test_status_follows_joining_a_stalled_trainer_and_shutdown() -> None:
     try:
         assert await check_health(health) == "NOT_SERVING"
         peer.admit_from(1)  # state taken: it takes part from round 1 on
-        await eventually(health, "SERVING")
+        await eventually(peer, "SERVING")
         peer.set_training_info(info(1))
         assert await check_health(health) == "SERVING"
-        await eventually(health, "NOT_SERVING")  # no step for longer than health_stall_s
+        await eventually(peer, "NOT_SERVING")  # no step for longer than health_stall_s
         assert "trainer stalled" in peer.health()[1]
         peer.set_training_info(info(2))
-        await eventually(health, "SERVING")
+        await eventually(peer, "SERVING")
         # a watcher sees the node turn NOT_SERVING as soon as it starts shutting down
         async with aio.insecure_channel(health) as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
@@ -91,7 +92,7 @@ async def test_health_cli_exit_code_says_serving() -> None:
         out, err = await asyncio.wait_for(proc.communicate(), 60)
         assert (proc.returncode, out.decode().strip()) == (0, "SERVING"), err.decode()
         peer.stand_aside()
-        await eventually(f"127.0.0.1:{peer.health_port}", "NOT_SERVING")
+        await eventually(peer, "NOT_SERVING")
         proc = await asyncio.create_subprocess_exec(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
         assert (proc.returncode, out.decode().strip()) == (1, "NOT_SERVING")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 
 import pytest
@@ -88,10 +87,16 @@ async def _ring(n: int, **transport: object) -> list[Peer]:
     return await start_ring(ring_configs(n, transport=t))
 
 
-async def _wait_for(cond: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
+async def _wait_for(cond: object, peers: list[Peer], beats: int = 50) -> None:
+    """Wait until ``cond()`` holds, for at most ``beats`` heartbeat rounds of every peer in ``peers``.
+
+    Counted in heartbeat rounds, not seconds: failure detection works in rounds, and a loaded machine
+    slows both alike.
+    """
+    start = [p.heartbeat_rounds for p in peers]
     while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not reached in time"
+        passed = min(p.heartbeat_rounds - s for p, s in zip(peers, start, strict=True))
+        assert passed < beats, f"condition not reached within {beats} heartbeat rounds"
         await asyncio.sleep(0.05)
 
 
@@ -100,7 +105,7 @@ async def test_ring_reforms_among_survivors_after_a_peer_dies() -> None:
     try:
         await peers[3].close(grace=0)
         survivors = peers[:3]
-        await _wait_for(lambda: all(p.view == ("p0", "p1", "p2") for p in survivors))
+        await _wait_for(lambda: all(p.view == ("p0", "p1", "p2") for p in survivors), survivors)
         data = [[torch.full((1001,), float(r))] for r in range(3)]
         await asyncio.gather(*(p.allreduce(d, round_id=5) for p, d in zip(survivors, data, strict=True)))
         assert all(torch.all(d[0] == 1.0) for d in data)  # the mean of the three survivors
@@ -177,7 +182,7 @@ async def test_members_that_disagree_about_the_view_skip_the_round_then_agree() 
         assert all("VIEW_MISMATCH" in r.reason or "reports the round failed there" in r.reason for r in results)
         assert all(torch.equal(d[0], b) for d, b in zip(data, before, strict=True))
         # heartbeats bring p2 back into p0's view; the next round runs among all three
-        await _wait_for(lambda: peers[0].view == ("p0", "p1", "p2"))
+        await _wait_for(lambda: peers[0].view == ("p0", "p1", "p2"), peers)
         await asyncio.gather(*(p.allreduce(d, round_id=5) for p, d in zip(peers, data, strict=True)))
         assert all(torch.all(d[0] == 1.0) for d in data)
     finally:
