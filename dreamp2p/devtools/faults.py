@@ -20,7 +20,7 @@ from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 from dreamp2p.config import PeerInfo
-from dreamp2p.devtools.launch import expect_message, node_config, reap
+from dreamp2p.devtools.launch import expect_message, node_config, reap, start_child
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +157,8 @@ def kill_and_rejoin(
     deadline = time.monotonic() + timeout
 
     def spawn(rank: int, join: bool) -> None:
-        parent, child = ctx.Pipe()
         cfg = {**config, "listen": ring[rank][1]}
-        p = ctx.Process(target=_child, args=(rank, child, boxes[rank], cfg, ring, join, args), daemon=True)
-        p.start()
-        child.close()
-        procs[rank], pipes[rank] = p, parent
+        procs[rank], pipes[rank] = start_child(_child, (rank, boxes[rank], cfg, ring, join, args), pipe_at=1)
 
     try:
         for rank in range(n):

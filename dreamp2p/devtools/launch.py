@@ -126,6 +126,21 @@ async def _child_main(
         await peer.close()
 
 
+def start_child(
+    target: Callable[..., None], args: tuple[Any, ...], pipe_at: int
+) -> tuple[Any, mp.connection.Connection]:
+    """Start a spawned daemon process ``target(*args)`` with the child's pipe end inserted at ``pipe_at``.
+
+    Returns the process and our end of its pipe.
+    """
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=target, args=(*args[:pipe_at], child, *args[pipe_at:]), daemon=True)
+    p.start()
+    child.close()  # the child holds its own copy
+    return p, parent
+
+
 def run_local(
     n: int,
     job: str,
@@ -149,16 +164,12 @@ def run_local(
         # allowed there unless the caller configures tls
         base.setdefault("allow_insecure", True)
     hosts = hosts or [(None, "127.0.0.1")] * n
-    ctx = mp.get_context("spawn")
     pipes = []
     procs = []
     for rank in range(n):
-        parent, child = ctx.Pipe()
         netns, host = hosts[rank]
         cfg = {**base, "listen": f"{host}:0", "node_job": node_job}
-        p = ctx.Process(target=_child, args=(rank, child, cfg, job, dict(args or {}), log_level, netns), daemon=True)
-        p.start()
-        child.close()
+        p, parent = start_child(_child, (rank, cfg, job, dict(args or {}), log_level, netns), pipe_at=1)
         pipes.append(parent)
         procs.append(p)
     deadline = time.monotonic() + timeout

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dreamp2p.devtools.launch import expect_message, reap
+from dreamp2p.devtools.launch import expect_message, reap, start_child
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.tasks import ByteTransformer, stdlib_files
@@ -252,14 +252,10 @@ def ceiling_child(
 
 def run_ceiling(n: int, workload: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     """``n`` concurrent plain training processes (started together); their results in rank order."""
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(n)
+    barrier = mp.get_context("spawn").Barrier(n)
     pipes, procs = [], []
     for rank in range(n):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=ceiling_child, args=(rank, n, workload, barrier, child), daemon=True)
-        p.start()
-        child.close()
+        p, parent = start_child(ceiling_child, (rank, n, workload, barrier), pipe_at=4)
         pipes.append(parent)
         procs.append(p)
     deadline = time.monotonic() + timeout
