@@ -273,10 +273,14 @@ def last_step(run_dir: Path, node: str) -> int:
     return max(steps) if steps else -1
 
 
-def wait_until(pred: Any, timeout: float, interval: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
+def wait_progress(
+    pred: Callable[[], bool], procs: Mapping[str, subprocess.Popen[bytes]], log_dir: Path, interval: float = 0.2
+) -> None:
+    """Wait until ``pred()`` holds while the nodes in ``procs`` run; :class:`NodeExited` as soon as one exits.
+
+    No time limit of its own: progress is judged by the nodes' records, a dead node fails at once, and a
+    hang is left to the caller's overall timeout (in tests, pytest-timeout).
+    """
+    while not pred():
+        check_nodes(procs, log_dir, clean_exit_ok=False, when="while the others waited for progress")
         time.sleep(interval)
-    return bool(pred())

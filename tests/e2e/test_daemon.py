@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dreamp2p.devtools.localrun import last_step, read_records, start_node, wait_exits, wait_until, write_configs
+from dreamp2p.devtools.localrun import last_step, read_records, start_node, wait_exits, wait_progress, write_configs
 from dreamp2p.service.checkpoint import list_checkpoints
 from dreamp2p.service.daemon import DaemonConfig
 
@@ -46,7 +46,8 @@ def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
     names = ("eu-west", "us-east", "ap-south")
     try:
         # everyone trains together
-        assert wait_until(lambda: min(last_step(tmp_path, n) for n in ("eu-west", "us-east", "ap-south")) >= 15, 180)
+        running = dict(zip(names, procs, strict=True))
+        wait_progress(lambda: min(last_step(tmp_path, n) for n in names) >= 15, running, tmp_path)
 
         # metrics endpoint, scraped over HTTP, carries the promised series
         cfg = DaemonConfig.from_toml(configs[0])
@@ -90,7 +91,8 @@ def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
         assert ckpts and ckpts[-1].name == f"ckpt-{stop['step']:010d}.pt"
 
         # the others went on without it (the ring re-formed among the two survivors)
-        assert wait_until(lambda: min(last_step(tmp_path, n) for n in ("eu-west", "ap-south")) > stop["step"] + 20, 60)
+        survivors = {"eu-west": procs[0], "ap-south": procs[2]}
+        wait_progress(lambda: min(last_step(tmp_path, n) for n in survivors) > stop["step"] + 20, survivors, tmp_path)
 
         # restart with --resume: the cluster trained on, so it joins with the live members' state and step
         # instead of its older checkpoint, and the ring of three finishes the run together
@@ -99,7 +101,7 @@ def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
         def joined() -> list[dict[str, Any]]:
             return [r for r in read_records(tmp_path, "us-east") if r["kind"] == "join"]
 
-        assert wait_until(lambda: bool(joined()), 120)
+        wait_progress(lambda: bool(joined()), dict(zip(names, procs, strict=True)), tmp_path)
         join = joined()[-1]
         assert join["resumed"] is True and join["step"] > stop["step"] + 20
         final = max(last_step(tmp_path, n) for n in names) + 40
@@ -139,7 +141,9 @@ def test_whole_cluster_stopped_steps_apart_resumes_together(tmp_path: Path, stra
         return records[-1] if records else None
 
     try:
-        assert wait_until(lambda: min(last_step(tmp_path, n) for n in names) >= 15, 180)
+        wait_progress(
+            lambda: min(last_step(tmp_path, n) for n in names) >= 15, dict(zip(names, procs, strict=True)), tmp_path
+        )
         procs[0].send_signal(signal.SIGTERM)
         wait_exits({names[0]: procs[0]}, tmp_path, 120)
         for p in procs[1:]:
@@ -151,7 +155,8 @@ def test_whole_cluster_stopped_steps_apart_resumes_together(tmp_path: Path, stra
         assert stops["eu-west"] < newest  # the others trained on without the first one
 
         procs = [start_node(c, resume=True, stop_at_file=stop_at) for c in configs]
-        assert wait_until(lambda: all(last(n, "resume") or last(n, "join") for n in names), 180)
+        restarted = dict(zip(names, procs, strict=True))
+        wait_progress(lambda: all(last(n, "resume") or last(n, "join") for n in names), restarted, tmp_path)
         stop_at.write_text(str(max(last_step(tmp_path, n) for n in names) + 40))
         wait_exits(dict(zip(names, procs, strict=True)), tmp_path, 300)
         final = int(stop_at.read_text())
