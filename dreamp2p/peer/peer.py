@@ -672,6 +672,8 @@ class Peer:
                     raise TimeoutError(f"round did not finish within {timeout:.1f} s")
                 done, _ = await asyncio.wait(waiters, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 for fut in done:
+                    if fut.cancelled():  # a part of the round, not our caller, was cancelled: it cannot finish
+                        raise RoundAborted("a part of the round was cancelled")
                     exc = fut.exception()
                     if exc is not None:
                         raise exc if isinstance(exc, PeerError | RoundAborted) else RoundAborted(str(exc))
