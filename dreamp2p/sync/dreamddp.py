@@ -37,118 +37,31 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
-import xxhash
 
-from dreamp2p.compression import get_codec
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RingCodecPlan, RoundResult, TrainingInfo
-from dreamp2p.schedule.cost import LayerCost, LinkModel
-from dreamp2p.schedule.dreamddp import even_plan, plan_dreamddp
-from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs
+from dreamp2p.schedule.cost import LayerCost
+from dreamp2p.schedule.dreamddp import even_plan
 from dreamp2p.schedule.plan import GroupSync, Plan
-from dreamp2p.schedule.plancodec import choose_plan_codec
-from dreamp2p.sync.base import Strategy, landed
+from dreamp2p.sync.base import Strategy
+from dreamp2p.sync.control import Gathered, Replanner, pack_control, unpack_control
 from dreamp2p.sync.groups import GROUP_CONTROL, anchor_check_group, plan_sync_group
+from dreamp2p.sync.inflight import InFlight
 from dreamp2p.sync.layers import FlatGroup
+from dreamp2p.sync.outer import OuterWeights, anchor_verdict
 from dreamp2p.sync.profiler import LayerProfiler
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _InFlight:
-    land_step: int
-    key: tuple[int, int]  # (plan version, sync index)
-    group: FlatGroup
-    layers: tuple[int, ...]
-    fut: concurrent.futures.Future[RoundResult]
-    # anchors only: the round of (flag, 16 digest bits) beside the parameter average; None for a
-    # pseudo-gradient sync
-    check: FlatGroup | None = None
-    check_fut: concurrent.futures.Future[RoundResult] | None = None
-
-    @property
-    def anchor(self) -> bool:
-        return self.check is not None
-
-
-DIGEST_BITS = 16
 # Layer syncs at least this large measure the link end to end (bytes sent / round seconds): unlike the
 # transport's hand-off rate, this sees through socket buffers and a shaper's token bucket, which absorb
 # the first megabytes of a burst at several times the link's rate.
 RATE_SAMPLE_MIN_BYTES = 256 << 10
-
-
-def anchor_check_vector(want_reset: bool, digest: int) -> torch.Tensor:
-    """One member's contribution to an anchor's check round: a reset flag and its digest's low bits."""
-    bits = [float((digest >> i) & 1) for i in range(DIGEST_BITS)]
-    return torch.tensor([1.0 if want_reset else 0.0, *bits], dtype=torch.float32)
-
-
-def anchor_verdict(mean: torch.Tensor) -> str:
-    """From the averaged check vector, the same on every member: "agree", "fresh" (a member asked for a
-    reset: its theta is local only) or "differ" (the members' thetas differ: a partition or a lost round).
-
-    Each digest bit averages to exactly 0 or 1 only where every member holds the same bit.
-    """
-    bits = mean[1:]
-    if bool(mean[0] > 0):
-        return "fresh"
-    return "differ" if bool(((bits > 0) & (bits < 1)).any()) else "agree"
-
-
-@dataclass(frozen=True)
-class Gathered:
-    """What one control round told every peer: per-rank link stats and the mean layer profile."""
-
-    bandwidth_Bps: float  # slowest measured link (inf if none measured yet)
-    rtt_s: float  # largest measured RTT
-    costs: tuple[LayerCost, ...]
-    # per rank of the control round: its link to the next rank (NaN where not measured yet)
-    link_bandwidths: tuple[float, ...] = ()
-
-
-def pack_control(
-    rank: int, world: int, bw: float, rtt: float, costs: list[LayerCost], sync_rate: float = math.nan
-) -> torch.Tensor:
-    """This rank's slot of the control vector: its link to the next rank (goodput, RTT), the pace of its
-    own layer syncs (bytes sent / round seconds, NaN if none yet) and its layer profile."""
-    slot = 3 + 2 * len(costs)
-    vec = torch.zeros(world * slot, dtype=torch.float32)
-    base = rank * slot
-    vec[base] = bw if math.isfinite(bw) else 0.0
-    vec[base + 1] = rtt if math.isfinite(rtt) else 0.0
-    vec[base + 2] = sync_rate if math.isfinite(sync_rate) else 0.0
-    for i, c in enumerate(costs):
-        vec[base + 3 + i] = c.fwd_s
-        vec[base + 3 + len(costs) + i] = c.bwd_s
-    return vec
-
-
-def unpack_control(mean: torch.Tensor, world: int, template: list[LayerCost]) -> Gathered:
-    """Turn the averaged control vector (each rank filled only its slot) back into the gathered view.
-
-    The planner's bandwidth is the slowest of every link's goodput and every member's sync pace (a ring
-    runs at its slowest link, and the syncs see through buffers that inflate goodput); per-link codecs
-    choose from the goodputs alone, since a ring round's pace is the same on every link.
-    """
-    n = len(template)
-    slots = (mean.double() * world).view(world, 3 + 2 * n)
-    bws = [float(b) for b in slots[:, 0] if float(b) > 0]
-    rtts = [float(r) for r in slots[:, 1] if float(r) > 0]
-    rates = [float(r) for r in slots[:, 2] if float(r) > 0]
-    fwd = slots[:, 3 : 3 + n].mean(0)
-    bwd = slots[:, 3 + n :].mean(0)
-    costs = tuple(
-        LayerCost(c.name, max(0.0, float(fwd[i])), max(0.0, float(bwd[i])), c.nbytes) for i, c in enumerate(template)
-    )
-    links = tuple(float(b) if float(b) > 0 else math.nan for b in slots[:, 0])
-    slowest = min(bws + rates) if bws or rates else math.inf
-    return Gathered(slowest, max(rtts) if rtts else 0.0, costs, links)
 
 
 def plan_summary(s: DreamDDP) -> str:
@@ -179,30 +92,19 @@ class DreamDDP(Strategy):
         self._next_plan: Plan | None = None
         self.plan_history: list[tuple[int, int]] = [(0, 0)]
         self._groups: dict[tuple[int, int], FlatGroup] = {}
-        self._inflight: list[_InFlight] = []
+        self._inflight: list[InFlight] = []
         self._layer_of = {id(p): layer.index for layer in self.layers for p in layer.params}
         self._armed: dict[int, set[int]] = {}
         self._pending: dict[int, int] = {}
         # (landing step, round, buffer, members it was packed for)
         self._control: tuple[int, concurrent.futures.Future[RoundResult], FlatGroup, int] | None = None
-        self._basis_bw = math.nan
         self._sync_rate = math.nan  # EWMA of bytes sent / seconds of this member's landed layer syncs
-        self._changed = 0
-        self.last_gathered: Gathered | None = None
-        self._ratio = get_codec(self.cfg.codec).encoded_nbytes(1 << 20) / float(4 << 20)
-        # per-link codecs (bandwidth-aware compression), re-chosen at every control round; until the first
-        # one every link sends the base codec, but rounds already accept (and are laid out for) all of them
-        self.ring_codecs: RingCodecPlan | None = (
-            plan_ring_codecs(self.cfg.codec, self.cfg.link_codecs, [], self.cfg.link_codec_tolerance)
-            if self.cfg.link_codecs
-            else None
-        )
+        self._replanner = Replanner(self.cfg)
         self._summary: tuple[object, str] = (None, "")  # (plan version, link codecs) -> plan_summary text
         # per layer: outer weights theta and momentum; created at the layer's first launch from the local
         # parameters and made equal on every member at the first anchor (see the module docstring)
-        self._outer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._fresh: set[int] = set()  # layers whose theta is local only: the next anchor resets them
-        self.anchors_healed = 0  # anchors that found the members' thetas different
+        lr, mu = self.cfg.group_outer
+        self._weights = OuterWeights(self.layers, lr, mu)
         # codec of each plan's layer syncs (plan version -> name); warm-up syncs use the most compressive
         # candidate, since the link is not measured yet
         self._plan_codecs: dict[int, str] = {0: self.cfg.plan_codecs[-1] if self.cfg.plan_codecs else self.cfg.codec}
@@ -260,7 +162,7 @@ class DreamDDP(Strategy):
             self._launch_anchor(sync, key, group, gid)
             return
         group.snapshot()
-        theta = torch.cat([self._theta(li) for li in sync.layers])
+        theta = torch.cat([self._weights.theta(li) for li in sync.layers])
 
         def pseudo_gradient() -> None:  # on the comm thread, once the snapshot has landed
             group.work.copy_(theta).sub_(group.snap)
@@ -274,21 +176,14 @@ class DreamDDP(Strategy):
             prepare=pseudo_gradient,
             error_feedback=self.cfg.error_feedback,
         )
-        self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, sync.layers, fut))
+        self._inflight.append(InFlight(self.step_count + sync.delay, key, group, sync.layers, fut))
 
     def _is_anchor(self, step: int) -> bool:
         """Whether a sync launched at ``step`` averages parameters (decided from the step: agreed by all)."""
         return not self.cfg.delta_codec or (step // self.cfg.period) % self.cfg.anchor_every == 0
 
     def _launch_anchor(self, sync: GroupSync, key: tuple[int, int], group: FlatGroup, gid: int) -> None:
-        for li in sync.layers:
-            self._theta(li)
-        digest = xxhash.xxh3_64()
-        for li in sync.layers:
-            theta, mom = self._outer[li]
-            digest.update(theta.numpy().tobytes())
-            digest.update(mom.numpy().tobytes())
-        check = FlatGroup([anchor_check_vector(bool(self._fresh & set(sync.layers)), digest.intdigest())])
+        check = FlatGroup([self._weights.check_vector(sync.layers)])
         check.snapshot()
         group.snapshot()
         fut = self.comm.allreduce_group(
@@ -302,24 +197,14 @@ class DreamDDP(Strategy):
             round_id=self._round(),
             guard_norm=False,
         )
-        self._inflight.append(_InFlight(self.step_count + sync.delay, key, group, sync.layers, fut, check, check_fut))
-
-    def _theta(self, li: int) -> torch.Tensor:
-        """Layer ``li``'s outer weights, created from the local parameters on first use (then fresh)."""
-        state = self._outer.get(li)
-        if state is None:
-            theta = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self.layers[li].params])
-            state = (theta, torch.zeros_like(theta))
-            self._outer[li] = state
-            self._fresh.add(li)
-        return state[0]
+        self._inflight.append(InFlight(self.step_count + sync.delay, key, group, sync.layers, fut, check, check_fut))
 
     @property
     def plan_codec(self) -> str:
         """The codec of the layer syncs of the plan in force."""
         return self._plan_codecs.get(self.plan.version, self.cfg.codec)
 
-    def _land(self, inf: _InFlight, timeout: float | None = None) -> None:
+    def _land(self, inf: InFlight, timeout: float | None = None) -> None:
         """Wait for a sync (and an anchor's check round) and merge it; a failed one is skipped everywhere."""
         res = self._wait(inf.fut, timeout)
         checked = self._wait(inf.check_fut, timeout) if inf.check_fut is not None else None
@@ -330,37 +215,26 @@ class DreamDDP(Strategy):
             old = self._sync_rate
             self._sync_rate = rate if not math.isfinite(old) else 0.5 * old + 0.5 * rate
 
-    def _merge(self, inf: _InFlight) -> None:
+    def _merge(self, inf: InFlight) -> None:
         """Apply a landed sync: the outer step per layer, then params = theta + local progress."""
         verdict = anchor_verdict(inf.check.work) if inf.check is not None else "agree"
-        reset = verdict != "agree"
-        if verdict == "differ":
-            self.anchors_healed += 1
-            log.warning("layers %s: outer weights differed between members; reset to the parameter mean", inf.layers)
-        self._outer_step(inf.group.work, inf.layers, anchor=inf.anchor, reset=reset)
+        self._weights.land(inf.group.work, inf.layers, anchor=inf.anchor, verdict=verdict)
         inf.group.merge()
 
-    def _outer_step(self, mean: torch.Tensor, layers: tuple[int, ...], anchor: bool, reset: bool) -> None:
-        """Turn ``mean`` (of parameters at an anchor, of pseudo-gradients otherwise) into the new theta, in place."""
-        lr, mu = self.cfg.group_outer
-        offset = 0
-        for li in layers:
-            n = self.layers[li].numel
-            a = mean[offset : offset + n]
-            theta, mom = self._outer[li]
-            offset += n
-            if reset:
-                theta.copy_(a)  # the parameter mean, identical on every member
-                mom.zero_()
-                self._fresh.discard(li)
-                continue
-            g = theta - a if anchor else a.clone()
-            if lr == 1.0 and mu == 0.0 and anchor:
-                theta.copy_(a)  # plain averaging: exactly the mean
-            else:
-                mom.mul_(mu).add_(g)
-                theta.sub_(g.add_(mom, alpha=mu), alpha=lr)
-            a.copy_(theta)
+    @property
+    def anchors_healed(self) -> int:
+        """Anchors that found the members' outer weights different (and reset them)."""
+        return self._weights.anchors_healed
+
+    @property
+    def ring_codecs(self) -> RingCodecPlan | None:
+        """Per-link codecs in force (None unless ``link_codecs`` is set)."""
+        return self._replanner.ring_codecs
+
+    @property
+    def last_gathered(self) -> Gathered | None:
+        """What the last control round gathered (None before the first)."""
+        return self._replanner.last_gathered
 
     # ------------------------------------------------------------------ step
 
@@ -411,69 +285,10 @@ class DreamDDP(Strategy):
 
     def _on_gathered(self, g: Gathered, t: int) -> None:
         """Same inputs on every peer at the same step: the same decision everywhere."""
-        self.last_gathered = g
-        bandwidth = g.bandwidth_Bps
-        if self.ring_codecs is not None and g.link_bandwidths:
-            self.ring_codecs = plan_ring_codecs(
-                self.cfg.codec, self.cfg.link_codecs, g.link_bandwidths, self.cfg.link_codec_tolerance
-            )
-            # slow links compress more: the ring runs as fast as an all-base-codec ring on this bandwidth
-            effective = effective_bandwidth(self.ring_codecs, g.link_bandwidths)
-            bandwidth = effective if math.isfinite(effective) else bandwidth
-        # the first measured plan waits for a measured link: planning for an unknown one as if it were free
-        # would pick no delay at all and expose every sync until the next re-plan
-        measured = math.isfinite(g.bandwidth_Bps) or self.comm.world == 1
-        replan = self.plan.version == 0 and self._next_plan is None and measured
-        if not replan and math.isfinite(g.bandwidth_Bps):
-            basis = self._basis_bw
-            changed = not math.isfinite(basis) or abs(g.bandwidth_Bps / basis - 1.0) > self.cfg.replan_threshold
-            self._changed = self._changed + 1 if changed else 0
-            replan = self._changed >= self.cfg.replan_sustain
-        if not replan:
-            return
-        link = LinkModel(
-            bandwidth_Bps=bandwidth if math.isfinite(bandwidth) else 1e12,
-            rtt_s=g.rtt_s,
-            world=len(g.link_bandwidths) or self.comm.world,
-            codec_ratio=self._ratio,
-            margin=1.0 + self.cfg.plan_margin,
-        )
         version = max(self.plan.version, self._next_plan.version if self._next_plan else 0) + 1
-        # adopted at the next period boundary of the plan in force: a plan switched mid-period would sync
-        # layers again soon after the old plan did, two rounds contending for the link at once
-        start = t + 1 + (self.plan.effective_step - t - 1) % self.cfg.period
-
-        def make_plan(lk: LinkModel) -> Plan:
-            return plan_dreamddp(
-                list(g.costs),
-                lk,
-                self.cfg.period,
-                version=version,
-                effective_step=start,
-                max_delay=self.cfg.delay_cap,
-                bubble_fill=self.cfg.bubble_fill,
-            )
-
-        codec = self.cfg.codec
-        if self.cfg.plan_codecs and self.ring_codecs is None:
-            candidates = [(c, get_codec(c).encoded_nbytes(1 << 20) / float(4 << 20)) for c in self.cfg.plan_codecs]
-            choice = choose_plan_codec(
-                candidates, list(g.costs), link, self.cfg.period, make_plan, self.cfg.codec_link_budget
-            )
-            self._next_plan, codec = choice.plan, choice.codec
-            log.info(
-                "plan v%d: codec %s (link busy %.0f%% of the period, predicted exposed %.3g s per period)",
-                version,
-                codec,
-                100 * choice.busy_fraction,
-                choice.exposed_s,
-            )
-        else:
-            self._next_plan = make_plan(link)
-        self._plan_codecs[version] = codec
-        self._basis_bw = g.bandwidth_Bps
-        self._changed = 0
-        log.info("plan v%d computed at step %d from bw %.3g B/s rtt %.3g s", version, t, g.bandwidth_Bps, g.rtt_s)
+        chosen = self._replanner.decide(g, t, self.plan, version, self.comm.world)
+        if chosen is not None:
+            self._next_plan, self._plan_codecs[version] = chosen
 
     def plan_report(self) -> dict[str, Any]:
         g = self.last_gathered
@@ -486,7 +301,7 @@ class DreamDDP(Strategy):
                 "bandwidth_Bps": bw,
                 "rtt_s": g.rtt_s if g is not None else 0.0,
                 "world": self.comm.world,
-                "codec_ratio": self._ratio,
+                "codec_ratio": self._replanner.ratio,
             },
         }
 
@@ -522,13 +337,11 @@ class DreamDDP(Strategy):
         state: dict[str, Any] = {
             "plan": self.plan.to_dict(),
             "next_plan": self._next_plan.to_dict() if self._next_plan is not None else None,
-            "basis_bw": self._basis_bw,
-            "changed": self._changed,
+            **self._replanner.state(),
             "history": [list(h) for h in self.plan_history],
-            "outer": {li: (theta.clone(), mom.clone()) for li, (theta, mom) in self._outer.items()},
-            "fresh": sorted(self._fresh),
+            **self._weights.state(),
             "plan_codecs": dict(self._plan_codecs),
-            "inflight": self._inflight_state(),
+            "inflight": [r for inf in self._inflight if (r := inf.record(self.comm.round_timeout_s))],
         }
         if self._control is not None:
             land, fut, group, world = self._control
@@ -540,54 +353,16 @@ class DreamDDP(Strategy):
 
         return state
 
-    def _inflight_state(self) -> list[dict[str, Any]]:
-        """Syncs in flight, waited for: they land later on every member that took part, so a joiner (which
-        did not) or a resumed node must apply the same averages at the same steps."""
-        out = []
-        for inf in self._inflight:
-            try:
-                inf.fut.result(self.comm.round_timeout_s)
-                if inf.check_fut is not None:
-                    inf.check_fut.result(self.comm.round_timeout_s)
-            except RoundFailed:
-                continue  # failed everywhere (all-or-none): nobody applies it
-            rec = {
-                "land": inf.land_step,
-                "key": list(inf.key),
-                "layers": list(inf.layers),
-                "mean": inf.group.work.clone(),
-                "snap": inf.group.snap.clone(),
-            }
-            if inf.check is not None:
-                rec["check"] = inf.check.work.clone()
-            out.append(rec)
-        return out
-
-    def _restore_inflight(self, rec: dict[str, Any]) -> _InFlight:
-        layers = tuple(int(li) for li in rec["layers"])
-        group = FlatGroup([p for li in layers for p in self.layers[li].params], pin=self.pin)
-        group.snap.copy_(rec["snap"])
-        group.work.copy_(rec["mean"])
-        key = (int(rec["key"][0]), int(rec["key"][1]))
-        inf = _InFlight(int(rec["land"]), key, group, layers, landed(group.numel))
-        if "check" in rec:
-            inf.check = FlatGroup([rec["check"].clone()])
-            inf.check.work.copy_(rec["check"])
-            inf.check_fut = landed(inf.check.numel)
-        return inf
-
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if "plan" in state:
             self.plan = Plan.from_dict(state["plan"])
             nxt = state.get("next_plan")
             self._next_plan = Plan.from_dict(nxt) if nxt else None
-            self._basis_bw = float(state.get("basis_bw", math.nan))
-            self._changed = int(state.get("changed", 0))
+            self._replanner.load(state)
             self.plan_history = [(int(v), int(e)) for v, e in state.get("history", [])]
-            self._outer = {int(li): (theta.clone(), mom.clone()) for li, (theta, mom) in state.get("outer", {}).items()}
-            self._fresh = {int(li) for li in state.get("fresh", [])}
+            self._weights.load(state)
             self._plan_codecs.update({int(v): str(c) for v, c in state.get("plan_codecs", {}).items()})
-            self._inflight = [self._restore_inflight(rec) for rec in state.get("inflight", [])]
+            self._inflight = [InFlight.restore(rec, self.layers, self.pin) for rec in state.get("inflight", [])]
             control = state.get("control")
             if control is not None:
                 # the control round finished before the checkpoint; its result lands at the same step as elsewhere

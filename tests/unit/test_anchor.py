@@ -10,7 +10,8 @@ import torch
 
 from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.sync.config import SyncConfig
-from dreamp2p.sync.dreamddp import DIGEST_BITS, anchor_check_vector, anchor_verdict, pack_control, unpack_control
+from dreamp2p.sync.control import pack_control, unpack_control
+from dreamp2p.sync.outer import DIGEST_BITS, anchor_check_vector, anchor_verdict
 
 
 def _mean(*vectors: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,182 @@
+"""DreamDDP's control round and re-planning: what every member gathers, and the plan it derives alike.
+
+One plan for all (DreamDDP, Tang et al., arXiv 2502.11058, extended for the WAN in docs/PLANNING.md):
+plans are computed only from inputs every member holds bit-identically, gathered by a small control
+all-reduce (each member's link measurements and layer profile). Every member runs the same
+deterministic planner on them at the same step, so no plan needs to be sent.
+
+Codec per plan (bandwidth-aware compression, arXiv 2408.14736): with ``plan_codecs`` (least lossy first),
+a plan is made for each candidate's wire size and the least lossy candidate is taken whose plan hides
+every sync within the link budget; per-link codecs (``link_codecs``) are re-chosen from the gathered
+link bandwidths instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dreamp2p.compression import get_codec
+from dreamp2p.messages import RingCodecPlan
+from dreamp2p.schedule.cost import LayerCost, LinkModel
+from dreamp2p.schedule.dreamddp import plan_dreamddp
+from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs
+from dreamp2p.schedule.plan import Plan
+from dreamp2p.schedule.plancodec import choose_plan_codec
+from dreamp2p.sync.config import SyncConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What one control round told every peer: per-rank link stats and the mean layer profile."""
+
+    bandwidth_Bps: float  # slowest measured link (inf if none measured yet)
+    rtt_s: float  # largest measured RTT
+    costs: tuple[LayerCost, ...]
+    # per rank of the control round: its link to the next rank (NaN where not measured yet)
+    link_bandwidths: tuple[float, ...] = ()
+
+
+def pack_control(
+    rank: int, world: int, bw: float, rtt: float, costs: list[LayerCost], sync_rate: float = math.nan
+) -> torch.Tensor:
+    """This rank's slot of the control vector: its link to the next rank (goodput, RTT), the pace of its
+    own layer syncs (bytes sent / round seconds, NaN if none yet) and its layer profile."""
+    slot = 3 + 2 * len(costs)
+    vec = torch.zeros(world * slot, dtype=torch.float32)
+    base = rank * slot
+    vec[base] = bw if math.isfinite(bw) else 0.0
+    vec[base + 1] = rtt if math.isfinite(rtt) else 0.0
+    vec[base + 2] = sync_rate if math.isfinite(sync_rate) else 0.0
+    for i, c in enumerate(costs):
+        vec[base + 3 + i] = c.fwd_s
+        vec[base + 3 + len(costs) + i] = c.bwd_s
+    return vec
+
+
+def unpack_control(mean: torch.Tensor, world: int, template: list[LayerCost]) -> Gathered:
+    """Turn the averaged control vector (each rank filled only its slot) back into the gathered view.
+
+    The planner's bandwidth is the slowest of every link's goodput and every member's sync pace (a ring
+    runs at its slowest link, and the syncs see through buffers that inflate goodput); per-link codecs
+    choose from the goodputs alone, since a ring round's pace is the same on every link.
+    """
+    n = len(template)
+    slots = (mean.double() * world).view(world, 3 + 2 * n)
+    bws = [float(b) for b in slots[:, 0] if float(b) > 0]
+    rtts = [float(r) for r in slots[:, 1] if float(r) > 0]
+    rates = [float(r) for r in slots[:, 2] if float(r) > 0]
+    fwd = slots[:, 3 : 3 + n].mean(0)
+    bwd = slots[:, 3 + n :].mean(0)
+    costs = tuple(
+        LayerCost(c.name, max(0.0, float(fwd[i])), max(0.0, float(bwd[i])), c.nbytes) for i, c in enumerate(template)
+    )
+    links = tuple(float(b) if float(b) > 0 else math.nan for b in slots[:, 0])
+    slowest = min(bws + rates) if bws or rates else math.inf
+    return Gathered(slowest, max(rtts) if rtts else 0.0, costs, links)
+
+
+def codec_ratio(name: str) -> float:
+    """Wire bytes per fp32 byte of codec ``name`` (on a 1 MiB-element tensor)."""
+    return get_codec(name).encoded_nbytes(1 << 20) / float(4 << 20)
+
+
+class Replanner:
+    """Decides, from each gathered view, whether to re-plan and which plan and codec follow.
+
+    Holds the decision's memory (the bandwidth the plan in force was made for, how many control rounds in
+    a row saw it changed) and the per-link codecs; every member holds the same and decides alike.
+    """
+
+    def __init__(self, cfg: SyncConfig) -> None:
+        self.cfg = cfg
+        self.ratio = codec_ratio(cfg.codec)
+        self.basis_bw = math.nan
+        self.changed = 0
+        self.last_gathered: Gathered | None = None
+        # per-link codecs (bandwidth-aware compression), re-chosen at every control round; until the first
+        # one every link sends the base codec, but rounds already accept (and are laid out for) all of them
+        self.ring_codecs: RingCodecPlan | None = (
+            plan_ring_codecs(cfg.codec, cfg.link_codecs, [], cfg.link_codec_tolerance) if cfg.link_codecs else None
+        )
+
+    def state(self) -> dict[str, Any]:
+        """Checkpoint entries: the re-planning memory (``basis_bw``, ``changed``)."""
+        return {"basis_bw": self.basis_bw, "changed": self.changed}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.basis_bw = float(state.get("basis_bw", math.nan))
+        self.changed = int(state.get("changed", 0))
+
+    def decide(self, g: Gathered, t: int, plan: Plan, next_version: int, world: int) -> tuple[Plan, str] | None:
+        """The next plan and its codec, or None to keep the plan in force (and the one queued, if any).
+
+        ``next_version``: the version the new plan takes; 1 means no measured plan was made yet.
+        """
+        cfg = self.cfg
+        self.last_gathered = g
+        bandwidth = g.bandwidth_Bps
+        if self.ring_codecs is not None and g.link_bandwidths:
+            self.ring_codecs = plan_ring_codecs(cfg.codec, cfg.link_codecs, g.link_bandwidths, cfg.link_codec_tolerance)
+            # slow links compress more: the ring runs as fast as an all-base-codec ring on this bandwidth
+            effective = effective_bandwidth(self.ring_codecs, g.link_bandwidths)
+            bandwidth = effective if math.isfinite(effective) else bandwidth
+        # the first measured plan waits for a measured link: planning for an unknown one as if it were free
+        # would pick no delay at all and expose every sync until the next re-plan
+        measured = math.isfinite(g.bandwidth_Bps) or world == 1
+        replan = next_version == 1 and measured
+        if not replan and math.isfinite(g.bandwidth_Bps):
+            basis = self.basis_bw
+            changed = not math.isfinite(basis) or abs(g.bandwidth_Bps / basis - 1.0) > cfg.replan_threshold
+            self.changed = self.changed + 1 if changed else 0
+            replan = self.changed >= cfg.replan_sustain
+        if not replan:
+            return None
+        link = LinkModel(
+            bandwidth_Bps=bandwidth if math.isfinite(bandwidth) else 1e12,
+            rtt_s=g.rtt_s,
+            world=len(g.link_bandwidths) or world,
+            codec_ratio=self.ratio,
+            margin=1.0 + cfg.plan_margin,
+        )
+        # adopted at the next period boundary of the plan in force: a plan switched mid-period would sync
+        # layers again soon after the old plan did, two rounds contending for the link at once
+        start = t + 1 + (plan.effective_step - t - 1) % cfg.period
+        chosen = self._plan_and_codec(g, link, next_version, start)
+        self.basis_bw = g.bandwidth_Bps
+        self.changed = 0
+        log.info("plan v%d computed at step %d from bw %.3g B/s rtt %.3g s", next_version, t, g.bandwidth_Bps, g.rtt_s)
+        return chosen
+
+    def _plan_and_codec(self, g: Gathered, link: LinkModel, version: int, start: int) -> tuple[Plan, str]:
+        cfg = self.cfg
+
+        def make_plan(lk: LinkModel) -> Plan:
+            return plan_dreamddp(
+                list(g.costs),
+                lk,
+                cfg.period,
+                version=version,
+                effective_step=start,
+                max_delay=cfg.delay_cap,
+                bubble_fill=cfg.bubble_fill,
+            )
+
+        if not (cfg.plan_codecs and self.ring_codecs is None):
+            return make_plan(link), cfg.codec
+        candidates = [(c, codec_ratio(c)) for c in cfg.plan_codecs]
+        choice = choose_plan_codec(candidates, list(g.costs), link, cfg.period, make_plan, cfg.codec_link_budget)
+        log.info(
+            "plan v%d: codec %s (link busy %.0f%% of the period, predicted exposed %.3g s per period)",
+            version,
+            choice.codec,
+            100 * choice.busy_fraction,
+            choice.exposed_s,
+        )
+        return choice.plan, choice.codec

@@ -1,0 +1,119 @@
+"""DreamDDP's per-layer outer weights: theta and momentum, the outer Nesterov step, and the anchors' check.
+
+Pseudo-gradients between anchors (DiLoCo, Douillard et al., arXiv 2311.08105; Streaming DiLoCo, arXiv
+2501.18512): each layer keeps outer weights theta and a momentum, changed only by landed syncs. A landing
+takes a Nesterov step per layer, theta -= lr * (g + mu * m), with g the mean pseudo-gradient (lr 1,
+momentum 0 is plain averaging).
+
+Anchors: a layer's anchor sync averages the parameters themselves, and a 17-element round beside it
+carries a reset flag and 16 bits of a digest of each member's theta and momentum. Where all agree,
+g = theta - mean(params) feeds the same outer step; where any differs, every member resets theta to the
+parameter mean and the momentum to zero, identically (see `dreamp2p.sync.dreamddp`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import xxhash
+
+from dreamp2p.sync.layers import Layer
+
+log = logging.getLogger(__name__)
+
+DIGEST_BITS = 16
+
+
+def anchor_check_vector(want_reset: bool, digest: int) -> torch.Tensor:
+    """One member's contribution to an anchor's check round: a reset flag and its digest's low bits."""
+    bits = [float((digest >> i) & 1) for i in range(DIGEST_BITS)]
+    return torch.tensor([1.0 if want_reset else 0.0, *bits], dtype=torch.float32)
+
+
+def anchor_verdict(mean: torch.Tensor) -> str:
+    """From the averaged check vector, the same on every member: "agree", "fresh" (a member asked for a
+    reset: its theta is local only) or "differ" (the members' thetas differ: a partition or a lost round).
+
+    Each digest bit averages to exactly 0 or 1 only where every member holds the same bit.
+    """
+    bits = mean[1:]
+    if bool(mean[0] > 0):
+        return "fresh"
+    return "differ" if bool(((bits > 0) & (bits < 1)).any()) else "agree"
+
+
+class OuterWeights:
+    """Theta and momentum of each layer, created from the local parameters at the layer's first use."""
+
+    def __init__(self, layers: Sequence[Layer], lr: float, momentum: float) -> None:
+        self._layers = layers
+        self._lr = lr
+        self._mu = momentum
+        self._outer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._fresh: set[int] = set()  # layers whose theta is local only: the next anchor resets them
+        self.anchors_healed = 0  # anchors that found the members' thetas different
+
+    def theta(self, li: int) -> torch.Tensor:
+        """Layer ``li``'s outer weights, created from the local parameters on first use (then fresh)."""
+        state = self._outer.get(li)
+        if state is None:
+            theta = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self._layers[li].params])
+            state = (theta, torch.zeros_like(theta))
+            self._outer[li] = state
+            self._fresh.add(li)
+        return state[0]
+
+    def check_vector(self, layers: Sequence[int]) -> torch.Tensor:
+        """This member's anchor check for ``layers``: reset flag and digest of their theta and momentum."""
+        for li in layers:
+            self.theta(li)
+        digest = xxhash.xxh3_64()
+        for li in layers:
+            theta, mom = self._outer[li]
+            digest.update(theta.numpy().tobytes())
+            digest.update(mom.numpy().tobytes())
+        return anchor_check_vector(bool(self._fresh & set(layers)), digest.intdigest())
+
+    def land(self, mean: torch.Tensor, layers: tuple[int, ...], anchor: bool, verdict: str) -> None:
+        """Apply a landed sync's ``mean`` to theta, then write the new theta into ``mean`` in place."""
+        reset = verdict != "agree"
+        if verdict == "differ":
+            self.anchors_healed += 1
+            log.warning("layers %s: outer weights differed between members; reset to the parameter mean", layers)
+        self._outer_step(mean, layers, anchor=anchor, reset=reset)
+
+    def _outer_step(self, mean: torch.Tensor, layers: tuple[int, ...], anchor: bool, reset: bool) -> None:
+        """Turn ``mean`` (of parameters at an anchor, of pseudo-gradients otherwise) into the new theta, in place."""
+        lr, mu = self._lr, self._mu
+        offset = 0
+        for li in layers:
+            n = self._layers[li].numel
+            a = mean[offset : offset + n]
+            theta, mom = self._outer[li]
+            offset += n
+            if reset:
+                theta.copy_(a)  # the parameter mean, identical on every member
+                mom.zero_()
+                self._fresh.discard(li)
+                continue
+            g = theta - a if anchor else a.clone()
+            if lr == 1.0 and mu == 0.0 and anchor:
+                theta.copy_(a)  # plain averaging: exactly the mean
+            else:
+                mom.mul_(mu).add_(g)
+                theta.sub_(g.add_(mom, alpha=mu), alpha=lr)
+            a.copy_(theta)
+
+    def state(self) -> dict[str, Any]:
+        """Checkpoint entries (``outer``, ``fresh``), copies."""
+        return {
+            "outer": {li: (theta.clone(), mom.clone()) for li, (theta, mom) in self._outer.items()},
+            "fresh": sorted(self._fresh),
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        self._outer = {int(li): (theta.clone(), mom.clone()) for li, (theta, mom) in state.get("outer", {}).items()}
+        self._fresh = {int(li) for li in state.get("fresh", [])}
