@@ -172,6 +172,9 @@ class PeerInfo:
     address: str
 
 
+COMM_MODES = ("thread", "process")
+
+
 @dataclass(frozen=True)
 class PeerConfig:
     node_id: str
@@ -195,8 +198,13 @@ class PeerConfig:
     # shutting down, or a trainer that published no step for health_stall_s seconds).
     health_listen: str | None = None
     health_stall_s: float = 600.0
+    # where the peer's event loop runs: "thread" (in the trainer's process) or "process" (a child process
+    # of its own, off the trainer's GIL; see dreamp2p.sync.commproc)
+    comm: str = "thread"
 
     def __post_init__(self) -> None:
+        if self.comm not in COMM_MODES:
+            raise ValueError(f"comm must be one of {', '.join(COMM_MODES)}; got {self.comm!r}")
         if not self.health_stall_s > 0:
             raise ValueError(f"health_stall_s must be > 0, got {self.health_stall_s}")
         if not self.node_id or any(c.isspace() for c in self.node_id):

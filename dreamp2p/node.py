@@ -1,4 +1,4 @@
-"""A node's library entry point: the peer (on its comm thread) plus `attach` for the user's model.
+"""A node's library entry point: the peer (on its comm thread or comm process) plus `attach` for the model.
 
 node = Node(config)                       # or Node.from_toml(path)
 sync = node.attach(model, optimizer)      # DreamDDP by default
@@ -33,6 +33,7 @@ from dreamp2p.state.snapshot import unflatten_state
 from dreamp2p.sync.agreement import inner_momentum, is_adaptive, training_settings
 from dreamp2p.sync.base import Strategy, broadcast_state
 from dreamp2p.sync.comm import CommThread
+from dreamp2p.sync.commproc import CommProcess, RemoteDonor
 from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.registry import strategy_class
 
@@ -45,13 +46,26 @@ JOIN_ATTEMPTS = 3
 
 
 class Node:
-    def __init__(self, config: PeerConfig, model: nn.Module | None = None, joining: bool = False) -> None:
+    """``comm``: run the peer on a thread of this process ("thread") or in a child process ("process",
+    off the trainer's GIL); None takes ``config.comm``."""
+
+    def __init__(
+        self, config: PeerConfig, model: nn.Module | None = None, joining: bool = False, comm: str | None = None
+    ) -> None:
         if model is not None and not config.manifest_hash:
             # peers only average with peers that hold the same model layout
             config = dataclasses.replace(config, manifest_hash=manifest_hash(model.state_dict().items()))
+        if comm is not None:
+            config = dataclasses.replace(config, comm=comm)
         self.config = config
-        self.comm = CommThread(config, ready=not joining)
-        self.donor = StateDonor()
+        self.comm: CommThread | CommProcess
+        self.donor: StateDonor
+        if config.comm == "process":
+            self.comm = CommProcess(config, ready=not joining)
+            self.donor = RemoteDonor(self.comm)
+        else:
+            self.comm = CommThread(config, ready=not joining)
+            self.donor = StateDonor()
         self.comm.set_state_donor(self.donor)
         self._connected = False
         self.strategy: Strategy | None = None

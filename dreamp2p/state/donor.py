@@ -17,7 +17,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from dreamp2p.errors import PeerError, Status
@@ -64,7 +64,9 @@ class StateDonor:
     Snapshots not read for ``expire_s`` seconds are dropped (checked on every call), except static ones.
     """
 
-    def __init__(self, max_age_s: float = 0.0, expire_s: float = 600.0) -> None:
+    def __init__(
+        self, max_age_s: float = 0.0, expire_s: float = 600.0, on_wanted: Callable[[bool], None] | None = None
+    ) -> None:
         if max_age_s < 0 or expire_s <= 0:
             raise ValueError(f"max_age_s must be >= 0 and expire_s > 0, got {max_age_s} and {expire_s}")
         self.max_age_s = max_age_s
@@ -76,6 +78,9 @@ class StateDonor:
         self._static = False
         # read by the training thread every step without the lock: a bool assignment is atomic
         self._wanted = False
+        # told every change of ``wanted`` (lock held; must not block): a comm process forwards it to the
+        # trainer's process, whose training thread reads it there (see `dreamp2p.sync.commproc`)
+        self._on_wanted = on_wanted
         self.bytes_served = 0
 
     # ------------------------------------------------------------------ training thread
@@ -93,16 +98,7 @@ class StateDonor:
         """
         t0 = time.perf_counter()
         snapshot = capture_snapshot(state, step, _new_snapshot_id())
-        with self._lock:
-            now = time.monotonic()
-            self._expire(now)
-            self.publications += 1
-            self._held.append(_Held(snapshot, now))
-            waiters, self._waiters = self._waiters, []
-            self._wanted = False
-        for w in waiters:
-            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is left to answer
-                w.loop.call_soon_threadsafe(_resolve, w.future, snapshot)
+        self.install(snapshot)
         log.info(
             "published state snapshot %016x of step %d: %d tensors, %d bytes in %.3f s",
             snapshot.snapshot_id,
@@ -113,12 +109,37 @@ class StateDonor:
         )
         return snapshot
 
+    def install(self, snapshot: Snapshot, static: bool = False) -> None:
+        """Hold an already captured ``snapshot`` as the newest and wake the waiting requests.
+
+        :meth:`publish` captures then installs; a comm process installs what its trainer captured.
+        ``static``: answer every later request with it at once (see :meth:`serve_static`).
+        """
+        with self._lock:
+            now = time.monotonic()
+            self._expire(now)
+            self.publications += 1
+            self._held.append(_Held(snapshot, now))
+            waiters, self._waiters = self._waiters, []
+            self._set_wanted(False)
+            self._static = self._static or static
+        for w in waiters:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is left to answer
+                w.loop.call_soon_threadsafe(_resolve, w.future, snapshot)
+
     def serve_static(self, state: Any, step: int) -> Snapshot:
         """Publish ``state`` once and answer every request with it at once (a node that is not training)."""
         snapshot = self.publish(state, step)
         with self._lock:
             self._static = True
         return snapshot
+
+    def _set_wanted(self, wanted: bool) -> None:
+        """Set ``wanted`` (lock held) and tell ``on_wanted`` of a change."""
+        if wanted != self._wanted:
+            self._wanted = wanted
+            if self._on_wanted is not None:
+                self._on_wanted(wanted)
 
     # ------------------------------------------------------------------ event loop
 
@@ -138,7 +159,7 @@ class StateDonor:
                 return ready.snapshot
             waiter = _Waiter(loop.create_future(), loop)
             self._waiters.append(waiter)
-            self._wanted = True
+            self._set_wanted(True)
         try:
             return await asyncio.wait_for(waiter.future, max(0.0, timeout))
         except TimeoutError:
@@ -148,7 +169,7 @@ class StateDonor:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
                 if not self._waiters:
-                    self._wanted = False  # nobody waits any more: spare the trainer a needless copy
+                    self._set_wanted(False)  # nobody waits any more: spare the trainer a needless copy
 
     def _ready(self, now: float) -> _Held | None:
         """The newest snapshot that may answer a request made now (lock held)."""

@@ -1,0 +1,415 @@
+"""The peer's event loop in a child process (``[node] comm = "process"``): a drop-in for CommThread.
+
+The trainer's process keeps the model, the strategy, its flat group buffers and a reader thread; the
+child (`dreamp2p.sync.commchild`, a fresh interpreter that imports nothing of the model) runs the Peer,
+its gRPC server and channels, heartbeats and every round. So the Python half of communication (framing,
+codecs, asyncio) no longer takes the trainer's GIL. What crosses the local socket is small typed
+messages (`dreamp2p.sync.commwire`); a round's tensors do not: each group buffer is moved into shared
+memory (``share_memory_()``, in place, so every view of it stays valid) and its file descriptor is
+handed to the child once. ``prepare`` callbacks (a Python closure, e.g. DreamDDP's pseudo-gradient) run
+here on a launcher thread, so the training thread never waits for them. A joiner's request for our state
+reaches the trainer through :class:`RemoteDonor`; the snapshot the trainer publishes is shipped to the
+child as bytes (joins only). A dead child fails every pending future with CommProcessError at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.messages import LinkSnapshot, PeerStatus, RingCodecPlan, RoundResult, TrainingInfo
+from dreamp2p.state.donor import StateDonor
+from dreamp2p.state.fetch import FetchedState
+from dreamp2p.state.snapshot import Snapshot
+from dreamp2p.sync.commwire import (
+    AllReduce,
+    BufferRegistry,
+    Call,
+    CommProcessError,
+    DonorClear,
+    DonorSnapshot,
+    DonorWanted,
+    Failure,
+    ForgetBuffer,
+    Init,
+    Reply,
+    SetTrainingInfo,
+    ShareBuffer,
+    Started,
+    check_shareable,
+    decode_error,
+)
+from dreamp2p.sync.layers import FlatGroup
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120.0  # a fresh interpreter importing torch and grpc on a loaded host
+CALL_TIMEOUT_S = 60.0  # a plain call the peer answers at once (members, status, ...)
+
+
+class CommProcess:
+    """A started Peer in a child process, with CommThread's methods (see the module docstring)."""
+
+    def __init__(self, config: PeerConfig, ready: bool = True) -> None:
+        self.config = config
+        ours, theirs = socket.socketpair()
+        pkg_root = str(Path(__file__).resolve().parents[2])  # the folder holding the dreamp2p package
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "dreamp2p.sync.commchild", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            env=env,
+        )
+        theirs.close()
+        fd = ours.detach()
+        self._conn = Connection(fd)
+        self._sock = socket.socket(fileno=os.dup(fd))  # the same stream, for passing file descriptors
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, concurrent.futures.Future[Any]] = {}
+        self._pending_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._buffers = BufferRegistry()
+        self._dead: str | None = None
+        self._closing = False
+        self.donor: RemoteDonor | None = None
+        self._send(Init(config, ready, logging.getLogger().getEffectiveLevel()))
+        started = self._first_reply()
+        self.port = started.port
+        self.pid = started.pid
+        # one FIFO worker: rounds reach the child in launch order, prepare() runs off the training thread
+        self._launcher = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"dreamp2p-launch-{config.node_id}"
+        )
+        self._reader = threading.Thread(target=self._read, name=f"dreamp2p-comm-{config.node_id}", daemon=True)
+        self._reader.start()
+
+    def _first_reply(self) -> Started:
+        if not self._conn.poll(START_TIMEOUT_S):
+            self._kill()
+            raise CommProcessError(
+                f"the comm process of {self.config.node_id} did not start within {START_TIMEOUT_S:.0f} s"
+            )
+        try:
+            msg = pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            code = self._proc.wait(10)
+            raise CommProcessError(f"the comm process of {self.config.node_id} exited at start (code {code})") from None
+        if isinstance(msg, Failure):
+            self._proc.wait(10)
+            raise decode_error(msg.error)
+        if not isinstance(msg, Started):
+            self._kill()
+            raise CommProcessError(f"comm process: expected Started, got {type(msg).__name__}")
+        return msg
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _send(self, msg: Any, fd: int | None = None) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self._conn.send_bytes(data)
+            if fd is not None:  # right behind its message: the child's reader takes it next
+                socket.send_fds(self._sock, [b"F"], [fd])
+
+    def _request(
+        self, make: Callable[[int], Any], fds: Sequence[tuple[ShareBuffer, int]] = ()
+    ) -> concurrent.futures.Future[Any]:
+        """Send the message ``make(req_id)`` (after any buffers to share) and return its future."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        req_id = next(self._ids)
+        with self._pending_lock:
+            if self._dead is not None:
+                fut.set_exception(CommProcessError(self._dead))
+                return fut
+            self._pending[req_id] = fut
+        try:
+            for share, fd in fds:
+                self._send(share, fd)
+            self._send(make(req_id))
+        except (OSError, ValueError) as exc:  # the socket is closed: the child is gone
+            self._fail_all(f"the comm process of {self.config.node_id} is gone ({exc})")
+        return fut
+
+    def _call(self, op: str, *args: Any, timeout: float | None = CALL_TIMEOUT_S) -> Any:
+        return self._request(lambda rid: Call(rid, op, args)).result(timeout)
+
+    def _read(self) -> None:
+        """Resolve futures from the child's replies until EOF; then fail every pending one."""
+        while True:
+            try:
+                msg = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            if isinstance(msg, DonorWanted):
+                if self.donor is not None:
+                    self.donor._remote_wanted = msg.wanted
+                continue
+            with self._pending_lock:
+                fut = self._pending.pop(msg.req_id, None)
+            if fut is None:
+                continue
+            if isinstance(msg, Reply):
+                fut.set_result(msg.value)
+            elif isinstance(msg, Failure):
+                fut.set_exception(decode_error(msg.error))
+        try:
+            code: int | None = self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        what = "closed" if self._closing else f"exited (code {code})" if code is not None else "closed its socket"
+        self._fail_all(f"the comm process (pid {self._proc.pid}) of {self.config.node_id} {what}")
+        if not self._closing:
+            log.error("the comm process (pid %d) %s: every round in flight fails", self._proc.pid, what)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._pending_lock:
+            if self._dead is None:
+                self._dead = reason
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(CommProcessError(reason))
+
+    def _kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(10)
+
+    def _share(self, t: torch.Tensor) -> tuple[int, list[tuple[ShareBuffer, int]]]:
+        """The buffer id of ``t``, with what to send first when the child does not know it yet."""
+        for dead in self._buffers.take_dead():
+            self._send(ForgetBuffer(dead))
+        buf_id, new = self._buffers.lookup(t)
+        if not new:
+            return buf_id, []
+        check_shareable(t)
+        t.share_memory_()  # in place: views and the strategy's references stay valid
+        storage = t.untyped_storage()
+        fd, size = storage._share_fd_cpu_()
+        return buf_id, [(ShareBuffer(buf_id, int(size), int(t.storage_offset()), t.numel()), int(fd))]
+
+    # ------------------------------------------------------------------ the Collective protocol
+
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
+
+    @property
+    def round_timeout_s(self) -> float:
+        return self.config.transport.round_timeout_s
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return tuple(self._call("members"))
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.config.node_id)
+
+    @property
+    def ring_ids(self) -> tuple[str, ...]:
+        return tuple(self._call("ring_ids"))
+
+    @property
+    def address(self) -> str:
+        return str(self._call("address"))
+
+    def allreduce_group(
+        self,
+        group: FlatGroup,
+        group_id: int,
+        codec: str | RingCodecPlan | None = None,
+        plan_version: int = 0,
+        round_id: int | None = None,
+        guard_norm: bool = True,
+        prepare: Callable[[], None] | None = None,
+        error_feedback: bool = False,
+    ) -> concurrent.futures.Future[RoundResult]:
+        """As CommThread.allreduce_group; ``prepare`` runs on the launcher thread of this process."""
+        out: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
+
+        def launch() -> None:
+            group.ready()
+            if prepare is not None:
+                prepare()
+            source = group.work if prepare is not None else group.snap
+            src_id, shares = self._share(source)
+            out_id, more = self._share(group.work)
+            fut = self._request(
+                lambda rid: AllReduce(
+                    rid, src_id, out_id, group_id, codec, plan_version, round_id, guard_norm, error_feedback
+                ),
+                shares + more,
+            )
+            _chain(fut, out)
+
+        try:
+            self._launcher.submit(_guarded, launch, out)
+        except RuntimeError as exc:  # the launcher is shut down: close() was called
+            out.set_exception(CommProcessError(f"the comm process of {self.node_id} is closed ({exc})"))
+        return out
+
+    def links(self) -> list[LinkSnapshot]:
+        return list(self._call("links"))
+
+    def set_training_info(self, info: TrainingInfo) -> None:
+        """Publish our strategy and step; never blocks the training thread (a lost child raises here)."""
+        if self._closing:
+            return
+        if self._dead is not None:
+            raise CommProcessError(self._dead)
+        try:
+            self._send(SetTrainingInfo(info))
+        except (OSError, ValueError) as exc:
+            raise CommProcessError(f"the comm process of {self.node_id} is gone ({exc})") from None
+
+    # ------------------------------------------------------------------ what Node and the daemon use
+
+    def connect(
+        self, ring: Sequence[PeerInfo] | None = None, timeout: float | None = None, require_all: bool = True
+    ) -> None:
+        self._call("connect", ring, timeout, require_all, timeout=None)
+
+    def agree(self, settings: dict[str, str], timeout: float) -> None:
+        self._call("agree", settings, timeout, timeout=timeout + 30)
+
+    def set_state_donor(self, donor: StateDonor | None) -> None:
+        """Serve our state through ``donor``, a :class:`RemoteDonor` of this CommProcess (or None: serve none)."""
+        if donor is None:
+            self.donor = None
+            self._call("set_state_donor", None)
+            return
+        if not isinstance(donor, RemoteDonor) or donor.comm is not self:
+            raise TypeError("comm = 'process' serves state through a RemoteDonor made for this CommProcess")
+        self.donor = donor
+        self._call("set_state_donor", (donor.max_age_s, donor.expire_s))
+
+    def set_resume_steps(self, steps: Sequence[int]) -> None:
+        self._call("set_resume_steps", tuple(steps))
+
+    def admit_from(self, round_id: int) -> None:
+        self._call("admit_from", round_id)
+
+    def stand_aside(self) -> None:
+        self._call("stand_aside")
+
+    def member_status(self, node_id: str, timeout: float | None = None) -> PeerStatus:
+        status: PeerStatus = self._call("member_status", node_id, timeout=timeout)
+        return status
+
+    def fetch_state(self, donors: Sequence[str], timeout: float, manifest_hash: bytes | None = None) -> FetchedState:
+        fetched: FetchedState = self._call("fetch_state", tuple(donors), timeout, manifest_hash, timeout=timeout + 30)
+        return fetched
+
+    def status(self) -> PeerStatus:
+        status: PeerStatus = self._call("status")
+        return status
+
+    def abort_rounds(self, reason: str) -> None:
+        self._call("abort_rounds", reason)
+
+    def set_rate_limit(self, rate_Bps: float | None) -> None:
+        self._call("set_rate_limit", rate_Bps)
+
+    def cpu_seconds(self) -> float:
+        """CPU time the comm process has used so far (user + system)."""
+        return float(self._call("cpu_seconds"))
+
+    def close(self, grace: float = 2.0) -> None:
+        """Close the peer with ``grace`` in the child, let it exit, and reap it (killed past a deadline)."""
+        if self._closing:
+            return
+        self._launcher.shutdown(wait=True, cancel_futures=True)
+        try:
+            if self._dead is None:
+                self._closing = True
+                self._call("close", grace, timeout=grace + 30)
+        except (CommProcessError, TimeoutError) as exc:
+            log.warning("closing the comm process of %s: %s", self.node_id, exc)
+        finally:
+            self._closing = True
+            try:
+                self._proc.wait(grace + 10)
+            except subprocess.TimeoutExpired:
+                log.warning("the comm process (pid %d) did not exit: killing it", self._proc.pid)
+                self._kill()
+            self._conn.close()
+            self._sock.close()
+            self._reader.join(10)
+
+
+class RemoteDonor(StateDonor):
+    """The trainer-side face of the comm process's state donor.
+
+    ``wanted`` mirrors the child's donor (it tells every change); :meth:`publish` captures the state here,
+    between two steps as always, and ships the snapshot's bytes to the child, which serves it.
+    """
+
+    def __init__(self, comm: CommProcess, max_age_s: float = 0.0, expire_s: float = 600.0) -> None:
+        super().__init__(max_age_s, expire_s)
+        self.comm = comm
+        self._remote_wanted = False  # set by the comm reader thread: a bool assignment is atomic
+        self._static_next = False
+
+    @property
+    def wanted(self) -> bool:
+        return self._remote_wanted
+
+    def install(self, snapshot: Snapshot, static: bool = False) -> None:
+        data = {name: bytes(view) for name, view in snapshot.data.items()}
+        self._remote_wanted = False
+        self.publications += 1
+        self.comm._send(DonorSnapshot(snapshot.manifest, data, static or self._static_next))
+
+    def serve_static(self, state: Any, step: int) -> Snapshot:
+        self._static_next = True
+        try:
+            return self.publish(state, step)  # captures, then ships through install()
+        finally:
+            self._static_next = False
+
+    def clear(self) -> None:
+        self.comm._send(DonorClear())
+
+    async def manifest(self, timeout: float) -> Snapshot:
+        raise RuntimeError("a RemoteDonor's snapshots are served by the comm process")
+
+
+def _guarded(fn: Callable[[], None], out: concurrent.futures.Future[Any]) -> None:
+    """Run ``fn`` on the launcher; an exception it raises (prepare's, or a gone child's) fails ``out``."""
+    try:
+        fn()
+    except BaseException as exc:
+        if not out.done():
+            out.set_exception(exc)
+
+
+def _chain(src: concurrent.futures.Future[Any], dst: concurrent.futures.Future[Any]) -> None:
+    def copy(f: concurrent.futures.Future[Any]) -> None:
+        if dst.done():
+            return
+        exc = f.exception()
+        if exc is not None:
+            dst.set_exception(exc)
+        else:
+            dst.set_result(f.result())
+
+    src.add_done_callback(copy)
