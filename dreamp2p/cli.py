@@ -134,6 +134,7 @@ def _plan_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "strategies": {"steps": 150, "period": 10, "width": 512, "depth": 4, "rtt": "20ms", "rate": "100mbit"},
     "lm": {"steps": 200, "period": 20, "width": 256, "depth": 4, "rtt": "0ms", "rate": "20mbit"},
+    "plancheck": {"steps": 100, "period": 20, "width": 256, "depth": 4, "rtt": "0ms", "rate": "20mbit"},
 }
 FALLBACK_DEFAULTS: dict[str, Any] = {
     "steps": 150,
@@ -235,6 +236,22 @@ def _bench(args: argparse.Namespace) -> int:
             device=args.device,
             extra_sync=extra,
         )
+    elif args.what == "plancheck":
+        from dreamp2p.devtools.bench.plancheck import bench_plancheck
+
+        result = bench_plancheck(
+            sizes=args.sizes,
+            rates=args.rates,
+            rtts=args.rtts,
+            regions=args.region_counts,
+            steps=args.steps,
+            period=args.period,
+            out=args.out,
+            reports=args.reports or (),
+            target_cu=args.target_cu,
+        )
+        if not args.json and "table" in result:
+            print(result["table"])
     elif args.what == "digits":
         from dreamp2p.devtools.bench.digits import bench_digits
 
@@ -487,7 +504,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
-    b.add_argument("what", choices=["codec", "transport", "allreduce", "strategies", "soak", "digits", "lm"])
+    b.add_argument(
+        "what", choices=["codec", "transport", "allreduce", "strategies", "soak", "digits", "lm", "plancheck"]
+    )
     b.add_argument("--json", action="store_true", help="print only the JSON result line")
     b.add_argument("--mbytes", type=float, default=None, help="buffer size in MB (default 64)")
     b.add_argument("--repeats", type=int, default=3, help="measured repetitions (median)")
@@ -521,7 +540,24 @@ def _add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "--device", default="cpu", choices=["cpu", "cuda"], help="strategies: where the trainers run (both peers)"
     )
+    _add_plancheck_parser(b)
     b.set_defaults(func=_bench, check=functools.partial(_bench_check, b))
+
+
+def _add_plancheck_parser(b: argparse.ArgumentParser) -> None:
+    """`bench plancheck`'s own flags: the grid of `bench lm` runs that `dreamp2p plan` is checked against."""
+    g = b.add_argument_group("plancheck (dreamp2p plan against bench lm; --steps 100, --period 20)")
+    g.add_argument(
+        "--sizes", nargs="+", default=["small", "large"], choices=["small", "large", "tiny"], help="d256x4, d384x6"
+    )
+    g.add_argument("--rates", nargs="+", default=["10mbit", "20mbit", "100mbit"], help="link rates of the grid")
+    g.add_argument("--rtts", nargs="+", default=["0ms", "80ms"], help="RTTs of the grid")
+    g.add_argument(
+        "--region-counts", nargs="+", type=_int_at_least(2), default=[2, 3], help="region counts of the grid"
+    )
+    g.add_argument("--target-cu", type=_open_fraction, default=None, help="check plan --target-cu's recommendation")
+    g.add_argument("--out", default=None, help="append each finished point to this JSON-lines file")
+    g.add_argument("--reports", nargs="+", default=None, help="saved bench lm reports to compare instead of running")
 
 
 def _add_node_parser(sub: Any) -> None:

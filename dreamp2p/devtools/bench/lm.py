@@ -119,6 +119,7 @@ def _summarize(res: list[dict[str, Any]], steps: int, wire_run: list[int] | None
     if "plan_history" in res[0]:
         row["plan_history"] = res[0]["plan_history"]
         row["plan"] = res[0]["plan_summary"]
+        row["plan_report"] = res[0]["plan_report"]
     return row
 
 

@@ -219,6 +219,9 @@ def lm_job(
     if isinstance(sync, DreamDDP):  # its plans, for the report only
         out["plan_history"] = [list(h) for h in sync.plan_history]
         out["plan_summary"] = plan_summary(sync)
+        # the plan in force, the profile and link it was made from, and its codec: `bench plancheck`
+        # replays the planner's prediction on exactly these inputs
+        out["plan_report"] = {**sync.plan_report(), "codec": sync.plan_codec}
     sync.close()
     return w.evaluate(out)
 

@@ -1,0 +1,44 @@
+"""`bench plancheck` end to end at toy sizes: a measured grid point and a --target-cu check (structure only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dreamp2p.devtools.bench.plancheck import bench_plancheck
+
+TINY = {"sizes": ["tiny"], "rates": ["100mbit"], "rtts": ["0ms"], "regions": [2], "netns": False}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_plancheck_tiny_point(tmp_path: Path) -> None:
+    out = tmp_path / "rows.jsonl"
+    res = bench_plancheck(steps=6, period=3, out=str(out), **TINY)  # type: ignore[arg-type]
+    assert json.loads(json.dumps(res)) == res
+    (row,) = res["rows"]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [row]
+    assert row["point"] == {"size": "tiny", "rate": "100mbit", "rtt_ms": 0.0, "regions": 2}
+    assert row["shaping"] == "in-process"
+    assert row["measured_step_s"] > 0 and row["ceiling_step_s"] > 0
+    assert 0 < row["plan_cu"] <= 1
+    assert row["measured_cu"] == pytest.approx(row["ceiling_step_s"] / row["measured_step_s"], rel=1e-2)
+    assert "--peers 2 --link 100mbit --rtt 0ms --period 3 --max-delay 2 --codec int8" in row["plan_command"]
+    assert row["adopted_step_s"] >= 0  # the plan in force at the end, replayed
+    assert res["summary"]["points"] == 1
+    assert res["table"].count("\n") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_plancheck_target_cu_runs_the_recommendation() -> None:
+    res = bench_plancheck(steps=6, target_cu=0.5, **TINY)  # type: ignore[arg-type]
+    (row,) = res["rows"]
+    best = row["recommendation"]["best"]
+    assert best is not None  # 100 Mbit/s carries the tiny model at any period
+    assert "--target-cu 0.5" in row["recommendation"]["command"]
+    assert row["steps"] >= 5 * best["period"]
+    assert row["measured_cu"] > 0
+    assert row["met"] is (row["measured_cu"] >= 0.45)
