@@ -97,6 +97,14 @@ class Measured:
     ceiling_step_s: float
     step_s: float
     utilization: float
+    # the ceiling measured again right after the strategy (``ceiling.after_steps_per_s``, set by the runner):
+    # on a host shared with other work, how far the hardware's pace moved during the point
+    ceiling_after_s: float | None = None
+
+    @property
+    def drift(self) -> float | None:
+        """ceiling step time after / before - 1 (None when not measured again)."""
+        return None if self.ceiling_after_s is None else self.ceiling_after_s / self.ceiling_step_s - 1.0
 
 
 def codec_ratio(codec: str) -> float:
@@ -112,7 +120,10 @@ def measured(report: Mapping[str, Any], strategy: str = "dreamddp") -> Measured:
     ceiling, sps = float(report["ceiling"]["steps_per_s"]), float(row["steps_per_s"])
     if not ceiling > 0 or not sps > 0:
         raise ValueError(f"steps/s must be > 0 (ceiling {ceiling}, {strategy} {sps})")
-    return Measured(1.0 / ceiling, 1.0 / sps, sps / ceiling)
+    after = report["ceiling"].get("after_steps_per_s")
+    if after is not None and not float(after) > 0:
+        raise ValueError(f"ceiling.after_steps_per_s must be > 0, got {after!r}")
+    return Measured(1.0 / ceiling, 1.0 / sps, sps / ceiling, None if after is None else 1.0 / float(after))
 
 
 def plan_args(report: Mapping[str, Any], layers: int, codec: str = DEFAULT_CODEC) -> dict[str, Any]:
@@ -224,6 +235,8 @@ class Check:
             "within": self.within(),
             "plan_command": self.command,
         }
+        if self.measured.drift is not None:
+            out["ceiling_drift"] = round(self.measured.drift, 4)
         if self.adopted is not None:
             out["adopted_step_s"] = round(self.adopted.step_s, 5)
             out["adopted_cu"] = round(self.adopted.utilization, 4)
@@ -249,19 +262,19 @@ def markdown_table(checks: Sequence[Check], tolerance: float = TOLERANCE) -> str
     """One row per point: measured vs predicted step time and utilization, errors, the within flag."""
     head = (
         "| model | rate | RTT | regions | ceiling s/step | measured s/step | plan s/step | err | measured CU | "
-        f"plan CU | err | within {tolerance:.0%} | adopted plan s/step (err) |"
+        f"plan CU | err | within {tolerance:.0%} | adopted plan s/step (err) | ceiling drift |"
     )
-    lines = [head, "|---|---|---:|---:|" + "---:|" * 7 + ":---:|---:|"]
+    lines = [head, "|---|---|---:|---:|" + "---:|" * 7 + ":---:|---:|---:|"]
     for c in checks:
         p = c.point
-        adopted = "-"
+        adopted, drift = "-", "-" if c.measured.drift is None else f"{100 * c.measured.drift:+.1f}%"
         if c.adopted is not None:
             adopted = f"{c.adopted.step_s:.3f} ({_pct(rel_error(c.adopted.step_s, c.measured.step_s))})"
         lines.append(
             f"| {p.size} | {p.rate} | {p.rtt_ms:g} ms | {p.regions} | {c.measured.ceiling_step_s:.3f} | "
             f"{c.measured.step_s:.3f} | {c.plan.step_s:.3f} | {_pct(c.step_error)} | {c.measured.utilization:.3f} | "
             f"{c.plan.utilization:.3f} | {_pct(c.cu_error)} | {'yes' if c.within(tolerance) else '**no**'} | "
-            f"{adopted} |"
+            f"{adopted} | {drift} |"
         )
     return "\n".join(lines)
 

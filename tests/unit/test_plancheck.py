@@ -83,6 +83,19 @@ def test_measured_is_read_against_the_same_runs_ceiling() -> None:
     assert m.utilization == pytest.approx(0.75)
 
 
+def test_measured_reads_the_ceiling_measured_again_as_drift() -> None:
+    r = report(ceiling_sps=4.0, sps=3.0)
+    assert pt.measured(r).drift is None
+    r["ceiling"]["after_steps_per_s"] = 3.2
+    m = pt.measured(r)
+    assert m.ceiling_after_s == pytest.approx(0.3125)
+    assert m.drift == pytest.approx(0.25)  # 25% slower after: the host got busier during the point
+    assert m.utilization == pytest.approx(0.75)  # still against the ceiling of the same run
+    check, _ = pt.check_point(pt.GridPoint("small", "20mbit", 0.0, 2), r, LAYERS)
+    assert check.to_dict()["ceiling_drift"] == pytest.approx(0.25)
+    assert pt.markdown_table([check]).splitlines()[2].endswith("| +25.0% |")
+
+
 def test_measured_refuses_a_missing_row_or_zero_rate() -> None:
     r = report()
     r["strategies"] = {"streaming": r["strategies"]["dreamddp"]}
@@ -203,7 +216,7 @@ def test_table_and_summary_flag_the_points_outside() -> None:
     checks = [_check(0.33, 0.31, 0.91, 0.97), _check(0.50, 0.31, 0.60, 0.97)]
     table = pt.markdown_table(checks).splitlines()
     assert len(table) == 4
-    assert all(line.count("|") == 14 for line in table)
+    assert all(line.count("|") == 15 for line in table)
     assert "| yes |" in table[2] and "| **no** |" in table[3]
     s = pt.summary(checks)
     assert s["points"] == 2 and s["within"] == 1

@@ -63,6 +63,31 @@ def _lm(point: pt.GridPoint, steps: int, period: int, netns: bool | None, **kw: 
     )
 
 
+def _ceiling_step_s(point: pt.GridPoint, steps: int) -> float:
+    """Mean seconds per step of ``point.regions`` plain training processes started together (no dreamp2p)."""
+    m = pt.SIZES[point.size]
+    workload = {
+        "steps": steps,
+        "width": m.width,
+        "layers": m.layers,
+        "heads": m.heads,
+        "context": m.context,
+        "batch": 8,
+        "lr": 3e-4,
+        "eval_batches": 1,
+        "device": "cpu",
+    }
+    res = run_ceiling(point.regions, workload, timeout=600.0 + 10.0 * steps)
+    return sum(r["wall_s"] for r in res) / len(res) / steps
+
+
+def _measure(point: pt.GridPoint, steps: int, period: int, netns: bool | None) -> dict[str, Any]:
+    """`bench lm` (its ceiling, then dreamddp), then the ceiling once more: how much the host's pace drifted."""
+    report = _lm(point, steps, period, netns)
+    report["ceiling"]["after_steps_per_s"] = round(1.0 / _ceiling_step_s(point, steps), 4)
+    return report
+
+
 def _point_of(report: dict[str, Any]) -> pt.GridPoint:
     model = report["model"]
     size = next((n for n, s in pt.SIZES.items() if (s.width, s.layers) == (model["width"], model["layers"])), None)
@@ -134,7 +159,7 @@ def bench_plancheck(
     else:
         sources = [(p, None, "measured") for p in pt.grid(sizes, rates, rtts, regions)]
     for point, saved, source in sources:
-        report = saved if saved is not None else _lm(point, steps, period, netns)
+        report = saved if saved is not None else _measure(point, steps, period, netns)
         check, row = _row(point, report, layers)
         row["source"] = source
         _append(path, row)
@@ -155,19 +180,7 @@ def bench_plancheck(
 def _recommendation(point: pt.GridPoint, target: float, layers: int) -> dict[str, Any]:
     """`plan --target-cu` for this point, from a short ceiling run's step time (what a user would measure)."""
     m = pt.SIZES[point.size]
-    workload = {
-        "steps": CALIBRATION_STEPS,
-        "width": m.width,
-        "layers": m.layers,
-        "heads": m.heads,
-        "context": m.context,
-        "batch": 8,
-        "lr": 3e-4,
-        "eval_batches": 1,
-        "device": "cpu",
-    }
-    res = run_ceiling(point.regions, workload, timeout=600.0)
-    step_s = sum(r["wall_s"] for r in res) / len(res) / CALIBRATION_STEPS
+    step_s = _ceiling_step_s(point, CALIBRATION_STEPS)
     params = sum(p.numel() for p in make_model(m.width, m.layers, m.heads, m.context, "cpu").parameters())
     costs = uniform_costs(params, layers, step_s)
     link = LinkModel(parse_rate(point.rate), point.rtt_ms / 1e3, point.regions)
