@@ -1,4 +1,4 @@
-"""A node's networking half: the asyncio gRPC peer (`peer.py`) and the membership it keeps (`membership.py`).
+"""A node's networking half: the asyncio gRPC peer (`peer.py`, a facade) over its parts (see its docstring).
 
 Everything a caller needs is re-exported here: ``from dreamp2p.peer import Peer``.
 """

@@ -4,6 +4,7 @@ A handshake (`Hello`) is accepted only from a member of our ring, in our cluster
 version, holding the same model manifest, able to decode our codec and, once both sides declared them,
 with the same training settings. A member refused for its model or settings is remembered, so our own
 handshake towards it fails at once with the same words instead of retrying until a timeout.
+Our own hello, which every handshake and admission answer carries, is built here too (`hello_of`).
 Runs on the peer's event loop only.
 """
 
@@ -12,11 +13,26 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
+from dreamp2p.compression import codec_names, get_codec
+from dreamp2p.config import PeerConfig
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import PROTOCOL_VERSION, Hello
 from dreamp2p.settings import settings_mismatch
 
 log = logging.getLogger(__name__)
+
+
+def hello_of(config: PeerConfig, address: str, settings: tuple[tuple[str, str], ...]) -> Hello:
+    """This node's hello: its cluster, protocol, model manifest, every codec it decodes and its settings."""
+    return Hello(
+        cluster_id=config.cluster_id,
+        protocol_version=PROTOCOL_VERSION,
+        node_id=config.node_id,
+        manifest_hash=config.manifest_hash,
+        codecs=tuple(get_codec(n).wire_id for n in codec_names()),
+        advertise_address=address,
+        settings=settings,
+    )
 
 
 def refusal(theirs: Hello, mine: Hello, members: Collection[str], codec_wire_id: int, codec: str) -> PeerError | None:

@@ -1,0 +1,73 @@
+"""The node's health status, kept current on its grpc.health.v1 listener (`transport.health`).
+
+`health_of` decides the status from the peer's state (joining, shutting down, a stalled trainer); the
+publisher serves it on the listener and recomputes it every `HEALTH_INTERVAL_S`, so probes see a stall without
+anyone calling in. Runs on the peer's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from dreamp2p.transport.health import HealthListener
+
+log = logging.getLogger(__name__)
+
+# how often the health status is recomputed and published
+HEALTH_INTERVAL_S = 0.5
+
+Health = tuple[bool, str]  # serving, and why not
+
+
+def health_of(closing: bool, ready: bool, idle_s: float | None, stall_s: float) -> Health:
+    """Serving or not, and why: shutting down, joining, or a trainer idle (no step published) for
+    ``idle_s`` > ``stall_s`` seconds (``idle_s`` None: no trainer has published yet, so none stalled)."""
+    if closing:
+        return False, "shutting down"
+    if not ready:
+        return False, "joining: no training state yet"
+    if idle_s is not None and idle_s > stall_s:
+        return False, f"trainer stalled: no step published for {idle_s:.0f} s"
+    return True, "serving"
+
+
+class HealthPublisher:
+    """Serves ``status()`` on a health listener at ``listen`` while started."""
+
+    def __init__(self, node_id: str, listen: str, status: Callable[[], Health]) -> None:
+        self.node_id = node_id
+        self.port = 0
+        self.publications = 0  # passes of the loop (each publishes the status)
+        self._listener = HealthListener(listen)
+        self._status = status
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> int:
+        """Bind the listener with the current status and start the loop; returns the bound port."""
+        self.port = await self._listener.start(self._status()[0])
+        self._task = asyncio.create_task(self._loop(), name=f"health-{self.node_id}")
+        log.info("%s health (grpc.health.v1) on port %d", self.node_id, self.port)
+        return self.port
+
+    async def publish(self) -> None:
+        """Publish the status now (watchers see it at once)."""
+        await self._listener.set(*self._status())
+
+    async def stop_loop(self) -> None:
+        """Stop recomputing the status (the listener still answers with the last one)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task})  # a cancel of our caller still propagates
+            self._task = None
+
+    async def stop(self, grace: float) -> None:
+        await self.stop_loop()
+        await self._listener.stop(grace)
+
+    async def _loop(self) -> None:
+        while True:
+            await self.publish()
+            self.publications += 1
+            await asyncio.sleep(HEALTH_INTERVAL_S)

@@ -1,0 +1,198 @@
+"""The links to the ring: one client `Link` per other member, the handshakes and the settings agreement.
+
+`adopt` takes a ring (checked: this node in it, no id twice) and opens a link to each new member;
+`handshake_all` introduces us to every member at once and tells who did not answer; `agree` checks our
+training settings against every live member's (`dreamp2p.settings`). A handshake gives up at once when
+admission (`peer.admission`) has meanwhile refused that member. The links are kept measured by the
+active probe (`peer.probing`) and report their statistics as `LinkSnapshot`s. Runs on the peer's event
+loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any
+
+from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.errors import PeerError, Status
+from dreamp2p.messages import Hello, LinkSnapshot
+from dreamp2p.peer.admission import Admission
+from dreamp2p.peer.probing import probe_forever, probe_once
+from dreamp2p.settings import settings_mismatch
+from dreamp2p.transport.client import Link
+
+log = logging.getLogger(__name__)
+
+
+class RingLinks:
+    """The ring this node runs in and its links to the other members."""
+
+    def __init__(self, config: PeerConfig, admission: Admission) -> None:
+        self.config = config
+        self._admission = admission
+        self._ring: tuple[PeerInfo, ...] = ()
+        self._links: dict[str, Link] = {}
+        self._prober: asyncio.Task[None] | None = None
+
+    @property
+    def ring(self) -> tuple[PeerInfo, ...]:
+        return self._ring
+
+    def by_node(self) -> Mapping[str, Link]:
+        """Every link, keyed by the member it leads to (a live view: do not keep it across awaits)."""
+        return self._links
+
+    def link(self, node_id: str) -> Link:
+        return self._links[node_id]
+
+    def get(self, node_id: str) -> Link | None:
+        return self._links.get(node_id)
+
+    def adopt(self, ring: Sequence[PeerInfo]) -> None:
+        """Take ``ring`` as the ring (refused with ValueError if it lacks us or names a node twice)."""
+        ring = tuple(ring)
+        ids = [p.node_id for p in ring]
+        if self.config.node_id not in ids:
+            raise ValueError(f"ring {ids} does not contain this node {self.config.node_id!r}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"ring lists a node id twice: {ids}")
+        self._ring = ring
+        cfg = self.config
+        for p in ring:
+            if p.node_id != cfg.node_id and p.node_id not in self._links:
+                self._links[p.node_id] = Link(cfg.node_id, p, cfg.transport, cfg.tls, cfg.token)
+
+    async def handshake_all(self, hello: Hello, timeout: float, require_all: bool) -> list[str]:
+        """Handshake with every member at once; the members that did not answer (none if ``require_all``:
+        then the first failure is raised). A member answering under another id is a PeerError either way."""
+        replies = await asyncio.gather(
+            *(self.introduce(link, hello, timeout) for link in self._links.values()), return_exceptions=not require_all
+        )
+        unreachable = []
+        for link, reply in zip(self._links.values(), replies, strict=True):
+            if isinstance(reply, asyncio.CancelledError):
+                raise reply
+            if isinstance(reply, BaseException):
+                log.warning("%s did not answer the handshake: %s", link.dest.node_id, reply)
+                unreachable.append(link.dest.node_id)
+                continue
+            if reply.node_id != link.dest.node_id:
+                raise PeerError(
+                    Status.UNKNOWN_PEER,
+                    f"{link.dest.address} answered as {reply.node_id!r}, not {link.dest.node_id!r}",
+                )
+        return unreachable
+
+    async def introduce(self, link: Link, hello: Hello, timeout: float) -> Hello:
+        """Handshake with ``link``'s member, but fail at once if we refused that member meanwhile.
+
+        Two nodes that disagree handshake each other at about the same time; the one refused first exits,
+        and our own handshake with it would then retry a closed port until its timeout. Having refused it
+        ourselves, we know the answer: fail now with the words we refused it with.
+        """
+        node = link.dest.node_id
+        task = asyncio.ensure_future(link.handshake(hello, timeout))
+        try:
+            while not task.done():
+                conflict = self._admission.conflict_with(node)
+                if conflict is not None:
+                    raise conflict
+                await asyncio.wait({task}, timeout=0.1)
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})  # its outcome is moot now; our own cancellation still propagates
+            if not task.cancelled():
+                task.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+    async def agree(
+        self, settings: dict[str, str], members: Sequence[str], hello: Callable[[], Hello], timeout: float
+    ) -> None:
+        """Check our training settings against those of ``members`` (see `Peer.agree`), until ``timeout``.
+
+        Each member is handshaken again with ``hello()``, which carries our settings; a member that has not
+        declared its own yet is asked again every 0.1 s.
+        """
+        me = self.config.node_id
+        pending = [node for node in members if node != me and node in self._links]
+        deadline = time.monotonic() + timeout
+        t = self.config.transport
+        while pending:
+            waiting = []
+            for node in pending:
+                left = max(0.1, deadline - time.monotonic())
+                reply = await self.introduce(self._links[node], hello(), min(left, t.rpc_deadline_s))
+                if not reply.settings:
+                    waiting.append(node)
+                    continue
+                differ = settings_mismatch(settings, dict(reply.settings), me, node)
+                if differ is not None:
+                    raise PeerError(Status.CONFIG_MISMATCH, differ)
+            pending = waiting
+            if pending:
+                if time.monotonic() > deadline:
+                    raise PeerError(
+                        Status.TIMEOUT,
+                        f"{', '.join(pending)} declared no training settings within {timeout:.0f} s "
+                        "(have they attached a model?)",
+                    )
+                await asyncio.sleep(0.1)
+
+    def send_vote(self, node: str, key: tuple[int, int], vid: int, commit: bool) -> Coroutine[Any, Any, None] | None:
+        """Our vote on round ``key`` to ``node`` (None: no link to it; see `peer.commit`)."""
+        link = self._links.get(node)
+        if link is None:
+            return None
+        return link.vote(key[0], key[1], vid, commit, self.config.transport.rpc_deadline_s)
+
+    def note_received(self, sender: str, nbytes: int) -> None:
+        """Count ``nbytes`` received from ``sender`` on its link's statistics (no link: nothing)."""
+        link = self._links.get(sender)
+        if link is not None:
+            link.stats.bytes_received += nbytes
+
+    def snapshots(self) -> list[LinkSnapshot]:
+        return [
+            LinkSnapshot(
+                peer=node,
+                rtt_s=link.stats.rtt_s if link.stats.rtt_samples else 0.0,
+                goodput_Bps=link.stats.goodput_Bps if link.stats.samples else 0.0,
+                bytes_sent=link.stats.bytes_sent,
+                bytes_received=link.stats.bytes_received,
+                samples=link.stats.samples,
+                chunk_bytes=link.chunk_bytes,
+            )
+            for node, link in self._links.items()
+        ]
+
+    def start_probing(self) -> None:
+        """Start the probe loop (once; not without a probe interval)."""
+        t = self.config.transport
+        if self._prober is None and t.probe_interval_s > 0:
+            probe = probe_forever(self._links.values, t.probe_interval_s, t.probe_burst_bytes)
+            self._prober = asyncio.create_task(probe, name=f"probe-{self.config.node_id}")
+
+    async def stop_probing(self) -> None:
+        """Cancel the probe loop and wait for it to end (a cancel of our caller still propagates)."""
+        if self._prober is not None:
+            self._prober.cancel()
+            await asyncio.wait({self._prober})
+            self._prober = None
+
+    async def probe_now(self, burst_bytes: int | None = None) -> list[LinkSnapshot]:
+        """Measure every link once (RTT echo + burst) and return the snapshots."""
+        await probe_once(self._links.values(), burst_bytes or self.config.transport.probe_burst_bytes)
+        return self.snapshots()
+
+    def set_rate_limit(self, rate_Bps: float | None) -> None:
+        """Re-pace every outgoing link (WAN emulation); None removes the limit."""
+        for link in self._links.values():
+            link.set_rate_limit(rate_Bps)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(link.close() for link in self._links.values()))
+        self._links.clear()

@@ -1,0 +1,112 @@
+"""Who the peer runs rounds with: its `Membership`, the view of live members and the heartbeat loop.
+
+The loop repeats one heartbeat round (`peer.heartbeat`) every ``heartbeat_s`` and publishes the view it
+leaves; a view change is handed to ``on_change`` (the peer fails the rounds that need a member that is
+gone). Callers that learned of a loss first take a member out at once (`mark_unreachable`), and a
+retry waits for one more pass over the members (`next_heartbeat`). Runs on the peer's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+
+from dreamp2p.config import TransportConfig
+from dreamp2p.peer.heartbeat import beat_once
+from dreamp2p.peer.membership import Membership
+from dreamp2p.transport.client import Link
+
+log = logging.getLogger(__name__)
+
+
+class Liveness:
+    """The membership of one peer and the loop that keeps it current."""
+
+    def __init__(
+        self,
+        node_id: str,
+        transport: TransportConfig,
+        links: Callable[[], Mapping[str, Link]],
+        reintroduce: Callable[[Link], Awaitable[object]],
+        on_change: Callable[[tuple[str, ...]], None],
+    ) -> None:
+        self.node_id = node_id
+        self.transport = transport
+        self.membership: Membership | None = None
+        # live members in ring order; replaced whole on every change, so other threads may read it
+        self.view: tuple[str, ...] = ()
+        self.view_changes = 0
+        self.heartbeat_rounds = 0  # completed passes over every member: tests count time in them
+        self._links = links
+        self._reintroduce = reintroduce
+        self._on_change = on_change
+        self._heart: asyncio.Task[None] | None = None
+        self._beat = asyncio.Event()  # set (and replaced) after each heartbeat pass over the members
+
+    def begin(self, members: Sequence[str], unreachable: Iterable[str]) -> None:
+        """A new membership over ``members``, all alive but ``unreachable`` (they count as dead at once)."""
+        t = self.transport
+        self.membership = Membership(self.node_id, members, misses=t.heartbeat_misses, dead_after_s=t.dead_after_s)
+        now = time.monotonic()
+        self.membership.start(now)
+        for node in unreachable:
+            self.membership.missed(node, now, fatal=True)
+        self.view = self.membership.view()
+
+    def start_heartbeats(self) -> None:
+        """Start the heartbeat loop (once; not without a heartbeat interval)."""
+        if self._heart is None and self.transport.heartbeat_s > 0:
+            self._heart = asyncio.create_task(self._loop(), name=f"heartbeat-{self.node_id}")
+
+    async def stop(self) -> None:
+        """Cancel the heartbeat loop and wait for it to end (a cancel of our caller still propagates)."""
+        if self._heart is not None:
+            self._heart.cancel()
+            await asyncio.wait({self._heart})
+            self._heart = None
+
+    def heard(self, node: str) -> None:
+        """``node`` sent us something: it is alive (but a dead member is revived only by a heartbeat)."""
+        if self.membership is not None:
+            self.membership.heard(node, time.monotonic(), revive=False)
+
+    def is_alive(self, node: str) -> bool:
+        return self.membership is None or self.membership.is_alive(node)
+
+    async def _loop(self) -> None:
+        t = self.transport
+        while True:
+            await asyncio.sleep(t.heartbeat_s)
+            assert self.membership is not None
+            await beat_once(self._links(), self.membership, max(0.5, 2 * t.heartbeat_s), self._reintroduce)
+            self._set_view(self.membership.view())
+            self.heartbeat_rounds += 1
+            done, self._beat = self._beat, asyncio.Event()
+            done.set()
+
+    async def next_heartbeat(self) -> None:
+        """Wait until the heartbeat loop has checked every member once more (no wait without heartbeats)."""
+        t = self.transport
+        if self._heart is None or self._heart.done():
+            return
+        tick = self._beat
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(tick.wait(), t.heartbeat_s + max(0.5, 2 * t.heartbeat_s) + 1.0)
+
+    def mark_unreachable(self, node: str) -> None:
+        """Take ``node`` out of the view now, as a refused heartbeat would; a later answer brings it back."""
+        if self.membership is None:
+            raise RuntimeError("mark_unreachable before connect: there is no membership yet")
+        self.membership.missed(node, time.monotonic(), fatal=True)
+        self._set_view(self.membership.view())
+
+    def _set_view(self, view: tuple[str, ...]) -> None:
+        if view == self.view:
+            return
+        self.view = view
+        self.view_changes += 1
+        log.info("members alive: %s", ", ".join(view))
+        self._on_change(view)

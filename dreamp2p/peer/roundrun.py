@@ -1,0 +1,355 @@
+"""The ring-round engine: one `allreduce` from flattening the tensors to the all-or-none commit.
+
+A round runs among the members alive when it starts (its view, whose id every frame carries): the
+tensors are flattened, checked by the contribution guard (`peer.guard`), sent around the ring of
+`collective.ring` in chunks sized to the successor link's goodput (`collective.chunking`), and the
+result is written back only once every member voted commit (`peer.commit`). A failed round leaves every
+tensor as it was and is retried once, among the members alive then, under a retry group id.
+
+The engine asks the peer's parts through their methods: the ring and a link from `RingLinks`, who is
+alive and the next heartbeat pass from `Liveness`, whether the peer is closing from a callable; it owns
+the guard, the error-feedback residuals and the round counters. Runs on the peer's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dreamp2p.collective.chunking import choose_chunk_bytes
+from dreamp2p.collective.feedback import GroupFeedback, RoundFeedback
+from dreamp2p.collective.partition import split_segments
+from dreamp2p.collective.ring import RingRound, RoundAborted, RoundSpec
+from dreamp2p.compression import Codec, ZstdStage, get_codec
+from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.errors import PeerError, RoundFailed, Status
+from dreamp2p.messages import DType, RingCodecPlan, RoundResult
+from dreamp2p.peer.commit import CommitVotes
+from dreamp2p.peer.guard import ContributionGuard
+from dreamp2p.peer.links import RingLinks
+from dreamp2p.peer.liveness import Liveness
+from dreamp2p.peer.membership import view_id
+from dreamp2p.peer.rounds import RoundRegistry
+from dreamp2p.transport.client import OutboundStream
+
+log = logging.getLogger(__name__)
+
+# A failed round is retried under its group id with this bit set (same round id), see allreduce().
+RETRY_GROUP_BIT = 1 << 31
+
+
+class RoundRunner:
+    """Runs a node's all-reduce rounds: the guard, the error-feedback residuals and the counters."""
+
+    def __init__(
+        self,
+        config: PeerConfig,
+        links: RingLinks,
+        live: Liveness,
+        rounds: RoundRegistry,
+        commits: CommitVotes,
+        closing: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.max_payload = config.transport.max_message_bytes - (64 << 10)
+        self.completed = 0
+        self.failed = 0
+        self.retried = 0
+        self._links = links
+        self._live = live
+        self._closing = closing
+        self._rounds = rounds
+        self._commits = commits
+        self._zstd = ZstdStage(config.transport.zstd_level) if config.transport.zstd else None
+        self._guard = ContributionGuard(config.max_norm_ratio)
+        self._feedback: dict[int, GroupFeedback] = {}  # error-feedback residuals per group (base group id)
+
+    def members(self) -> tuple[PeerInfo, ...]:
+        """The ring's members alive now, in ring order (the whole ring before the first view)."""
+        ring, view = self._links.ring, self._live.view
+        return tuple(p for p in ring if p.node_id in view) if view else ring
+
+    @property
+    def contributions_refused(self) -> int:
+        """Rounds we took part in without our values (non-finite, or a norm jump): see `peer.guard`."""
+        return self._guard.refused
+
+    def feedback_norm(self, group_id: int) -> float:
+        """Norm of the error-feedback residuals carried into group ``group_id``'s next round (0 without)."""
+        group = self._feedback.get(group_id)
+        return group.residual_norm() if group is not None else 0.0
+
+    async def allreduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group_id: int = 0,
+        codec: str | RingCodecPlan | None = None,
+        plan_version: int = 0,
+        timeout: float | None = None,
+        out: Sequence[torch.Tensor] | None = None,
+        round_id: int | None = None,
+        guard_norm: bool = True,
+        error_feedback: bool = False,
+    ) -> RoundResult:
+        """Average ``tensors`` across the ring (a collective: every member must call it).
+
+        The mean is written into ``out`` (same shapes) when given, else into ``tensors`` in place.
+        ``guard_norm`` withholds a contribution whose norm jumps far above the group's usual one; turn it
+        off for groups whose scale legitimately changes (control vectors). ``error_feedback`` carries what
+        a lossy codec lost into the group's next round (`dreamp2p.collective.feedback`): for groups that
+        average increments (pseudo-gradients), never parameters; every member must pass the same.
+        Rounds of a group are numbered 1, 2, ... unless ``round_id`` is given: trainers pass ids derived
+        from the step, so a peer restarted from a checkpoint meets the others on the same round ids.
+        On failure raises :class:`RoundFailed` and leaves every tensor exactly as it was.
+
+        A failed round (corrupted bytes, a member that died, members that disagreed about who is alive)
+        failed on every member (all-or-none), so every member retries it the same way: once, at once,
+        among the members alive then, under group id ``group_id | RETRY_GROUP_BIT``.
+        """
+        if not 0 <= group_id < RETRY_GROUP_BIT:
+            raise ValueError(f"group_id must be in [0, 2**31), got {group_id}")
+        retries = self.config.transport.round_retries
+        for attempt in range(retries + 1):
+            gid = group_id if attempt == 0 else group_id | RETRY_GROUP_BIT
+            try:
+                return await self._allreduce_once(
+                    tensors, gid, codec, plan_version, timeout, out, round_id, guard_norm, error_feedback
+                )
+            except RoundFailed as exc:
+                if attempt == retries or self._closing() or round_id is None:
+                    raise
+                self.retried += 1
+                # let failure detection look at every member once more, so the retry runs among the living
+                await self._live.next_heartbeat()
+                log.info("round %s failed (%s); retrying among %s", exc.key, exc.reason, ", ".join(self._live.view))
+        raise AssertionError("unreachable")
+
+    async def _allreduce_once(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group_id: int,
+        codec: str | RingCodecPlan | None,
+        plan_version: int,
+        timeout: float | None,
+        out: Sequence[torch.Tensor] | None,
+        round_id: int | None,
+        guard_norm: bool,
+        error_feedback: bool = False,
+    ) -> RoundResult:
+        # the ring re-forms among the members alive now; every frame carries this view's id
+        members = self.members()
+        if not members:
+            raise RuntimeError("allreduce before connect(): no ring")
+        t0 = time.perf_counter()
+        vid = view_id([p.node_id for p in members])
+        world = len(members)
+        rank = [p.node_id for p in members].index(self.config.node_id)
+        round_id = self._rounds.claim(group_id, round_id)
+        key = (group_id, round_id)
+        if isinstance(codec, RingCodecPlan):
+            links, codec_obj = codec, get_codec(codec.allowed[0])
+        else:
+            links, codec_obj = None, get_codec(codec or self.config.codec)
+        flat, numel = _flatten(tensors, world)
+        refusal = self._guard.check(group_id, flat, guard_norm)
+        if refusal is not None:
+            # the round goes on without us: we send zeros, marked as excluded, and receive the others' mean
+            log.warning("round %s: not contributing: %s", key, refusal)
+            flat.zero_()
+        succ = members[(rank + 1) % world]
+        pred = members[(rank - 1) % world]
+        chunk_bytes, stream = 0, None
+        if world > 1:
+            chunk_bytes, stream = self._stream_to(succ.node_id, flat.numel(), world, codec_obj, timeout)
+        spec = RoundSpec(
+            group_id=group_id,
+            round_id=round_id,
+            plan_version=plan_version,
+            rank=rank,
+            world=world,
+            node_id=self.config.node_id,
+            predecessor=pred.node_id,
+            codec=codec_obj,
+            dtype=_dtype_of(tensors),
+            zstd=self._zstd,
+            chunk_elems=max(1, chunk_bytes // 4),
+            max_payload=self.max_payload,
+            contributes=refusal is None,
+            view_id=vid,
+            **_link_codec_fields(links, rank, world),
+        )
+        feedback = self._feedback_for(spec, flat.numel()) if error_feedback and world > 1 else None
+        rnd = RingRound(spec, flat, stream, feedback)
+        others = [p.node_id for p in members if p.node_id != self.config.node_id]
+        early = self._commits.failed_before(key, others)
+        if early is not None:  # a member gave this round up before it even opened here
+            rnd.fail(f"{early} reports the round failed there")
+        self._rounds.open(key, rnd, (p.node_id for p in members))
+        limit = timeout or self.config.transport.round_timeout_s
+        await self._settle(rnd, stream, vid, others, limit, t0)
+        if feedback is not None:
+            feedback.commit()
+        _unflatten(flat[:numel], out if out is not None else tensors)
+        self.completed += 1
+        return RoundResult(
+            group_id=group_id,
+            round_id=round_id,
+            seconds=time.perf_counter() - t0,
+            bytes_sent=rnd.bytes_sent,
+            bytes_received=rnd.bytes_received,
+            elements=numel,
+            codec=codec_obj.name,
+            chunk_bytes=chunk_bytes,
+            contributors=rnd.contributors,
+            contributed=refusal is None,
+        )
+
+    def _feedback_for(self, spec: RoundSpec, numel: int) -> RoundFeedback:
+        """This round's draft of its group's error-feedback residuals (see `dreamp2p.collective.feedback`).
+
+        A retry continues its group's residuals; a new member list, rank or codec starts from zero.
+        """
+        layout = (spec.view_id, spec.rank, spec.rs_codec.name, spec.ag_codec.name)
+        group = self._feedback.setdefault(spec.group_id & ~RETRY_GROUP_BIT, GroupFeedback())
+        return group.begin(layout, numel)
+
+    def _stream_to(
+        self, succ: str, numel: int, world: int, codec: Codec, timeout: float | None
+    ) -> tuple[int, OutboundStream]:
+        """This round's chunk size, sized to the link's measured goodput, and a stream to our successor."""
+        link = self._links.link(succ)
+        seg_elems = max(s.length for s in split_segments(numel, world, codec.block))
+        t = self.config.transport
+        goodput = link.stats.goodput_Bps if link.stats.samples else math.nan
+        chunk_bytes = choose_chunk_bytes(
+            goodput, seg_elems * 4, world, min_bytes=t.chunk_min_bytes, max_bytes=t.chunk_max_bytes
+        )
+        link.chunk_bytes = chunk_bytes
+        # a small round gains nothing from parallel streams and pays each one's setup
+        wire = numel * 4 * 2 * (world - 1) / world
+        nstreams = 1 if wire <= 4 * chunk_bytes else t.streams_per_link
+        return chunk_bytes, link.open_stream(nstreams, timeout=timeout or t.round_timeout_s)
+
+    async def _settle(
+        self, rnd: RingRound, stream: OutboundStream | None, vid: int, others: Sequence[str], limit: float, t0: float
+    ) -> None:
+        """Run an opened round and agree on its outcome with ``others``; RoundFailed on any failure.
+
+        ``limit`` seconds from ``t0`` (perf_counter) for both. All-or-none: the result counts only once
+        every member of the view finished its part, and a failure here is announced to them, so they
+        drop the round too. The round is closed either way.
+        """
+        key = rnd.spec.key
+        try:
+            await _run(rnd, stream, limit)
+            await self._commits.agree(key, vid, others, limit - (time.perf_counter() - t0))
+        except (PeerError, TimeoutError, RoundAborted) as exc:
+            rnd.fail(str(exc))
+            self.failed += 1
+            self._commits.announce(key, vid, others, commit=False)
+            if isinstance(exc, PeerError) and exc.status == Status.VIEW_MISMATCH:
+                log.info("round %s: members disagree about who is alive (%s); skipped", key, exc.detail)
+            raise RoundFailed(key, str(exc) or type(exc).__name__) from None
+        except BaseException:
+            rnd.fail("cancelled")
+            raise
+        finally:
+            self._rounds.close(key)
+            self._commits.forget(key)
+
+
+async def _run(rnd: RingRound, out: OutboundStream | None, timeout: float) -> None:
+    """Drive an opened round to its end within ``timeout``: its sends, its receives and our stream."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    starter = asyncio.ensure_future(rnd.start())
+    waiters: list[asyncio.Future[None]] = [rnd.done, starter]
+    failed = None
+    if out is not None:
+        failed = out.failed()
+        waiters.append(failed)
+    try:
+        while not (rnd.done.done() and starter.done()):
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"round did not finish within {timeout:.1f} s")
+            done, _ = await asyncio.wait(waiters, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                if fut.cancelled():  # a part of the round, not our caller, was cancelled: it cannot finish
+                    raise RoundAborted("a part of the round was cancelled")
+                exc = fut.exception()
+                if exc is not None:
+                    raise exc if isinstance(exc, PeerError | RoundAborted) else RoundAborted(str(exc))
+            waiters = [w for w in waiters if not w.done()]
+        if out is not None:
+            await asyncio.wait_for(out.close(), max(0.1, deadline - loop.time()))
+    finally:
+        if not starter.done():
+            starter.cancel()
+            await asyncio.wait({starter})  # our own cancellation still propagates
+        if not starter.cancelled():
+            starter.exception()
+        if failed is not None and not failed.done():
+            failed.cancel()
+        elif failed is not None and not failed.cancelled():
+            failed.exception()
+        if rnd.done.done() and not rnd.done.cancelled():
+            rnd.done.exception()
+
+
+def _flatten(tensors: Sequence[torch.Tensor], world: int) -> tuple[torch.Tensor, int]:
+    """The tensors as one fp32 vector, padded to at least ``world`` elements, and their element count."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.float32), 0
+    for i, t in enumerate(tensors):
+        if not t.is_floating_point():
+            raise TypeError(f"tensor {i} has dtype {t.dtype}; only floating-point tensors can be averaged")
+    flat = torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
+    numel = flat.numel()
+    if 0 < numel < world:
+        # every ring segment must carry data: a member that takes no part (joining, gone) is noticed by the
+        # refusal of the frames sent to it, which an empty segment never sends (the round would wait out
+        # its deadline instead); every member pads alike, so layouts still agree
+        flat = torch.cat([flat, flat.new_zeros(world - numel)])
+    return flat, numel
+
+
+def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view(t.shape))
+            offset += n
+
+
+def _dtype_of(tensors: Sequence[torch.Tensor]) -> DType:
+    dtypes = {t.dtype for t in tensors}
+    if dtypes == {torch.float16}:
+        return DType.FP16
+    if dtypes == {torch.bfloat16}:
+        return DType.BF16
+    return DType.FP32
+
+
+def _link_codec_fields(links: RingCodecPlan | None, rank: int, world: int) -> dict[str, Any]:
+    """RoundSpec fields for per-link codecs: our link's send codec, the all-gather codec, what we accept.
+
+    The choice was made for a ring of ``len(links.send)``; in a ring of another size (a member left or
+    came back since) we send with the base codec until the next choice, but still accept every allowed
+    codec, so members that disagree about the choice still finish the round.
+    """
+    if links is None:
+        return {}
+    fitting = len(links.send) == world
+    return {
+        "send_codec": get_codec(links.send[rank]) if fitting else None,
+        "gather_codec": get_codec(links.gather) if fitting else None,
+        "allowed_codecs": tuple(get_codec(c).wire_id for c in links.allowed),
+    }
