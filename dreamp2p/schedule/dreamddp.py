@@ -1,4 +1,4 @@
-"""DreamDDP planner and simulator: which layers each iteration of the period syncs, and when, to hide the WAN.
+"""DreamDDP planner: which layers each iteration of the period syncs, and when, to hide the WAN.
 
 Paper: "DreamDDP: Accelerating Data Parallel Distributed LLM Training with Layer-wise Scheduled Partial
 Synchronization" (arXiv 2502.11058). Partial local SGD averages a disjoint set of layers in each of the ``H``
@@ -15,7 +15,7 @@ Timing model of one iteration (times relative to the start of its backward pass)
   Merging layers saves the ``2(N-1)`` latency hops of an all-reduce but waits for the later layer; on a WAN
   link with 80 ms RTT the hops dominate small layers, so per-layer all-reduces (the authors' code) would be
   far too slow. For every segment the bucketing that finishes first is found by a dynamic program over the
-  start of the last bucket, O(1) amortized per added layer (see ``_Bucketing``).
+  start of the last bucket, O(1) amortized per added layer (see ``_Bucketing`` in `schedule.search`).
 * Base DreamDDP (delay 0): averaged weights are needed by the optimizer step, so an iteration's exposed wait
   is ``max(0, finish of its last bucket - B)``. Every iteration runs the same backward; only which layers sync
   differs, so iterations do not interact (the link is idle again when the next backward begins).
@@ -64,6 +64,10 @@ layer is ready and ends before the next sync starts and before the backward ends
 no wait changes; a layer is never repeated while its own base sync is in flight. The result is re-simulated
 and all repeats are dropped if any wait would grow (a guard for periodic steady states).
 
+The timing model (profiles, jobs, the cyclic link) is in `schedule.timing`, shared with the simulator
+(`schedule.simulate`, which replays a plan on a given link; `simulate` and its timeline types are
+re-exported here).
+
 Determinism: plain float arithmetic in a fixed order, no iteration over dicts or sets, no randomness, and
 every tie broken by a fixed rule, so peers computing from agreed inputs get identical plans.
 """
@@ -72,306 +76,42 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel, ring_comm_time, ring_wire_bytes
 from dreamp2p.schedule.plan import GroupSync, Plan, is_int
+from dreamp2p.schedule.search import Segments, search
+from dreamp2p.schedule.simulate import CommBlock, ComputeBlock, IterationTimeline, Timeline, simulate
+from dreamp2p.schedule.timing import Cycle, Job, Profile, check_H, check_version, layers_of, profile_of, steady_state
+
+__all__ = [
+    "STRATEGIES",
+    "CommBlock",
+    "ComputeBlock",
+    "IterationTimeline",
+    "Timeline",
+    "even_plan",
+    "plan_dreamddp",
+    "predict",
+    "simulate",
+]
 
 STRATEGIES = ("dreamddp", "plsgd", "localsgd", "ssgd")
-# A steady state is normally reached in a few periods; the cap only bounds pathological float behaviour.
-_MAX_PERIODS = 64
 _MAX_DESCENT_PASSES = 16
 
 
-# ------------------------------------------------------------------------------------------------ timing model
+# -------------------------------------------------------------------------------- delays and bubble filling
 
 
-@dataclass(frozen=True)
-class _Profile:
-    names: tuple[str, ...]
-    fwd: tuple[float, ...]  # forward order
-    nbytes: tuple[int, ...]  # forward order
-    ready: tuple[float, ...]  # forward order: when layer x's gradient is ready in backward
-    F: float  # total forward time
-    B: float  # total backward time
-
-    @property
-    def L(self) -> int:
-        return len(self.names)
-
-    @property
-    def compute_s(self) -> float:
-        return self.F + self.B
-
-
-def _profile(costs: Sequence[LayerCost]) -> _Profile:
-    if isinstance(costs, str | bytes) or not isinstance(costs, Sequence):
-        raise ValueError("costs must be a sequence of LayerCost")
-    if not costs:
-        raise ValueError("costs must hold at least one layer")
-    for i, c in enumerate(costs):
-        if not isinstance(c, LayerCost):
-            raise ValueError(f"costs[{i}] must be a LayerCost, got {type(c).__name__}")
-    names = tuple(c.name for c in costs)
-    if len(set(names)) != len(names):
-        raise ValueError("layer names must be unique")
-    L = len(costs)
-    ready = [0.0] * L
-    acc = 0.0
-    for x in range(L - 1, -1, -1):  # backward order: output layer first
-        acc += costs[x].bwd_s
-        ready[x] = acc
-    fwd = tuple(float(c.fwd_s) for c in costs)
-    F = 0.0
-    for t in fwd:
-        F += t
-    return _Profile(names, fwd, tuple(c.nbytes for c in costs), tuple(ready), F, acc)
-
-
-def _check_H(H: int) -> None:
-    if not is_int(H) or H < 1:
-        raise ValueError(f"H (the period) must be an int >= 1, got {H!r}")
-
-
-def _check_version(version: int, effective_step: int) -> None:
-    if not is_int(version) or version < 0:
-        raise ValueError(f"version must be an int >= 0, got {version!r}")
-    if not is_int(effective_step) or effective_step < 0:
-        raise ValueError(f"effective_step must be an int >= 0, got {effective_step!r}")
-
-
-def _layers_of(L: int, i: int, j: int) -> tuple[int, ...]:
-    """Forward indices of backward positions [i, j), ascending."""
-    return tuple(range(L - j, L - i))
-
-
-class _Bucketing:
-    """Best bucketing of backward positions [s, j) for growing j: one start s, extended lazily.
-
-    ``f[j - s]`` is the earliest finish of positions [s, j) with the link idle at backward start, ``cut[j - s]``
-    the first position of the last bucket achieving it; ``f`` is non-decreasing in j. With ``r`` the ready
-    time of position j-1 (when the last bucket launches), a last bucket [i, j) finishes at
-    ``max(r, f[i]) + comm(i, j)``. The candidates i fall into three runs, each with a known best, so a step
-    costs O(1) amortized instead of O(j - s):
-
-    * ``f[i] <= r`` (a prefix, as f is non-decreasing): the link is idle at launch, fewer bytes win, so the
-      largest such i;
-    * ``f[i] > r`` with a non-empty bucket: ``f[i] + lat + k * (P[j] - P[i])``, the least ``f[i] - k * P[i]``
-      over a window whose both ends only move right: a monotone deque;
-    * ``f[i] > r`` with only zero-byte layers in the bucket (no all-reduce at all): the least i.
-
-    Finishes are then computed with ``ring_comm_time`` exactly as the simulator does, so the linear key only
-    selects (it may pick a candidate a few ulps from the true optimum, never more). Ties between the runs go to
-    the smaller i, i.e. the larger last bucket.
-    """
-
-    def __init__(self, s: int, ready_b: Sequence[float], prefix: Sequence[int], link: LinkModel) -> None:
-        self.s = s
-        self.ready_b = ready_b
-        self.prefix = prefix
-        self.link = link
-        self.f = [0.0]  # the link is idle when backward starts: nothing of an earlier iteration is pending
-        self.cut = [s]
-        self.idle_end = s + 1  # positions [s, idle_end) have f <= r (f[s] = 0 <= every ready time)
-        self.nonzero_end = s  # positions [s, nonzero_end) leave bytes in the bucket [i, j)
-        self.pushed = s
-        self.window: deque[tuple[float, int]] = deque()  # (f[i] - k * P[i], i), keys ascending
-        world = link.world
-        self.k = link.codec_ratio * (2.0 * (world - 1) / world) / link.bandwidth_Bps if world > 1 else 0.0
-
-    def _value(self, i: int, j: int, r: float) -> float:
-        return max(r, self.f[i - self.s]) + ring_comm_time(self.prefix[j] - self.prefix[i], self.link)
-
-    def finish(self, e: int) -> float:
-        s, f, prefix = self.s, self.f, self.prefix
-        for j in range(s + len(f), e + 1):
-            r = self.ready_b[j - 1]
-            while self.idle_end < j and f[self.idle_end - s] <= r:
-                self.idle_end += 1
-            while self.nonzero_end < j and prefix[self.nonzero_end] < prefix[j]:
-                self.nonzero_end += 1
-            while self.pushed < self.nonzero_end:
-                i = self.pushed
-                key = f[i - s] - self.k * prefix[i]
-                while self.window and self.window[-1][0] > key:
-                    self.window.pop()
-                self.window.append((key, i))
-                self.pushed += 1
-            while self.window and self.window[0][1] < self.idle_end:
-                self.window.popleft()
-            best_i = self.idle_end - 1
-            best = self._value(best_i, j, r)
-            if self.window:
-                i = self.window[0][1]
-                v = self._value(i, j, r)
-                if v < best:
-                    best, best_i = v, i
-            i = max(self.idle_end, self.nonzero_end)
-            if i < j:
-                v = self._value(i, j, r)
-                if v < best:
-                    best, best_i = v, i
-            f.append(best)
-            self.cut.append(best_i)
-        return f[e - s]
-
-
-class _Segments:
-    """Earliest finish and bucketing of any segment [s, e) of backward positions (position k = layer L-1-k)."""
-
-    def __init__(self, prof: _Profile, link: LinkModel) -> None:
-        L = prof.L
-        self.L = L
-        self.link = link
-        self.ready_b = [prof.ready[L - 1 - k] for k in range(L)]
-        self.prefix = [0] * (L + 1)
-        for k in range(L):
-            self.prefix[k + 1] = self.prefix[k] + prof.nbytes[L - 1 - k]
-        self._by_start: list[_Bucketing | None] = [None] * L
-
-    def comm(self, i: int, j: int) -> float:
-        return ring_comm_time(self.prefix[j] - self.prefix[i], self.link)
-
-    def _start(self, s: int) -> _Bucketing:
-        b = self._by_start[s]
-        if b is None:
-            b = _Bucketing(s, self.ready_b, self.prefix, self.link)
-            self._by_start[s] = b
-        return b
-
-    def finish(self, s: int, e: int) -> float:
-        return self._start(s).finish(e)
-
-    def buckets(self, s: int, e: int) -> list[tuple[int, int]]:
-        b = self._start(s)
-        b.finish(e)
-        out = []
-        j = e
-        while j > s:
-            i = b.cut[j - s]
-            out.append((i, j))
-            j = i
-        out.reverse()
-        return out
-
-
-def _search(seg: _Segments, B: float, H: int) -> list[tuple[int, int]]:
-    """Optimal contiguous segments (backward positions [s, e)) of the non-empty iterations, in order."""
-    L = seg.L
-    He = min(H, L)  # at-least-one: with L layers at most L iterations are non-empty
-    cost = [[0.0] * (L + 1) for _ in range(He + 1)]
-    end = [[L] * (L + 1) for _ in range(He + 1)]
-    for h in range(He - 1, -1, -1):
-        for s in range(h, L):  # at-least-one: iteration h is opened by layer s >= h
-            if h == He - 1:
-                cost[h][s] = max(0.0, seg.finish(s, L) - B)
-                continue
-            best, best_e = math.inf, L
-            e = s + 1
-            while True:
-                cur = max(0.0, seg.finish(s, e) - B)
-                if cur >= best:
-                    break  # prune: taking more layers never lowers this iteration's wait
-                if e == L:
-                    best, best_e = cur, L
-                    break
-                if seg.finish(s, e + 1) <= B:  # optimal hiding: the next layer hides here too
-                    e += 1
-                    continue
-                total = cur + cost[h + 1][e]  # delayed assignment: close here, the rest starts iteration h+1
-                if total < best:
-                    best, best_e = total, e
-                e += 1
-            cost[h][s], end[h][s] = best, best_e
-    out = []
-    s, h = 0, 0
-    while s < L:
-        e = end[h][s]
-        out.append((s, e))
-        s, h = e, h + 1
-    return out
-
-
-# ---------------------------------------------------------------------------------------- cyclic link simulator
-
-
-@dataclass(frozen=True)
-class _Job:
-    iteration: int
-    layers: tuple[int, ...]
-    delay: int
-    repeat: bool
-    release: float  # ready time of the group's last-ready layer, relative to its iteration's backward start
-    comm: float
-
-
-@dataclass(frozen=True)
-class _Cycle:
-    exposed: tuple[float, ...]  # per iteration, steady state
-    starts: tuple[float, ...]  # per job, relative to its launch iteration's backward start
-    finishes: tuple[float, ...]
-    carry: tuple[float, ...]  # per iteration: link busy until (relative to its backward start) before its syncs
-
-
-def _cycle(jobs: Sequence[_Job], H: int, B: float, F: float) -> _Cycle:
-    """Steady-state timing of a period whose syncs share one FIFO link (jobs are given in link order)."""
-    per_iter: list[list[int]] = [[] for _ in range(H)]
-    for j, job in enumerate(jobs):
-        per_iter[job.iteration].append(j)
-    n = len(jobs)
-    starts, finishes = [0.0] * n, [0.0] * n
-    link_free = 0.0
-    pending: list[tuple[int, int, float]] = []  # (iterations until due, job, finish rel. to current backward)
-    history: list[tuple[float, tuple[tuple[int, int, float], ...]]] = [(link_free, ())]
-    exposures: list[list[float]] = []
-    carry = [0.0] * H
-    cycle_len = 1
-    for _ in range(_MAX_PERIODS):
-        exposed = [0.0] * H
-        for h in range(H):
-            carry[h] = link_free
-            for j in per_iter[h]:
-                start = max(jobs[j].release, link_free)
-                finish = start + jobs[j].comm
-                link_free = finish
-                starts[j], finishes[j] = start, finish
-                pending.append((jobs[j].delay, j, finish))
-            wait = 0.0
-            kept = []
-            for left, j, finish in pending:
-                if left == 0:
-                    wait = max(wait, finish - B)
-                else:
-                    kept.append((left, j, finish))
-            exposed[h] = wait
-            # next backward starts after the rest of this backward, the wait and the next forward
-            shift = B + wait + F
-            link_free = max(0.0, link_free - shift)
-            pending = [(left - 1, j, finish - shift) for left, j, finish in kept]
-        exposures.append(exposed)
-        state = (link_free, tuple(pending))
-        if state in history:
-            cycle_len = len(history) - history.index(state)
-            break
-        history.append(state)
-    if cycle_len == 1:
-        final = tuple(exposures[-1])
-    else:  # periodic steady state of several periods: average each iteration's wait over the cycle
-        tail = exposures[-cycle_len:]
-        final = tuple(math.fsum(p[h] for p in tail) / cycle_len for h in range(H))
-    return _Cycle(final, tuple(starts), tuple(finishes), tuple(carry))
-
-
-def _choose_delays(jobs: list[_Job], H: int, B: float, F: float, max_delay: int) -> tuple[list[_Job], float]:
+def _choose_delays(jobs: list[Job], H: int, B: float, F: float, max_delay: int) -> tuple[list[Job], float]:
     """Coordinate descent on per-group delays; only strict improvements (or equal totals, smaller d) are taken.
 
     Returns the jobs with their delays and the steady-state total exposed wait of one period.
     """
     current = list(jobs)
-    total = math.fsum(_cycle(current, H, B, F).exposed)
+    total = math.fsum(steady_state(current, H, B, F).exposed)
     dmax = min(max_delay, H - 1)
     if dmax == 0 or not jobs:
         return current, total
@@ -384,7 +124,7 @@ def _choose_delays(jobs: list[_Job], H: int, B: float, F: float, max_delay: int)
                     continue
                 trial = list(current)
                 trial[g] = replace(current[g], delay=d)
-                t = math.fsum(_cycle(trial, H, B, F).exposed)
+                t = math.fsum(steady_state(trial, H, B, F).exposed)
                 if t < best_total or (t == best_total and d < best_d):
                     best_d, best_total = d, t
             if best_d != current[g].delay:
@@ -396,7 +136,7 @@ def _choose_delays(jobs: list[_Job], H: int, B: float, F: float, max_delay: int)
     return current, total
 
 
-def _staleness(jobs: Sequence[_Job]) -> float:
+def _staleness(jobs: Sequence[Job]) -> float:
     """Steps a parameter's average lands late, weighted by bytes (each group's link time): the tie-breaker
     between plans that hide alike. k staggered groups of delay D/k beat one group of delay D; both hide."""
     weight = math.fsum(job.comm for job in jobs)
@@ -405,7 +145,7 @@ def _staleness(jobs: Sequence[_Job]) -> float:
     return math.fsum(job.delay * job.comm for job in jobs) / weight
 
 
-def _spread_candidates(prof: _Profile, seg: _Segments, H: int) -> list[list[_Job]]:
+def _spread_candidates(prof: Profile, seg: Segments, H: int) -> list[list[Job]]:
     """Delay-friendly starting points: k byte-balanced contiguous groups, one all-reduce each, spread evenly.
 
     The delay-0 optimum packs layers to hide inside one backward pass; once syncs may overlap later iterations,
@@ -433,21 +173,21 @@ def _spread_candidates(prof: _Profile, seg: _Segments, H: int) -> list[list[_Job
         bounds.append(L)
         jobs = []
         for g, (i, j) in enumerate(itertools.pairwise(bounds)):
-            layers = _layers_of(L, i, j)
-            jobs.append(_Job(g * H // k, layers, 0, False, prof.ready[layers[0]], seg.comm(i, j)))
+            layers = layers_of(L, i, j)
+            jobs.append(Job(g * H // k, layers, 0, False, prof.ready[layers[0]], seg.comm(i, j)))
         out.append(jobs)
     return out
 
 
-def _bubble_fill(jobs: list[_Job], prof: _Profile, link: LinkModel, H: int) -> list[tuple[_Job, float]]:
+def _bubble_fill(jobs: list[Job], prof: Profile, link: LinkModel, H: int) -> list[tuple[Job, float]]:
     """Repeat syncs that fit in idle link time of each backward window; returned with their planned start."""
     L, B = prof.L, prof.B
-    cyc = _cycle(jobs, H, B, prof.F)
+    cyc = steady_state(jobs, H, B, prof.F)
     base_at = [(0, 0)] * L  # forward layer -> (launch iteration, delay) of its base sync
     for job in jobs:
         for x in job.layers:
             base_at[x] = (job.iteration, job.delay)
-    repeats: list[tuple[_Job, float]] = []
+    repeats: list[tuple[Job, float]] = []
     for h in range(H):
         gaps: list[tuple[float, float]] = []
         cur = cyc.carry[h]
@@ -479,18 +219,18 @@ def _bubble_fill(jobs: list[_Job], prof: _Profile, link: LinkModel, H: int) -> l
                 if start + c <= b:
                     pieces = [(a, start), (start + c, b)]
                     gaps[g : g + 1] = [(p, q) for p, q in pieces if p < q]
-                    repeats.append((_Job(h, (x,), 0, True, r, c), start))
+                    repeats.append((Job(h, (x,), 0, True, r, c), start))
                     break
     return repeats
 
 
-def _link_order(jobs: Sequence[_Job], starts: Sequence[float]) -> list[_Job]:
+def _link_order(jobs: Sequence[Job], starts: Sequence[float]) -> list[Job]:
     order = sorted(range(len(jobs)), key=lambda j: (jobs[j].iteration, starts[j], j))
     return [jobs[j] for j in order]
 
 
-def _plan_from_jobs(jobs: list[_Job], prof: _Profile, H: int, version: int, effective_step: int) -> tuple[Plan, _Cycle]:
-    cyc = _cycle(jobs, H, prof.B, prof.F)
+def _plan_from_jobs(jobs: list[Job], prof: Profile, H: int, version: int, effective_step: int) -> tuple[Plan, Cycle]:
+    cyc = steady_state(jobs, H, prof.B, prof.F)
     syncs = tuple(
         GroupSync(job.iteration, job.layers, job.delay, cyc.starts[j], job.comm, job.repeat)
         for j, job in enumerate(jobs)
@@ -509,9 +249,9 @@ def even_plan(costs: Sequence[LayerCost], H: int, version: int = 0, effective_st
     beyond the layers (``H > L``) sync nothing. ``delay`` (capped at ``H - 1``) lets every sync land that
     many iterations later: before the link is measured, a WAN run should not block on it.
     """
-    prof = _profile(costs)
-    _check_H(H)
-    _check_version(version, effective_step)
+    prof = profile_of(costs)
+    check_H(H)
+    check_version(version, effective_step)
     if not is_int(delay) or delay < 0:
         raise ValueError(f"delay must be an int >= 0, got {delay!r}")
     delay = min(delay, H - 1)
@@ -521,7 +261,7 @@ def even_plan(costs: Sequence[LayerCost], H: int, version: int = 0, effective_st
     for h in range(H):
         i, j = h * per, min(L, (h + 1) * per)
         if i < j:
-            syncs.append(GroupSync(h, _layers_of(L, i, j), delay, 0.0, 0.0))
+            syncs.append(GroupSync(h, layers_of(L, i, j), delay, 0.0, 0.0))
     return Plan(version, effective_step, H, prof.names, tuple(syncs), (0.0,) * H, prof.compute_s)
 
 
@@ -536,22 +276,22 @@ def plan_dreamddp(
     bubble_fill: bool = True,
 ) -> Plan:
     """DreamDDP schedule for ``costs`` (forward order) on ``link`` with period ``H`` (see module docstring)."""
-    prof = _profile(costs)
+    prof = profile_of(costs)
     if not isinstance(link, LinkModel):
         raise ValueError(f"link must be a LinkModel, got {type(link).__name__}")
-    _check_H(H)
-    _check_version(version, effective_step)
+    check_H(H)
+    check_version(version, effective_step)
     if not is_int(max_delay) or max_delay < 0:
         raise ValueError(f"max_delay must be an int >= 0, got {max_delay!r}")
     if not isinstance(bubble_fill, bool):
         raise ValueError(f"bubble_fill must be a bool, got {bubble_fill!r}")
     L = prof.L
-    seg = _Segments(prof, link)
-    jobs: list[_Job] = []
-    for h, (s, e) in enumerate(_search(seg, prof.B, H)):
+    seg = Segments(prof, link)
+    jobs: list[Job] = []
+    for h, (s, e) in enumerate(search(seg, prof.B, H)):
         for i, j in seg.buckets(s, e):
-            layers = _layers_of(L, i, j)
-            jobs.append(_Job(h, layers, 0, False, prof.ready[layers[0]], seg.comm(i, j)))
+            layers = layers_of(L, i, j)
+            jobs.append(Job(h, layers, 0, False, prof.ready[layers[0]], seg.comm(i, j)))
     if max_delay > 0 and H > 1:
         # the delay-0 optimum goes first so that ties keep it: max_delay > 0 is never worse than 0
         best: tuple[float, float] | None = None
@@ -574,96 +314,6 @@ def plan_dreamddp(
     return filled
 
 
-# ------------------------------------------------------------------------------------------------- simulation
-
-
-@dataclass(frozen=True)
-class ComputeBlock:
-    """Forward or backward computation of one layer, in seconds from the start of the simulated period."""
-
-    layer: int  # forward index
-    phase: str  # "fwd" or "bwd"
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True)
-class CommBlock:
-    """One sync on the link, in seconds from the start of the simulated period (may run past its iteration)."""
-
-    layers: tuple[int, ...]
-    launch_iteration: int
-    due_iteration: int  # (launch + delay) % H: its result is merged before this iteration's optimizer step
-    repeat: bool
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True)
-class IterationTimeline:
-    """Gantt data of one iteration of the steady-state period."""
-
-    iteration: int
-    start_s: float  # forward begins
-    backward_start_s: float
-    backward_end_s: float
-    end_s: float  # optimizer step: backward end plus the exposed wait
-    exposed_s: float
-    compute: tuple[ComputeBlock, ...]
-    comm: tuple[CommBlock, ...]  # syncs launched in this iteration
-
-
-# The per-iteration timeline is the unit a Gantt chart is drawn from.
-Timeline = IterationTimeline
-
-
-def simulate(plan: Plan, costs: Sequence[LayerCost], link: LinkModel) -> list[IterationTimeline]:
-    """Steady-state timeline of one period of ``plan`` executed with ``costs`` on ``link``.
-
-    Comm times are recomputed from ``link`` (the plan's predictions are not trusted), in the plan's link order,
-    with the same cyclic model the planner uses; so a plan can be judged on a link it was not made for.
-    """
-    prof = _profile(costs)
-    if prof.names != plan.layer_names:
-        raise ValueError("costs do not describe the plan's layers (names differ)")
-    H = plan.period
-    jobs = [
-        _Job(
-            s.iteration,
-            s.layers,
-            s.delay,
-            s.repeat,
-            max(prof.ready[x] for x in s.layers),
-            ring_comm_time(sum(prof.nbytes[x] for x in s.layers), link),
-        )
-        for s in plan.syncs
-    ]
-    cyc = _cycle(jobs, H, prof.B, prof.F)
-    out = []
-    t = 0.0
-    L = prof.L
-    for h in range(H):
-        compute = []
-        clock = t
-        for x in range(L):
-            compute.append(ComputeBlock(x, "fwd", clock, clock + prof.fwd[x]))
-            clock += prof.fwd[x]
-        bstart = clock
-        for x in range(L - 1, -1, -1):
-            compute.append(ComputeBlock(x, "bwd", clock, clock + costs[x].bwd_s))
-            clock += costs[x].bwd_s
-        bend = bstart + prof.B
-        comm = tuple(
-            CommBlock(job.layers, h, (h + job.delay) % H, job.repeat, bstart + cyc.starts[j], bstart + cyc.finishes[j])
-            for j, job in enumerate(jobs)
-            if job.iteration == h
-        )
-        end = bend + cyc.exposed[h]
-        out.append(IterationTimeline(h, t, bstart, bend, end, cyc.exposed[h], tuple(compute), comm))
-        t = end
-    return out
-
-
 def predict(
     costs: Sequence[LayerCost],
     link: LinkModel,
@@ -680,8 +330,8 @@ def predict(
     full model's gradients every step, bucketed and overlapped with backward (ASC-WFBP), i.e. the DreamDDP
     timing model with H = 1.
     """
-    prof = _profile(costs)
-    _check_H(H)
+    prof = profile_of(costs)
+    check_H(H)
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}")
     total_bytes = sum(prof.nbytes)
