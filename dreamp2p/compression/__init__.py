@@ -1,4 +1,4 @@
-"""Tensor wire codecs (lossless and quantized), the zstd lossless stage and sender-side error feedback."""
+"""Tensor wire codecs (lossless, quantized and sparse), the zstd lossless stage and sender-side error feedback."""
 
 from dreamp2p.compression.base import (
     Codec,
@@ -12,6 +12,7 @@ from dreamp2p.compression.base import (
 from dreamp2p.compression.codecs import BF16, E3M0, FP16, FP32, INT4, INT8
 from dreamp2p.compression.feedback import ErrorFeedback
 from dreamp2p.compression.lossless import ZstdStage
+from dreamp2p.compression.sparse import TOPK
 
 __all__ = [
     "BF16",
@@ -20,6 +21,7 @@ __all__ = [
     "FP32",
     "INT4",
     "INT8",
+    "TOPK",
     "Codec",
     "CodecError",
     "ErrorFeedback",

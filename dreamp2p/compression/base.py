@@ -55,6 +55,9 @@ class Codec(abc.ABC):
     block: int
     # Byte granularity of one encoded value, used by the lossless stage's byte-shuffle.
     itemsize: int
+    # Sends only some elements and decodes the rest as zero: fit for increments averaged with error
+    # feedback (which carries the rest to the next round), never for parameters, which it would zero.
+    sparse: bool = False
 
     @abc.abstractmethod
     def encoded_nbytes(self, n: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from dreamp2p.compression import codec_names
+from dreamp2p.compression import UnknownCodecError, codec_names, get_codec
 from dreamp2p.schedule.linkcodec import choose_link_codecs
 
 STRATEGIES = ("none", "ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp")
@@ -27,6 +27,13 @@ GROUP_OUTER_ADAPTIVE = (1.0, 0.5)
 REMOVED_KEYS = {
     "round_timeout_s": "sync rounds are governed by [node.transport] round_timeout_s; set it there",
 }
+
+
+def _is_sparse(name: str) -> bool:
+    try:
+        return get_codec(name).sparse
+    except UnknownCodecError:
+        return False  # unknown names are refused (or not) by the checks that know the field
 
 
 @dataclass(frozen=True)
@@ -142,6 +149,7 @@ class SyncConfig:
         unknown = [c for c in self.plan_codecs if c not in codec_names()]
         if unknown:
             raise ValueError(f"sync.plan_codecs: unknown codec {unknown[0]!r}; known: {', '.join(codec_names())}")
+        self._check_sparse_codecs()
         if not 0.0 < self.codec_link_budget <= 1.0:
             raise ValueError(f"sync.codec_link_budget must be in (0, 1], got {self.codec_link_budget}")
         if self.link_codecs:
@@ -149,6 +157,29 @@ class SyncConfig:
                 choose_link_codecs(self.codec, self.link_codecs, [], self.link_codec_tolerance)
             except ValueError as exc:
                 raise ValueError(f"sync.link_codecs: {exc}") from None
+
+    def _check_sparse_codecs(self) -> None:
+        """A sparse codec (``topk``) only where error feedback carries what it leaves out: DreamDDP's
+        pseudo-gradients with ``error_feedback``. Averaging parameters with it would zero 98% of them, and
+        the other increments (gradients, outer gradients) are sent without feedback, so it would drop 98%."""
+        carriers = {
+            "codec": (self.codec,),
+            "stream_codec": (self.stream_codec,),
+            "plan_codecs": self.plan_codecs,
+            "link_codecs": self.link_codecs,
+        }
+        for key, names in carriers.items():
+            sparse = [c for c in names if _is_sparse(c)]
+            if sparse:
+                raise ValueError(
+                    f"sync.{key}: {sparse[0]} is a sparse codec, usable only as sync.delta_codec with "
+                    "sync.error_feedback = true (it sends 2% of each block and decodes the rest as zeros)"
+                )
+        if self.delta_codec and _is_sparse(self.delta_codec) and not self.error_feedback:
+            raise ValueError(
+                f"sync.delta_codec {self.delta_codec} is sparse (2% of each block per round): it needs "
+                "sync.error_feedback = true, which carries the rest into the next rounds"
+            )
 
     @property
     def delay_cap(self) -> int:

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from dreamp2p.devtools.bench.lm import parse_variant
+from dreamp2p.sync.config import SyncConfig
 
 
 @pytest.mark.parametrize(
@@ -17,6 +18,10 @@ from dreamp2p.devtools.bench.lm import parse_variant
         ("dreamddp:error_feedback=true", ("dreamddp", {"error_feedback": True})),
         ("streaming:fragments=2, stream_codec=int8", ("streaming", {"fragments": 2, "stream_codec": "int8"})),
         ('dreamddp:plan_margin=0.5,delta_codec="e3m0"', ("dreamddp", {"plan_margin": 0.5, "delta_codec": "e3m0"})),
+        (
+            "dreamddp:delta_codec=topk,error_feedback=true",
+            ("dreamddp", {"delta_codec": "topk", "error_feedback": True}),
+        ),
     ],
 )
 def test_variants_parse_into_overrides(entry: str, expected: tuple[str, dict[str, Any]]) -> None:
@@ -27,3 +32,13 @@ def test_variants_parse_into_overrides(entry: str, expected: tuple[str, dict[str
 def test_a_setting_without_a_value_is_refused(entry: str) -> None:
     with pytest.raises(ValueError, match="expected key=value"):
         parse_variant(entry)
+
+
+def test_the_sparse_variant_is_a_valid_dreamddp_config_and_needs_error_feedback() -> None:
+    """What bench lm checks before it starts anything: the variant's overrides over the strategy and period."""
+    strategy, own = parse_variant("dreamddp:delta_codec=topk,error_feedback=true")
+    cfg = SyncConfig.from_dict({"strategy": strategy, "period": 20, **own})
+    assert (cfg.delta_codec, cfg.error_feedback) == ("topk", True)
+    strategy, own = parse_variant("dreamddp:delta_codec=topk")
+    with pytest.raises(ValueError, match=r"needs sync\.error_feedback = true"):
+        SyncConfig.from_dict({"strategy": strategy, "period": 20, **own})

@@ -93,7 +93,8 @@ def sample(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_registry_order_and_ids() -> None:
-    assert codec_names() == NAMES
+    # topk (id 7) is sparse and has its own tests: tests/unit/test_sparse_codec.py
+    assert codec_names() == [*NAMES, "topk"]
     for wire_id, name in enumerate(NAMES, start=1):
         assert get_codec(name).wire_id == wire_id
         assert get_codec(wire_id) is get_codec(name)
@@ -106,7 +107,7 @@ def test_codec_attributes() -> None:
     assert [get_codec(n).itemsize for n in NAMES] == [4, 2, 2, 1, 1, 1]
 
 
-@pytest.mark.parametrize("key", ["nope", "", 0, 7, 99, -1, True])
+@pytest.mark.parametrize("key", ["nope", "", 0, 8, 99, -1, True])
 def test_unknown_codec(key: str | int) -> None:
     with pytest.raises(UnknownCodecError) as info:
         get_codec(key)
@@ -139,7 +140,7 @@ def test_register_refuses_duplicates() -> None:
 
     with pytest.raises(ValueError, match="wire id 4"):
         register_codec(Clash())
-    assert codec_names() == NAMES
+    assert codec_names() == [*NAMES, "topk"]
 
 
 # ---------------------------------------------------------------- round trips

@@ -51,10 +51,11 @@ def test_slices_land_where_their_elements_are() -> None:
     assert carried.tolist() == [0, 0, 0, 0, 0, 0, 0.5, 0.5, 0.5, 0]
 
 
-@pytest.mark.parametrize("codec", ["int4", "e3m0", "int8"])
+@pytest.mark.parametrize("codec", ["int4", "e3m0", "int8", "topk"])
 def test_with_feedback_the_running_sum_of_decoded_values_tracks_the_true_sum(codec: str) -> None:
     """The property the ring relies on, for one encoder: sum(decoded) = sum(true) - residual, so the error
-    stays within one quantization step however many rounds pass; without feedback it keeps growing."""
+    stays within one quantization step (for topk: within what the selection has not reached yet) however
+    many rounds pass; without feedback it keeps growing."""
     cod = get_codec(codec)
     torch.manual_seed(0)
     increments = [torch.randn(4096) * 0.01 + 0.003 for _ in range(50)]

@@ -1,0 +1,86 @@
+"""`[sync]` with the sparse codec: only as DreamDDP's pseudo-gradient codec with error feedback, where it trains."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dreamp2p.settings import settings_mismatch
+from dreamp2p.sync.config import SyncConfig
+from dreamp2p.sync.groups import GROUP_PLAN_BASE
+from dreamp2p.sync.inprocess import InProcessHub
+from dreamp2p.sync.registry import strategy_class
+
+
+def test_delta_codec_topk_with_error_feedback_is_accepted_and_shared() -> None:
+    cfg = SyncConfig.from_dict({"strategy": "dreamddp", "delta_codec": "topk", "error_feedback": True})
+    shared = cfg.shared_settings()
+    assert (shared["sync.delta_codec"], shared["sync.error_feedback"]) == ("topk", "True")
+    # members must agree on it: a member with the default 4-bit pseudo-gradients is refused, naming it
+    other = SyncConfig.from_dict({"strategy": "dreamddp", "error_feedback": True}).shared_settings()
+    assert settings_mismatch(shared, shared) is None
+    assert "sync.delta_codec: topk on this node, int4 on the peer" in (settings_mismatch(shared, other) or "")
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({"delta_codec": "topk"}, "sync.delta_codec topk is sparse .* needs sync.error_feedback = true"),
+        ({"codec": "topk", "error_feedback": True}, "sync.codec: topk is a sparse codec"),
+        ({"stream_codec": "topk"}, "sync.stream_codec: topk is a sparse codec"),
+        ({"plan_codecs": ["int8", "topk"]}, "sync.plan_codecs: topk is a sparse codec"),
+        ({"link_codecs": ["fp32", "int8", "topk"]}, "sync.link_codecs: topk is a sparse codec"),
+    ],
+)
+def test_sparse_codec_refused_where_parameters_or_unfed_increments_travel(settings: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SyncConfig.from_dict({"strategy": "dreamddp", **settings})
+
+
+def test_dreamddp_trains_with_sparse_pseudo_gradients_and_replicas_stay_identical() -> None:
+    """In memory (InProcessHub encodes each mean with the round's codec and keeps its residual): the layer
+    syncs between anchors go as topk with error feedback, training goes on, and members end identical."""
+    hub = InProcessHub(2, goodput_Bps=50e6, rtt_s=0.001)
+    cfg = SyncConfig(
+        strategy="dreamddp",
+        period=4,
+        warmup_steps=2,
+        control_every=4,
+        max_delay=2,
+        anchor_every=2,
+        delta_codec="topk",
+        error_feedback=True,
+    )
+    strategies = []
+    for rank in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 3))
+        strategies.append(
+            strategy_class("dreamddp")(model, torch.optim.SGD(model.parameters(), lr=0.05), hub.member(rank), cfg)
+        )
+    losses: list[list[float]] = [[], []]
+
+    def run(rank: int) -> None:
+        s = strategies[rank]
+        for step in range(48):
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            x = torch.randn(16, 6, generator=g)
+            loss = nn.functional.mse_loss(s.model(x), torch.sin(x[:, :3]))
+            loss.backward()
+            s.step()
+            s.zero_grad()
+            losses[rank].append(float(loss.detach()))
+        s.flush()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(run, range(2)))
+    deltas = [r for r in hub.rounds if r.group_id >= GROUP_PLAN_BASE and r.codec == "topk"]
+    assert deltas and all(r.error_feedback for r in deltas)
+    for curve in losses:
+        assert sum(curve[-8:]) < 0.7 * sum(curve[:8])
+    a, b = (b"".join(p.detach().numpy().tobytes() for p in s.model.parameters()) for s in strategies)
+    assert a == b
