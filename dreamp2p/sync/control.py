@@ -13,10 +13,13 @@ link bandwidths instead.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +33,8 @@ from dreamp2p.schedule.plancodec import choose_plan_codec
 from dreamp2p.sync.config import SyncConfig
 
 log = logging.getLogger(__name__)
+A = TypeVar("A")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,30 @@ def unpack_control(mean: torch.Tensor, world: int, template: list[LayerCost]) ->
     return Gathered(slowest, max(rtts) if rtts else 0.0, costs, links)
 
 
+def in_background(fn: Callable[[A], R], arg: A) -> concurrent.futures.Future[R]:
+    """Run ``fn(arg)`` on a daemon thread of its own; its result or exception arrives in the future."""
+    fut: concurrent.futures.Future[R] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(arg))
+        except BaseException as exc:  # handed to whoever waits for the result, re-raised there
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name="dreamp2p-planner", daemon=True).start()
+    return fut
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything a new plan is made from, fixed when the members decided to re-plan."""
+
+    costs: tuple[LayerCost, ...]
+    link: LinkModel
+    version: int
+    start: int  # the step it takes effect at (a period boundary of the plan in force)
+
+
 def codec_ratio(name: str) -> float:
     """Wire bytes per fp32 byte of codec ``name`` (on a 1 MiB-element tensor)."""
     return get_codec(name).encoded_nbytes(1 << 20) / float(4 << 20)
@@ -114,9 +143,11 @@ class Replanner:
         self.basis_bw = float(state.get("basis_bw", math.nan))
         self.changed = int(state.get("changed", 0))
 
-    def decide(self, g: Gathered, t: int, plan: Plan, next_version: int, world: int) -> tuple[Plan, str] | None:
-        """The next plan and its codec, or None to keep the plan in force (and the one queued, if any).
+    def decide(self, g: Gathered, t: int, plan: Plan, next_version: int, world: int) -> PlanRequest | None:
+        """Whether to re-plan on ``g``, and what for; None keeps the plan in force (and the one queued).
 
+        Cheap: the plan itself is made by :meth:`make`, which a caller may run off its own thread, since
+        the request already fixes everything every member must agree on (version, adoption step, inputs).
         ``next_version``: the version the new plan takes; 1 means no measured plan was made yet.
         """
         cfg = self.cfg
@@ -148,33 +179,33 @@ class Replanner:
         # adopted at the next period boundary of the plan in force: a plan switched mid-period would sync
         # layers again soon after the old plan did, two rounds contending for the link at once
         start = t + 1 + (plan.effective_step - t - 1) % cfg.period
-        chosen = self._plan_and_codec(g, link, next_version, start)
         self.basis_bw = g.bandwidth_Bps
         self.changed = 0
         log.info("plan v%d computed at step %d from bw %.3g B/s rtt %.3g s", next_version, t, g.bandwidth_Bps, g.rtt_s)
-        return chosen
+        return PlanRequest(g.costs, link, next_version, start)
 
-    def _plan_and_codec(self, g: Gathered, link: LinkModel, version: int, start: int) -> tuple[Plan, str]:
+    def make(self, req: PlanRequest) -> tuple[Plan, str]:
+        """The plan and its codec for ``req``: pure and deterministic, so every member makes the same."""
         cfg = self.cfg
 
         def make_plan(lk: LinkModel) -> Plan:
             return plan_dreamddp(
-                list(g.costs),
+                list(req.costs),
                 lk,
                 cfg.period,
-                version=version,
-                effective_step=start,
+                version=req.version,
+                effective_step=req.start,
                 max_delay=cfg.delay_cap,
                 bubble_fill=cfg.bubble_fill,
             )
 
-        if not (cfg.plan_codecs and self.ring_codecs is None):
-            return make_plan(link), cfg.codec
+        if not cfg.plan_codecs or cfg.link_codecs:  # per-link codecs replace the per-plan choice
+            return make_plan(req.link), cfg.codec
         candidates = [(c, codec_ratio(c)) for c in cfg.plan_codecs]
-        choice = choose_plan_codec(candidates, list(g.costs), link, cfg.period, make_plan, cfg.codec_link_budget)
+        choice = choose_plan_codec(candidates, list(req.costs), req.link, cfg.period, make_plan, cfg.codec_link_budget)
         log.info(
             "plan v%d: codec %s (link busy %.0f%% of the period, predicted exposed %.3g s per period)",
-            version,
+            req.version,
             choice.codec,
             100 * choice.busy_fraction,
             choice.exposed_s,

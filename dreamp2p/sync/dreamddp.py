@@ -48,7 +48,7 @@ from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.schedule.dreamddp import even_plan
 from dreamp2p.schedule.plan import GroupSync, Plan
 from dreamp2p.sync.base import Strategy
-from dreamp2p.sync.control import Gathered, Replanner, pack_control, unpack_control
+from dreamp2p.sync.control import Gathered, PlanRequest, Replanner, in_background, pack_control, unpack_control
 from dreamp2p.sync.groups import GROUP_CONTROL, anchor_check_group, plan_sync_group
 from dreamp2p.sync.inflight import InFlight
 from dreamp2p.sync.layers import FlatGroup
@@ -90,6 +90,8 @@ class DreamDDP(Strategy):
         # before the link is measured, let warm-up syncs land as late as the WAN extension allows
         self.plan: Plan = even_plan(self._blank, self.cfg.period, 0, 0, delay=self.cfg.delay_cap)
         self._next_plan: Plan | None = None
+        # a plan being made off the training thread: (its request, the future of (plan, codec))
+        self._planning: tuple[PlanRequest, concurrent.futures.Future[tuple[Plan, str]]] | None = None
         self.plan_history: list[tuple[int, int]] = [(0, 0)]
         self._groups: dict[tuple[int, int], FlatGroup] = {}
         self._inflight: list[InFlight] = []
@@ -120,6 +122,8 @@ class DreamDDP(Strategy):
 
     def _arm(self, step: int) -> None:
         """Prepare the syncs of ``step``: they launch as their layers' gradients become ready."""
+        if self._planning is not None and step >= self._planning[0].start:
+            self._collect_plan()
         if self._next_plan is not None and step >= self._next_plan.effective_step:
             self.plan = self._next_plan
             self._next_plan = None
@@ -285,10 +289,21 @@ class DreamDDP(Strategy):
 
     def _on_gathered(self, g: Gathered, t: int) -> None:
         """Same inputs on every peer at the same step: the same decision everywhere."""
+        self._collect_plan()  # a newer decision replaces the queued plan, as if it had been made at once
         version = max(self.plan.version, self._next_plan.version if self._next_plan else 0) + 1
-        chosen = self._replanner.decide(g, t, self.plan, version, self.comm.world)
-        if chosen is not None:
-            self._next_plan, self._plan_codecs[version] = chosen
+        req = self._replanner.decide(g, t, self.plan, version, self.comm.world)
+        if req is not None:
+            # the planner's search takes a good fraction of a step: run it beside training (torch kernels
+            # release the GIL); the request fixes the version and adoption step, so waiting for the result
+            # at that step (if it is not there yet) gives every member the same plan at the same step
+            self._planning = (req, in_background(self._replanner.make, req))
+
+    def _collect_plan(self) -> None:
+        """Queue the plan being made, waiting for it if it is not ready yet."""
+        if self._planning is not None:
+            req, fut = self._planning
+            self._planning = None
+            self._next_plan, self._plan_codecs[req.version] = fut.result()
 
     def plan_report(self) -> dict[str, Any]:
         g = self.last_gathered
@@ -333,10 +348,14 @@ class DreamDDP(Strategy):
         self._inflight.clear()
         self._control = None
 
+    def _queued_plan_dict(self) -> dict[str, Any] | None:
+        self._collect_plan()
+        return self._next_plan.to_dict() if self._next_plan is not None else None
+
     def _extra_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
             "plan": self.plan.to_dict(),
-            "next_plan": self._next_plan.to_dict() if self._next_plan is not None else None,
+            "next_plan": self._queued_plan_dict(),
             **self._replanner.state(),
             "history": [list(h) for h in self.plan_history],
             **self._weights.state(),
@@ -358,6 +377,7 @@ class DreamDDP(Strategy):
             self.plan = Plan.from_dict(state["plan"])
             nxt = state.get("next_plan")
             self._next_plan = Plan.from_dict(nxt) if nxt else None
+            self._planning = None
             self._replanner.load(state)
             self.plan_history = [(int(v), int(e)) for v, e in state.get("history", [])]
             self._weights.load(state)

@@ -10,7 +10,7 @@ import torch
 
 from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.sync.config import SyncConfig
-from dreamp2p.sync.control import pack_control, unpack_control
+from dreamp2p.sync.control import in_background, pack_control, unpack_control
 from dreamp2p.sync.outer import DIGEST_BITS, anchor_check_vector, anchor_verdict
 
 
@@ -88,3 +88,13 @@ def test_control_round_takes_the_slowest_of_goodputs_and_sync_pace(
     for got, want in zip(g.link_bandwidths, goodputs, strict=True):
         assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, rel=1e-6)
     assert [c.bwd_s for c in g.costs] == pytest.approx([0.02, 0.02])
+
+
+def test_in_background_hands_over_the_result_or_the_exception() -> None:
+    assert in_background(lambda x: x * 2, 21).result(10) == 42
+
+    def boom(_: int) -> int:
+        raise ValueError("planner failed")
+
+    with pytest.raises(ValueError, match="planner failed"):
+        in_background(boom, 0).result(10)

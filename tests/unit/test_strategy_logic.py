@@ -223,3 +223,18 @@ def test_every_configurable_strategy_name_has_one_class() -> None:
     assert tuple(STRATEGY_CLASSES) == STRATEGIES
     with pytest.raises(ValueError, match="strategy must be one of"):
         strategy_class("dilocox")
+
+
+def test_dreamddp_plans_made_beside_training_are_adopted_at_the_same_steps_everywhere() -> None:
+    """The planner runs off the training thread; each plan still takes effect at the step fixed when the
+    members decided (a period boundary), on every member, and checkpoints carry a plan still being made."""
+    hub = InProcessHub(3, goodput_Bps=50e6, rtt_s=0.001)
+    cfg = config("dreamddp", period=4, max_delay=2, warmup_steps=2, control_every=4)
+    strategies = members(hub, cfg)
+    train(strategies, 24)
+    histories = {tuple(s.plan_history) for s in strategies}  # type: ignore[attr-defined]
+    assert len(histories) == 1
+    history = histories.pop()
+    assert len(history) >= 2 and all(step % cfg.period == 0 for _, step in history[1:])
+    states = each(strategies, lambda rank, s: s.state_dict())
+    assert len({repr(st["extra"]["next_plan"]) for st in states}) == 1
