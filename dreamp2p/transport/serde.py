@@ -1,7 +1,9 @@
 """The single proto boundary: converts between `dreamp2p.messages` and `dreamp2p.v1` protobuf.
 
 Structural checks that need no round context (known enums, non-empty sender, sizes that fit the
-configured limits) happen here, so everything past this module holds well-formed values.
+configured limits) happen here, so everything past this module holds well-formed values. The bytes of
+the two bulk messages (a frame's payload, a state chunk) are written and split by hand, without a second
+copy, in `transport.wireformat`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dreamp2p.statemeta import (
     check_manifest,
     check_name,
 )
+from dreamp2p.transport.wireformat import CHUNK_DATA_TAG, CHUNK_OFFSET_TAG, PAYLOAD_TAG, split_payload, varint
 from dreamp2p.v1 import peer_pb2 as pb
 
 # Application status -> the standard gRPC code a generic client understands.
@@ -102,22 +105,7 @@ def _frame_header(f: Frame) -> pb.DataFrame:
     )
 
 
-# DataFrame.payload is field 15, length-delimited: tag byte (15 << 3) | 2.
-_PAYLOAD_FIELD = 15
-_PAYLOAD_TAG = bytes([(_PAYLOAD_FIELD << 3) | 2])
 PUSH_METHOD = "/dreamp2p.v1.Peer/Push"
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
 
 
 def frame_to_wire(f: Frame) -> bytes:
@@ -129,63 +117,7 @@ def frame_to_wire(f: Frame) -> bytes:
     header = _frame_header(f).SerializeToString()
     if not len(f.payload):
         return header  # proto3 leaves empty fields out
-    return b"".join((header, _PAYLOAD_TAG, _varint(len(f.payload)), f.payload))
-
-
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= len(buf):
-            raise PeerError(Status.BAD_FRAME, "truncated message: varint runs past the end")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-        if shift >= 64:
-            raise PeerError(Status.BAD_FRAME, "malformed message: varint longer than 10 bytes")
-
-
-def split_payload(data: bytes) -> tuple[bytes, memoryview]:
-    """Split a serialized ``DataFrame`` into (header fields, payload view) without copying the payload.
-
-    Accepts any valid field order (as any protobuf library may emit); a repeated payload field keeps
-    the last one, as protobuf parsing does. Malformed input raises PeerError(BAD_FRAME).
-    """
-    mv = memoryview(data)
-    end = len(mv)
-    pos = 0
-    spans: list[memoryview] = []
-    payload = mv[0:0]
-    while pos < end:
-        start = pos
-        key, pos = _read_varint(mv, pos)
-        field, wire_type = key >> 3, key & 7
-        if field == 0:
-            raise PeerError(Status.BAD_FRAME, "malformed message: field number 0")
-        if wire_type == 0:
-            _, pos = _read_varint(mv, pos)
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        elif wire_type == 2:
-            length, pos = _read_varint(mv, pos)
-            if pos + length > end:
-                raise PeerError(Status.BAD_FRAME, f"truncated message: field {field} needs {length} bytes")
-            if field == _PAYLOAD_FIELD:
-                payload = mv[pos : pos + length]
-                pos += length
-                continue
-            pos += length
-        else:
-            raise PeerError(Status.BAD_FRAME, f"malformed message: wire type {wire_type} of field {field}")
-        if pos > end:
-            raise PeerError(Status.BAD_FRAME, f"truncated message in field {field}")
-        spans.append(mv[start:pos])
-    return b"".join(spans), payload
+    return b"".join((header, PAYLOAD_TAG, varint(len(f.payload)), f.payload))
 
 
 def frame_from_wire(data: bytes, max_payload: int) -> Frame:
@@ -400,9 +332,6 @@ def push_ack(frames: int, payload_bytes: int) -> pb.PushAck:
 
 # Bounds a sender id, so a request cannot make us log or look up megabytes.
 _MAX_SENDER_CHARS = 256
-# StateChunk: offset is field 1 (varint), data is field 2 (length-delimited).
-_CHUNK_OFFSET_TAG = bytes([(1 << 3) | 0])
-_CHUNK_DATA_TAG = bytes([(2 << 3) | 2])
 
 
 def _state_sender(sender: str) -> str:
@@ -492,9 +421,9 @@ def state_chunk_to_wire(offset: int, data: bytes | memoryview) -> bytes:
     """Serialize a ``StateChunk`` copying ``data`` once (the standard encoding, as ``frame_to_wire``)."""
     parts: list[bytes | memoryview] = []
     if offset:  # proto3 leaves zero fields out
-        parts += [_CHUNK_OFFSET_TAG, _varint(offset)]
+        parts += [CHUNK_OFFSET_TAG, varint(offset)]
     if len(data):
-        parts += [_CHUNK_DATA_TAG, _varint(len(data)), data]
+        parts += [CHUNK_DATA_TAG, varint(len(data)), data]
     return b"".join(parts)
 
 
