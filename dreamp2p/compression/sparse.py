@@ -20,7 +20,7 @@ bits. Fields, each a concatenation over the blocks in order, sizes all following
 
 Bit planes are packed least significant bit first (a value's bit ``j`` follows its bit ``j - 1``) and
 padded with zero bits to a whole byte. A full block costs 8 + (82 * 5 + 210 + 82 * 2) / 8 = 106 bytes,
-0.026 bytes per element (int4: 0.5625, fp32: 4), about 7.6 bits per index against the 7.1 of the entropy
+0.026 bytes per element (int4: 0.5625, fp32: 4), about 7.6 bits per index against the 7.0 of the entropy
 of 82 positions among 4096; packed 12-bit indices would cost 152 bytes. zstd finds almost nothing left:
 the low bits of sorted positions and the signs are close to uniform (the ring keeps whichever is smaller).
 

@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import dreamp2p.v1.peer_pb2 as pb
 from dreamp2p.collective.partition import split_chunks, split_segments
 from dreamp2p.compression import CodecError, ErrorFeedback, NonFiniteError, codec_names, get_codec
 from dreamp2p.schedule.linkcodec import wire_ratio
@@ -103,6 +104,12 @@ def test_registered_as_a_sparse_lossy_codec() -> None:
     assert get_codec(7) is TOPK
     assert (TOPK.wire_id, TOPK.lossless, TOPK.sparse, TOPK.block, TOPK.itemsize) == (7, False, True, 4096, 1)
     assert not any(get_codec(c).sparse for c in codec_names() if c != "topk")
+
+
+def test_wire_ids_mirror_the_proto_codec_enum() -> None:
+    for name in codec_names():
+        assert pb.Codec.Value(f"CODEC_{name.upper()}") == get_codec(name).wire_id
+    assert len(pb.Codec.keys()) == len(codec_names()) + 1  # and CODEC_UNSPECIFIED
 
 
 @pytest.mark.parametrize("n", [0, *SIZES])
