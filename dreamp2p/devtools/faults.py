@@ -94,7 +94,7 @@ def _child(
                     "digest": param_digest(model),
                     "step": s.step_count,
                     "skipped": s.rounds_skipped,
-                    "view_changes": node.comm.peer.view_changes,
+                    "view_changes": node.comm.view_changes,
                 },
             )
         )

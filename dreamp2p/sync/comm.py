@@ -139,6 +139,11 @@ class CommThread:
         if not self._loop.is_closed():  # a step after close() has nobody left to tell
             self._loop.call_soon_threadsafe(self.peer.set_training_info, info)
 
+    @property
+    def view_changes(self) -> int:
+        """How often the live view changed (see Peer.view_changes)."""
+        return int(self.on_loop(lambda: self.peer.view_changes))
+
     def set_state_donor(self, donor: Any) -> None:
         self.on_loop(self.peer.set_state_donor, donor)
 

@@ -142,6 +142,7 @@ class _Child:
             "ring_ids": lambda: tuple(p.node_id for p in peer.ring),
             "address": lambda: peer.address,
             "links": peer.link_snapshots,
+            "view_changes": lambda: peer.view_changes,
             "set_resume_steps": peer.set_resume_steps,
             "admit_from": peer.admit_from,
             "stand_aside": peer.stand_aside,

@@ -291,6 +291,11 @@ class CommProcess:
     def agree(self, settings: dict[str, str], timeout: float) -> None:
         self._call("agree", settings, timeout, timeout=timeout + 30)
 
+    @property
+    def view_changes(self) -> int:
+        """How often the live view changed (see Peer.view_changes)."""
+        return int(self._call("view_changes"))
+
     def set_state_donor(self, donor: StateDonor | None) -> None:
         """Serve our state through ``donor``, a :class:`RemoteDonor` of this CommProcess (or None: serve none)."""
         if donor is None:

@@ -80,6 +80,7 @@ CALL_OPS = frozenset(
         "ring_ids",
         "address",
         "links",
+        "view_changes",
         "set_state_donor",
         "set_resume_steps",
         "admit_from",

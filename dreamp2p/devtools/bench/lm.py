@@ -35,7 +35,8 @@ Measured per strategy (per region, then combined over regions):
   (round payload). With tbf, ``mb_sent_run`` adds the whole run as the parent saw the veth counters
   (``ip -s -j link``) before and after it: connect, attach's broadcast of rank 0's model, final landing;
 - ``comm_cpu_s``: CPU time of everything but the training thread during the loop (comm thread, gRPC's
-  threads): ``time.process_time()`` minus the training thread's ``time.thread_time()``; and
+  threads): ``time.process_time()`` minus the training thread's ``time.thread_time()``, plus the comm
+  process's CPU time with ``comm=process`` (a variant key routed to ``[node] comm``); and
   ``comm_cpu_s_per_mb`` = total comm CPU / total ``mb_sent`` (null below 0.1 MB);
 - ``time_to_target_s``: the first loop time (slowest region's clock) at which the region-mean held-out loss,
   evaluated every ``eval_every`` = ceil(steps / 10) steps, is <= ``target_loss`` (default: the final
@@ -56,7 +57,7 @@ import tomllib
 from collections.abc import Sequence
 from typing import Any
 
-from dreamp2p.config import parse_rate
+from dreamp2p.config import PeerConfig, parse_rate
 from dreamp2p.devtools.bench.lmwork import JOB, VOCAB, count_params, eval_every, run_ceiling
 from dreamp2p.devtools.launch import run_local
 from dreamp2p.devtools.netns import Namespaces
@@ -131,6 +132,7 @@ def parse_variant(entry: str) -> tuple[str, dict[str, Any]]:
 
     Values are read as TOML (true, 3, 0.5, "int8"); a bare word that is not TOML is taken as a string.
     A plain strategy name has no overrides. Lets one run compare settings of a strategy side by side.
+    Keys of :data:`NODE_KEYS` (``dreamddp:comm=process``) are node settings: see :func:`split_node_keys`.
     """
     strategy, _, spec = entry.partition(":")
     own: dict[str, Any] = {}
@@ -143,6 +145,15 @@ def parse_variant(entry: str) -> tuple[str, dict[str, Any]]:
         except tomllib.TOMLDecodeError:
             own[key.strip()] = value.strip()
     return strategy, own
+
+
+# variant keys that configure the node ([node] in a daemon's file), not the strategy's SyncConfig
+NODE_KEYS = frozenset({"comm"})
+
+
+def split_node_keys(own: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A variant's overrides as (SyncConfig overrides, node config overrides)."""
+    return {k: v for k, v in own.items() if k not in NODE_KEYS}, {k: v for k, v in own.items() if k in NODE_KEYS}
 
 
 def bench_lm(
@@ -186,7 +197,9 @@ def bench_lm(
     for strategy, own in variants.values():  # fail early on a bad name or knob
         if {"strategy", "period"} & set(own):
             raise ValueError("a variant may not set strategy or period")
-        SyncConfig.from_dict({"strategy": strategy, "period": period, **extra, **own})
+        sync_own, node_own = split_node_keys(own)
+        SyncConfig.from_dict({"strategy": strategy, "period": period, **extra, **sync_own})
+        PeerConfig(node_id="check", **node_own)
     rate_Bps = parse_rate(rate)
     root = os.geteuid() == 0
     if netns and not root:
@@ -222,6 +235,7 @@ def bench_lm(
         ns_ctx = stack.enter_context(Namespaces(regions, rate)) if use_netns else None
         for name in names:
             strategy, own = variants[name]
+            own, node_own = split_node_keys(own)
             args = {
                 "strategy": strategy,
                 "period": period,
@@ -235,7 +249,7 @@ def bench_lm(
                 regions,
                 JOB,
                 args,
-                {"transport": transport},
+                {"transport": transport, **node_own},
                 timeout=timeout,
                 node_job=True,
                 hosts=ns_ctx.hosts if ns_ctx is not None else None,

@@ -22,6 +22,7 @@ from dreamp2p.devtools.launch import expect_message, reap, start_child
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.tasks import ByteTransformer, stdlib_files
+from dreamp2p.sync.commproc import CommProcess
 from dreamp2p.sync.dreamddp import DreamDDP, plan_summary
 
 log = logging.getLogger(__name__)
@@ -205,7 +206,10 @@ def lm_job(
     """One region (a peer process started by `dreamp2p.devtools.launch.run_local`)."""
     w = _Workload(rank, world, workload)
     sync = node.attach(w.model, w.opt, strategy=strategy, period=period, **extra_sync)
+    child_cpu = node.comm.cpu_seconds if isinstance(node.comm, CommProcess) else lambda: 0.0
+    cpu0 = child_cpu()
     out = w.loop(sync.step, sync.zero_grad, wire_devs[rank])
+    out["comm_cpu_s"] += child_cpu() - cpu0  # the comm process's CPU, with [node] comm = "process"
     tot = sync.totals
     out.update(
         exposed_s=tot.exposed_s,

@@ -136,7 +136,7 @@ def train_job(
         "hidden_fraction": tot.hidden_fraction,
         "plan_history": list(getattr(s, "plan_history", [])),
         "step_times": stamps,
-        "view_changes": node.comm.peer.view_changes,
+        "view_changes": node.comm.view_changes,
         "rounds_skipped": s.rounds_skipped,
         "anchors_healed": getattr(s, "anchors_healed", 0),
         "link_codecs": list(rc.send) if (rc := getattr(s, "ring_codecs", None)) is not None else None,
