@@ -100,11 +100,25 @@ class Measured:
     # the ceiling measured again right after the strategy (``ceiling.after_steps_per_s``, set by the runner):
     # on a host shared with other work, how far the hardware's pace moved during the point
     ceiling_after_s: float | None = None
+    exposed_step_s: float | None = None  # the strategy's own exposed wait per step (mean over regions)
 
     @property
     def drift(self) -> float | None:
         """ceiling step time after / before - 1 (None when not measured again)."""
         return None if self.ceiling_after_s is None else self.ceiling_after_s / self.ceiling_step_s - 1.0
+
+    @property
+    def bracketed_utilization(self) -> float | None:
+        """Against the mean of the ceilings before and after: less sensitive to a host whose load moved."""
+        if self.ceiling_after_s is None:
+            return None
+        return (self.ceiling_step_s + self.ceiling_after_s) / 2.0 / self.step_s
+
+    @property
+    def own_utilization(self) -> float | None:
+        """1 - exposed wait / step time, on the strategy's own clock: what the planner's CU means
+        (compute / (compute + exposed)), blind to compute slowed by the host or by dreamp2p's own CPU."""
+        return None if self.exposed_step_s is None else 1.0 - self.exposed_step_s / self.step_s
 
 
 def codec_ratio(codec: str) -> float:
@@ -123,7 +137,9 @@ def measured(report: Mapping[str, Any], strategy: str = "dreamddp") -> Measured:
     after = report["ceiling"].get("after_steps_per_s")
     if after is not None and not float(after) > 0:
         raise ValueError(f"ceiling.after_steps_per_s must be > 0, got {after!r}")
-    return Measured(1.0 / ceiling, 1.0 / sps, sps / ceiling, None if after is None else 1.0 / float(after))
+    exposed = row.get("exposed_s")
+    per_step = None if exposed is None or "steps" not in report else float(exposed) / int(report["steps"])
+    return Measured(1.0 / ceiling, 1.0 / sps, sps / ceiling, None if after is None else 1.0 / float(after), per_step)
 
 
 def plan_args(report: Mapping[str, Any], layers: int, codec: str = DEFAULT_CODEC) -> dict[str, Any]:
@@ -235,8 +251,14 @@ class Check:
             "within": self.within(),
             "plan_command": self.command,
         }
-        if self.measured.drift is not None:
-            out["ceiling_drift"] = round(self.measured.drift, 4)
+        m = self.measured
+        if m.drift is not None and m.bracketed_utilization is not None:
+            out["ceiling_drift"] = round(m.drift, 4)
+            out["bracketed_cu"] = round(m.bracketed_utilization, 4)
+            out["bracketed_cu_error"] = round(rel_error(self.plan.utilization, m.bracketed_utilization), 4)
+        if m.own_utilization is not None:
+            out["own_cu"] = round(m.own_utilization, 4)
+            out["own_cu_error"] = round(rel_error(self.plan.utilization, m.own_utilization), 4)
         if self.adopted is not None:
             out["adopted_step_s"] = round(self.adopted.step_s, 5)
             out["adopted_cu"] = round(self.adopted.utilization, 4)
@@ -254,27 +276,58 @@ def check_point(point: GridPoint, report: Mapping[str, Any], layers: int) -> tup
     return Check(point, measured(report), user_prediction(args), adopted, plan_command(args)), inputs
 
 
+def check_from_row(row: Mapping[str, Any]) -> Check:
+    """A check rebuilt from a saved row of ``Check.to_dict`` (plus ``exposed_s`` and ``steps``), as it was."""
+    base = float(row["ceiling_step_s"])
+    drift = row.get("ceiling_drift")
+    exposed, steps = row.get("exposed_s"), row.get("steps")
+    m = Measured(
+        base,
+        float(row["measured_step_s"]),
+        float(row["measured_cu"]),
+        None if drift is None else base * (1.0 + float(drift)),
+        None if exposed is None or not steps else float(exposed) / int(steps),
+    )
+    adopted = None
+    if "adopted_step_s" in row:
+        adopted = Prediction(float(row["adopted_step_s"]), float(row["adopted_cu"]))
+    plan = Prediction(float(row["plan_step_s"]), float(row["plan_cu"]))
+    return Check(GridPoint(**row["point"]), m, plan, adopted, str(row["plan_command"]))
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _against(value: float | None, predicted: float) -> str:
+    return "-" if value is None else f"{value:.3f} ({_pct(rel_error(predicted, value))})"
+
+
 def markdown_table(checks: Sequence[Check], tolerance: float = TOLERANCE) -> str:
-    """One row per point: measured vs predicted step time and utilization, errors, the within flag."""
+    """One row per point: measured vs predicted step time and utilization, errors, the within flag.
+
+    The flag is on the acceptance's definitions (step time; CU against the ceiling measured before the
+    strategy); the columns after it are diagnostics: CU against the ceilings before and after, CU on the
+    strategy's own clock, and the adopted plan's own prediction.
+    """
     head = (
-        "| model | rate | RTT | regions | ceiling s/step | measured s/step | plan s/step | err | measured CU | "
-        f"plan CU | err | within {tolerance:.0%} | adopted plan s/step (err) | ceiling drift |"
+        "| model | rate | RTT | regions | ceiling s/step (after) | measured s/step | plan s/step | err | "
+        f"measured CU | plan CU | err | within {tolerance:.0%} | CU bracketed (err) | CU own clock (err) | "
+        "adopted plan s/step (err) |"
     )
-    lines = [head, "|---|---|---:|---:|" + "---:|" * 7 + ":---:|---:|---:|"]
+    lines = [head, "|---|---|---:|---:|" + "---:|" * 7 + ":---:|---:|---:|---:|"]
     for c in checks:
-        p = c.point
-        adopted, drift = "-", "-" if c.measured.drift is None else f"{100 * c.measured.drift:+.1f}%"
+        p, m = c.point, c.measured
+        ceiling = f"{m.ceiling_step_s:.3f}" + ("" if m.ceiling_after_s is None else f" ({m.ceiling_after_s:.3f})")
+        adopted = "-"
         if c.adopted is not None:
-            adopted = f"{c.adopted.step_s:.3f} ({_pct(rel_error(c.adopted.step_s, c.measured.step_s))})"
+            adopted = f"{c.adopted.step_s:.3f} ({_pct(rel_error(c.adopted.step_s, m.step_s))})"
         lines.append(
-            f"| {p.size} | {p.rate} | {p.rtt_ms:g} ms | {p.regions} | {c.measured.ceiling_step_s:.3f} | "
-            f"{c.measured.step_s:.3f} | {c.plan.step_s:.3f} | {_pct(c.step_error)} | {c.measured.utilization:.3f} | "
+            f"| {p.size} | {p.rate} | {p.rtt_ms:g} ms | {p.regions} | {ceiling} | "
+            f"{m.step_s:.3f} | {c.plan.step_s:.3f} | {_pct(c.step_error)} | {m.utilization:.3f} | "
             f"{c.plan.utilization:.3f} | {_pct(c.cu_error)} | {'yes' if c.within(tolerance) else '**no**'} | "
-            f"{adopted} | {drift} |"
+            f"{_against(m.bracketed_utilization, c.plan.utilization)} | "
+            f"{_against(m.own_utilization, c.plan.utilization)} | {adopted} |"
         )
     return "\n".join(lines)
 

@@ -92,8 +92,21 @@ def test_measured_reads_the_ceiling_measured_again_as_drift() -> None:
     assert m.drift == pytest.approx(0.25)  # 25% slower after: the host got busier during the point
     assert m.utilization == pytest.approx(0.75)  # still against the ceiling of the same run
     check, _ = pt.check_point(pt.GridPoint("small", "20mbit", 0.0, 2), r, LAYERS)
-    assert check.to_dict()["ceiling_drift"] == pytest.approx(0.25)
-    assert pt.markdown_table([check]).splitlines()[2].endswith("| +25.0% |")
+    row = check.to_dict()
+    assert row["ceiling_drift"] == pytest.approx(0.25)
+    assert row["bracketed_cu"] == pytest.approx((0.25 + 0.3125) / 2 * 3.0, abs=1e-4)
+    assert "| 0.250 (0.312) |" in pt.markdown_table([check]).splitlines()[2]
+
+
+def test_own_clock_utilization_counts_only_the_exposed_wait() -> None:
+    r = report(ceiling_sps=4.0, sps=2.0)  # half the ceiling's pace...
+    r["steps"] = 100
+    r["strategies"]["dreamddp"]["exposed_s"] = 2.5  # ...but only 25 ms of each 500 ms step waited on the link
+    m = pt.measured(r)
+    assert m.utilization == pytest.approx(0.5)
+    assert m.own_utilization == pytest.approx(0.95)
+    check, _ = pt.check_point(pt.GridPoint("small", "20mbit", 0.0, 2), r, LAYERS)
+    assert check.to_dict()["own_cu_error"] == pytest.approx(abs(check.plan.utilization - 0.95) / 0.95, abs=1e-4)
 
 
 def test_measured_refuses_a_missing_row_or_zero_rate() -> None:
@@ -216,7 +229,7 @@ def test_table_and_summary_flag_the_points_outside() -> None:
     checks = [_check(0.33, 0.31, 0.91, 0.97), _check(0.50, 0.31, 0.60, 0.97)]
     table = pt.markdown_table(checks).splitlines()
     assert len(table) == 4
-    assert all(line.count("|") == 15 for line in table)
+    assert all(line.count("|") == 16 for line in table)
     assert "| yes |" in table[2] and "| **no** |" in table[3]
     s = pt.summary(checks)
     assert s["points"] == 2 and s["within"] == 1
@@ -236,6 +249,7 @@ def test_target_check_refuses_a_target_outside_0_1() -> None:
 
 def test_cli_rebuilds_the_table_from_saved_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     saved = report(ceiling_sps=3.0, sps=2.9, rate="100mbit")
+    saved["bench"] = "lm"
     saved["model"] = {"width": 256, "layers": 4}
     saved["shaping"] = "tbf"
     saved["steps"] = 100
@@ -248,3 +262,19 @@ def test_cli_rebuilds_the_table_from_saved_reports(tmp_path: Path, capsys: pytes
     assert row["point"] == {"size": "small", "rate": "100mbit", "rtt_ms": 0.0, "regions": 2}
     assert row["plan_command"].startswith(f"dreamp2p plan --params {PARAMS} --layers 28 ")
     assert row["within"] is True and res["summary"]["within"] == 1
+
+
+def test_a_saved_row_rebuilds_the_same_check() -> None:
+    r = report(ceiling_sps=4.0, sps=3.0)
+    r["steps"] = 100
+    r["ceiling"]["after_steps_per_s"] = 3.5
+    r["strategies"]["dreamddp"]["exposed_s"] = 1.0
+    check, _ = pt.check_point(pt.GridPoint("small", "20mbit", 0.0, 2), r, LAYERS)
+    row = {**check.to_dict(), "exposed_s": 1.0, "steps": 100}
+    again = pt.check_from_row(json.loads(json.dumps(row)))
+    old, new = check.to_dict(), again.to_dict()
+    assert new.keys() == old.keys()
+    for key, value in old.items():
+        assert new[key] == (pytest.approx(value, abs=2e-4) if isinstance(value, float) else value), key
+    assert again.within() == check.within()
+    assert pt.markdown_table([again]) == pt.markdown_table([check])

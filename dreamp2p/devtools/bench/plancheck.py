@@ -126,6 +126,20 @@ def _row(point: pt.GridPoint, report: dict[str, Any], layers: dict[str, int]) ->
     return check, row
 
 
+def _saved(name: str) -> list[dict[str, Any]]:
+    """The JSON objects of a saved file: a `bench lm` output (its last line) or plancheck's JSON-lines rows."""
+    objs = []
+    for line in Path(name).read_text().splitlines():
+        if line.startswith("{"):
+            obj = json.loads(line)
+            if obj.get("bench") == "lm" or "plan_command" in obj:
+                obj.setdefault("source", name)
+                objs.append(obj)
+    if not objs:
+        raise ValueError(f"{name}: no bench lm report or plancheck row in it")
+    return objs
+
+
 def _append(out: Path | None, row: dict[str, Any]) -> None:
     if out is not None:
         with out.open("a") as fh:
@@ -151,23 +165,28 @@ def bench_plancheck(
     path = Path(out) if out else None
     layers: dict[str, int] = {}
     checks, rows = [], []
-    if reports:
-        sources: list[tuple[pt.GridPoint, dict[str, Any] | None, str]] = []
-        for name in reports:
-            report = json.loads(Path(name).read_text().strip().splitlines()[-1])
-            sources.append((_point_of(report), report, name))
-    else:
-        sources = [(p, None, "measured") for p in pt.grid(sizes, rates, rtts, regions)]
-    for point, saved, source in sources:
-        report = saved if saved is not None else _measure(point, steps, period, netns)
-        check, row = _row(point, report, layers)
-        row["source"] = source
-        _append(path, row)
+    saved_rows = [row for name in reports for row in _saved(name)]
+    for point in [] if reports else pt.grid(sizes, rates, rtts, regions):
+        fresh = _measure(point, steps, period, netns)
+        check, row = _row(point, fresh, layers)
+        row["source"] = "measured"
+        _append(path, {**row, "report": fresh})  # the report too: --reports can compare it again
+        checks.append(check)
+        rows.append(row)
+    for saved in saved_rows:  # a bench lm report (or a row holding one) is compared again; a bare row as it was
+        report: dict[str, Any] | None = saved.get("report") if "plan_command" in saved else saved
+        if report is not None:
+            check, row = _row(_point_of(report), report, layers)
+            row["source"] = saved["source"]
+        else:
+            check = pt.check_from_row(saved)
+            row = {**saved, **check.to_dict()}
+        _append(path, row if report is None else {**row, "report": report})
         checks.append(check)
         rows.append(row)
     return {
         "bench": "plancheck",
-        "steps": steps if not reports else sorted({r["steps"] for r in rows}),
+        "steps": steps if not reports else sorted({r["steps"] for r in rows if "steps" in r}),
         "period": period,
         "tolerance": pt.TOLERANCE,
         "rows": rows,
