@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 import dreamp2p.v1.peer_pb2 as pb
 from dreamp2p.collective.partition import split_chunks, split_segments
@@ -23,6 +24,7 @@ from dreamp2p.schedule.linkcodec import wire_ratio
 from dreamp2p.sync.control import codec_ratio
 
 TOPK = get_codec("topk")
+FLT_MAX = float(np.finfo(np.float32).max)
 B = 4096
 SIZES = [1, 2, 49, 50, 51, 99, 100, 1000, 4095, 4096, 4097, 8192, 10_000, (1 << 18) + 5]
 
@@ -202,6 +204,39 @@ def test_a_block_with_fewer_non_zeros_than_kept_decodes_its_zeros_as_zeros() -> 
     y = TOPK.decode(TOPK.encode(x), B)
     assert set(torch.nonzero(y).view(-1).tolist()) == {5, 700, 701, 4000}
     assert torch.equal(torch.sign(y[[5, 700, 701, 4000]]), torch.tensor([1.0, -1.0, 1.0, -1.0]))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    arr=hnp.arrays(
+        np.float32,
+        st.integers(1, 2 * B + 300),
+        elements=st.floats(-FLT_MAX, FLT_MAX, width=32, allow_nan=False, allow_infinity=False),
+    )
+)
+def test_property_any_finite_input_decodes_finite_within_its_kept_range(arr: np.ndarray) -> None:
+    x = torch.from_numpy(arr.copy())
+    y = TOPK.decode(TOPK.encode(x), x.numel())
+    assert bool(torch.isfinite(y).all())
+    for s in range(0, x.numel(), B):
+        xb, yb = x[s : s + B], y[s : s + B]
+        assert int(torch.count_nonzero(yb)) <= shape(xb.numel())[0]
+        kept = yb != 0
+        if bool(kept.any()):
+            a = xb[kept].abs()
+            assert float(yb[kept].abs().min()) >= float(a.min()) and float(yb[kept].abs().max()) <= float(a.max())
+            assert torch.equal(torch.sign(yb[kept]), torch.sign(xb[kept]))
+
+
+@pytest.mark.parametrize("value", [FLT_MAX, -FLT_MAX, 1e-45, -3e-39])
+def test_extremes_round_trip_exactly_when_the_kept_values_are_equal(value: float) -> None:
+    x = torch.zeros(B + 10)
+    x[::37] = value  # 111 of them in the first block, which keeps the lowest 82
+    x[B + 4] = value  # the only one of the 10-element last block
+    y = TOPK.decode(TOPK.encode(x), x.numel())
+    kept = torch.nonzero(y).view(-1)
+    assert kept.tolist() == [37 * i for i in range(82)] + [B + 4]
+    assert bool((y[kept] == x[kept]).all())
 
 
 def test_deterministic_and_block_aligned_chunks_decode_as_the_whole() -> None:
