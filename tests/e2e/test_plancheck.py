@@ -43,3 +43,4 @@ def test_plancheck_target_cu_runs_the_recommendation() -> None:
     assert row["steps"] >= 5 * best["period"]
     assert row["measured_cu"] > 0
     assert row["met"] is (row["measured_cu"] >= 0.45)
+    assert row["own_cu"] is not None and row["ceiling_after_steps_per_s"] > 0

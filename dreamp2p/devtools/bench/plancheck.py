@@ -229,14 +229,21 @@ def _target_mode(
                 extra["stream_delay"] = 0  # every strategy's config needs stream_delay < period
             n = max(steps, MIN_PERIODS * H)
             report = _lm(point, n, H, netns, extra_sync=extra)
-            dd = report["strategies"]["dreamddp"]
+            report["ceiling"]["after_steps_per_s"] = round(1.0 / _ceiling_step_s(point, n), 4)
+            dd, m = report["strategies"]["dreamddp"], pt.measured(report)
+            bracketed, own = m.bracketed_utilization, m.own_utilization
             row.update(
                 steps=n,
                 ceiling_steps_per_s=report["ceiling"]["steps_per_s"],
+                ceiling_after_steps_per_s=report["ceiling"]["after_steps_per_s"],
                 steps_per_s=dd["steps_per_s"],
                 measured_cu=dd["compute_utilization"],
+                bracketed_cu=None if bracketed is None else round(bracketed, 4),
+                own_cu=None if own is None else round(own, 4),
                 predicted_cu=best["utilization"],
                 met=pt.target_check(target, float(dd["compute_utilization"])),
+                met_bracketed=None if bracketed is None else pt.target_check(target, bracketed),
+                met_own_clock=None if own is None else pt.target_check(target, own),
                 exposed_s=dd["exposed_s"],
                 mb_sent=dd["mb_sent"],
                 plan=dd.get("plan"),
