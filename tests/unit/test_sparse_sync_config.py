@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from dreamp2p.cli import main
 from dreamp2p.settings import settings_mismatch
 from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.groups import GROUP_PLAN_BASE
@@ -84,3 +85,12 @@ def test_dreamddp_trains_with_sparse_pseudo_gradients_and_replicas_stay_identica
         assert sum(curve[-8:]) < 0.7 * sum(curve[:8])
     a, b = (b"".join(p.detach().numpy().tobytes() for p in s.model.parameters()) for s in strategies)
     assert a == b
+
+
+def test_the_demo_refuses_the_sparse_codec_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--codec", "topk"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --codec: invalid choice: 'topk' (choose from fp32," in err
+    assert "topk" not in err.split("choose from")[1]
