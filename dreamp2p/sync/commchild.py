@@ -5,6 +5,7 @@ interpreter: it imports nothing of the model or of the trainer's script). A read
 trainer's messages (`dreamp2p.sync.commwire`) into work on the loop; every reply is sent from the loop.
 Shared buffers arrive as file descriptors right behind their ShareBuffer message. When the trainer's end
 of the socket closes (it exited or was killed) the peer is closed with grace and the process exits.
+SIGINT and SIGTERM are ignored: only the trainer ends the comm process.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import logging
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -226,6 +228,10 @@ def main(fd: int) -> None:
         format=f"%(asctime)s {init.config.node_id}/comm %(name)s %(levelname)s %(message)s",
     )
     torch.set_num_threads(1)  # the codecs' kernels must not take the trainer's cores
+    # Ctrl-C and a process-group SIGTERM (systemd, a terminal) reach us too: the trainer decides when we
+    # stop (it may still finish a round and checkpoint), and its death closes our socket anyway
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     asyncio.run(_serve(conn, sock, init))
     # like the node daemon: leave without interpreter teardown, where gRPC's poller threads could crash us
     sys.stdout.flush()

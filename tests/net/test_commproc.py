@@ -191,3 +191,20 @@ def test_a_killed_comm_process_fails_the_round_and_every_later_call() -> None:
         for n in nodes:
             n.close()
     assert not [n for n in nodes if isinstance(n.comm, CommProcess) and alive(n.comm.pid)]
+
+
+@pytest.mark.timeout(120)
+def test_the_comm_process_ignores_sigterm_and_sigint() -> None:
+    """A signal to the whole process group (systemd, Ctrl-C) leaves the trainer to decide when its peer stops."""
+    (config,), _ = ring_of(("process",))
+    node = Node(config)
+    try:
+        comm = node.comm
+        assert isinstance(comm, CommProcess)
+        os.kill(comm.pid, signal.SIGTERM)
+        os.kill(comm.pid, signal.SIGINT)
+        assert comm.status().node_id == "n0"  # answered after both signals arrived
+        assert alive(comm.pid)
+    finally:
+        node.close()
+    assert not alive(comm.pid)
