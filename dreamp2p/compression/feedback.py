@@ -16,8 +16,10 @@ class ErrorFeedback:
     adds it to the next input.
 
     Over many rounds the sum of what was decoded differs from the sum of what was offered by exactly the
-    current residual, which is bounded by one quantization step; without feedback the rounding errors of
-    each round pile up instead. Not thread-safe: use one instance per sending thread, or lock around it.
+    current residual, which is bounded by one quantization step (for the sparse ``topk``: by what has not
+    yet grown large enough to be selected); without feedback the rounding errors of each round pile up
+    instead (with ``topk``, 98% of every input). Not thread-safe: use one instance per sending thread, or
+    lock around it.
     """
 
     def __init__(self, codec: Codec) -> None:
