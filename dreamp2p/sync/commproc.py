@@ -4,28 +4,20 @@ The trainer's process keeps the model, the strategy, its flat group buffers and 
 child (`dreamp2p.sync.commchild`, a fresh interpreter that imports nothing of the model) runs the Peer,
 its gRPC server and channels, heartbeats and every round. So the Python half of communication (framing,
 codecs, asyncio) no longer takes the trainer's GIL. What crosses the local socket is small typed
-messages (`dreamp2p.sync.commwire`); a round's tensors do not: each group buffer is moved into shared
-memory (``share_memory_()``, in place, so every view of it stays valid) and its file descriptor is
-handed to the child once. ``prepare`` callbacks (a Python closure, e.g. DreamDDP's pseudo-gradient) run
-here on a launcher thread, so the training thread never waits for them. A joiner's request for our state
-reaches the trainer through :class:`RemoteDonor`; the snapshot the trainer publishes is shipped to the
-child as bytes (joins only). A dead child fails every pending future with CommProcessError at once.
+messages (`dreamp2p.sync.commwire`, sent and answered through `dreamp2p.sync.commpipe`); a round's
+tensors do not: each group buffer is moved into shared memory (``share_memory_()``, in place, so every
+view of it stays valid) and its file descriptor is handed to the child once. ``prepare`` callbacks (a
+Python closure, e.g. DreamDDP's pseudo-gradient) run here on a launcher thread, so the training thread
+never waits for them. A joiner's request for our state reaches the trainer through :class:`RemoteDonor`;
+the snapshot the trainer publishes is shipped to the child as bytes (joins only). A dead child fails
+every pending future with CommProcessError at once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
-import os
-import pickle
-import socket
-import subprocess
-import sys
-import threading
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +27,7 @@ from dreamp2p.messages import LinkSnapshot, PeerStatus, RingCodecPlan, RoundResu
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.state.fetch import FetchedState
 from dreamp2p.state.snapshot import Snapshot
+from dreamp2p.sync.commpipe import ChildPipe, settle
 from dreamp2p.sync.commwire import (
     AllReduce,
     BufferRegistry,
@@ -43,21 +36,16 @@ from dreamp2p.sync.commwire import (
     DonorClear,
     DonorSnapshot,
     DonorWanted,
-    Failure,
     ForgetBuffer,
     Init,
-    Reply,
     SetTrainingInfo,
     ShareBuffer,
-    Started,
     check_shareable,
-    decode_error,
 )
 from dreamp2p.sync.layers import FlatGroup
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 120.0  # a fresh interpreter importing torch and grpc on a loaded host
 CALL_TIMEOUT_S = 60.0  # a plain call the peer answers at once (members, status, ...)
 
 
@@ -66,133 +54,30 @@ class CommProcess:
 
     def __init__(self, config: PeerConfig, ready: bool = True) -> None:
         self.config = config
-        ours, theirs = socket.socketpair()
-        pkg_root = str(Path(__file__).resolve().parents[2])  # the folder holding the dreamp2p package
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "dreamp2p.sync.commchild", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            env=env,
-        )
-        theirs.close()
-        fd = ours.detach()
-        self._conn = Connection(fd)
-        self._sock = socket.socket(fileno=os.dup(fd))  # the same stream, for passing file descriptors
-        self._send_lock = threading.Lock()
-        self._pending: dict[int, concurrent.futures.Future[Any]] = {}
-        self._pending_lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._buffers = BufferRegistry()
-        self._dead: str | None = None
-        self._closing = False
         self.donor: RemoteDonor | None = None
-        self._send(Init(config, ready, logging.getLogger().getEffectiveLevel()))
-        started = self._first_reply()
+        self._pipe = ChildPipe(config.node_id, self._event)
+        self._closing = False
+        self._buffers = BufferRegistry()
+        started = self._pipe.start(Init(config, ready, logging.getLogger().getEffectiveLevel()))
         self.port = started.port
         self.pid = started.pid
         # one FIFO worker: rounds reach the child in launch order, prepare() runs off the training thread
         self._launcher = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix=f"dreamp2p-launch-{config.node_id}"
         )
-        self._reader = threading.Thread(target=self._read, name=f"dreamp2p-comm-{config.node_id}", daemon=True)
-        self._reader.start()
 
-    def _first_reply(self) -> Started:
-        if not self._conn.poll(START_TIMEOUT_S):
-            self._kill()
-            raise CommProcessError(
-                f"the comm process of {self.config.node_id} did not start within {START_TIMEOUT_S:.0f} s"
-            )
-        try:
-            msg = pickle.loads(self._conn.recv_bytes())
-        except (EOFError, OSError):
-            code = self._proc.wait(10)
-            raise CommProcessError(f"the comm process of {self.config.node_id} exited at start (code {code})") from None
-        if isinstance(msg, Failure):
-            self._proc.wait(10)
-            raise decode_error(msg.error)
-        if not isinstance(msg, Started):
-            self._kill()
-            raise CommProcessError(f"comm process: expected Started, got {type(msg).__name__}")
-        return msg
-
-    # ------------------------------------------------------------------ plumbing
-
-    def _send(self, msg: Any, fd: int | None = None) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            self._conn.send_bytes(data)
-            if fd is not None:  # right behind its message: the child's reader takes it next
-                socket.send_fds(self._sock, [b"F"], [fd])
-
-    def _request(
-        self, make: Callable[[int], Any], fds: Sequence[tuple[ShareBuffer, int]] = ()
-    ) -> concurrent.futures.Future[Any]:
-        """Send the message ``make(req_id)`` (after any buffers to share) and return its future."""
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        req_id = next(self._ids)
-        with self._pending_lock:
-            if self._dead is not None:
-                fut.set_exception(CommProcessError(self._dead))
-                return fut
-            self._pending[req_id] = fut
-        try:
-            for share, fd in fds:
-                self._send(share, fd)
-            self._send(make(req_id))
-        except (OSError, ValueError) as exc:  # the socket is closed: the child is gone
-            self._fail_all(f"the comm process of {self.config.node_id} is gone ({exc})")
-        return fut
+    def _event(self, msg: Any) -> None:
+        """A message of the child's own (on the reader thread)."""
+        if isinstance(msg, DonorWanted) and self.donor is not None:
+            self.donor._remote_wanted = msg.wanted
 
     def _call(self, op: str, *args: Any, timeout: float | None = CALL_TIMEOUT_S) -> Any:
-        return self._request(lambda rid: Call(rid, op, args)).result(timeout)
-
-    def _read(self) -> None:
-        """Resolve futures from the child's replies until EOF; then fail every pending one."""
-        while True:
-            try:
-                msg = pickle.loads(self._conn.recv_bytes())
-            except (EOFError, OSError):
-                break
-            if isinstance(msg, DonorWanted):
-                if self.donor is not None:
-                    self.donor._remote_wanted = msg.wanted
-                continue
-            with self._pending_lock:
-                fut = self._pending.pop(msg.req_id, None)
-            if fut is None:
-                continue
-            if isinstance(msg, Reply):
-                fut.set_result(msg.value)
-            elif isinstance(msg, Failure):
-                fut.set_exception(decode_error(msg.error))
-        try:
-            code: int | None = self._proc.wait(5)
-        except subprocess.TimeoutExpired:
-            code = None
-        what = "closed" if self._closing else f"exited (code {code})" if code is not None else "closed its socket"
-        self._fail_all(f"the comm process (pid {self._proc.pid}) of {self.config.node_id} {what}")
-        if not self._closing:
-            log.error("the comm process (pid %d) %s: every round in flight fails", self._proc.pid, what)
-
-    def _fail_all(self, reason: str) -> None:
-        with self._pending_lock:
-            if self._dead is None:
-                self._dead = reason
-            pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(CommProcessError(reason))
-
-    def _kill(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait(10)
+        return self._pipe.request(lambda rid: Call(rid, op, args)).result(timeout)
 
     def _share(self, t: torch.Tensor) -> tuple[int, list[tuple[ShareBuffer, int]]]:
         """The buffer id of ``t``, with what to send first when the child does not know it yet."""
         for dead in self._buffers.take_dead():
-            self._send(ForgetBuffer(dead))
+            self._pipe.send(ForgetBuffer(dead))
         buf_id, new = self._buffers.lookup(t)
         if not new:
             return buf_id, []
@@ -253,7 +138,7 @@ class CommProcess:
             source = group.work if prepare is not None else group.snap
             src_id, shares = self._share(source)
             out_id, more = self._share(group.work)
-            fut = self._request(
+            fut = self._pipe.request(
                 lambda rid: AllReduce(
                     rid, src_id, out_id, group_id, codec, plan_version, round_id, guard_norm, error_feedback
                 ),
@@ -274,10 +159,10 @@ class CommProcess:
         """Publish our strategy and step; never blocks the training thread (a lost child raises here)."""
         if self._closing:
             return
-        if self._dead is not None:
-            raise CommProcessError(self._dead)
+        if self._pipe.dead is not None:
+            raise CommProcessError(self._pipe.dead)
         try:
-            self._send(SetTrainingInfo(info))
+            self._pipe.send(SetTrainingInfo(info))
         except (OSError, ValueError) as exc:
             raise CommProcessError(f"the comm process of {self.node_id} is gone ({exc})") from None
 
@@ -342,23 +227,16 @@ class CommProcess:
         """Close the peer with ``grace`` in the child, let it exit, and reap it (killed past a deadline)."""
         if self._closing:
             return
+        self._closing = True
         self._launcher.shutdown(wait=True, cancel_futures=True)
         try:
-            if self._dead is None:
-                self._closing = True
+            if self._pipe.dead is None:
+                self._pipe.closing = True
                 self._call("close", grace, timeout=grace + 30)
         except (CommProcessError, TimeoutError) as exc:
             log.warning("closing the comm process of %s: %s", self.node_id, exc)
         finally:
-            self._closing = True
-            try:
-                self._proc.wait(grace + 10)
-            except subprocess.TimeoutExpired:
-                log.warning("the comm process (pid %d) did not exit: killing it", self._proc.pid)
-                self._kill()
-            self._conn.close()
-            self._sock.close()
-            self._reader.join(10)
+            self._pipe.reap(grace + 10)
 
 
 class RemoteDonor(StateDonor):
@@ -382,7 +260,7 @@ class RemoteDonor(StateDonor):
         data = {name: bytes(view) for name, view in snapshot.data.items()}
         self._remote_wanted = False
         self.publications += 1
-        self.comm._send(DonorSnapshot(snapshot.manifest, data, static or self._static_next))
+        self.comm._pipe.send(DonorSnapshot(snapshot.manifest, data, static or self._static_next))
 
     def serve_static(self, state: Any, step: int) -> Snapshot:
         self._static_next = True
@@ -392,7 +270,7 @@ class RemoteDonor(StateDonor):
             self._static_next = False
 
     def clear(self) -> None:
-        self.comm._send(DonorClear())
+        self.comm._pipe.send(DonorClear())
 
     async def manifest(self, timeout: float) -> Snapshot:
         raise RuntimeError("a RemoteDonor's snapshots are served by the comm process")
@@ -403,18 +281,12 @@ def _guarded(fn: Callable[[], None], out: concurrent.futures.Future[Any]) -> Non
     try:
         fn()
     except BaseException as exc:
-        if not out.done():
-            out.set_exception(exc)
+        settle(out, exc=exc)
 
 
 def _chain(src: concurrent.futures.Future[Any], dst: concurrent.futures.Future[Any]) -> None:
     def copy(f: concurrent.futures.Future[Any]) -> None:
-        if dst.done():
-            return
         exc = f.exception()
-        if exc is not None:
-            dst.set_exception(exc)
-        else:
-            dst.set_result(f.result())
+        settle(dst, None if exc is not None else f.result(), exc)
 
     src.add_done_callback(copy)
