@@ -28,7 +28,7 @@ from dreamp2p.sync.commproc import CommProcess
 from dreamp2p.sync.commwire import CommProcessError
 from dreamp2p.sync.layers import FlatGroup
 
-SYNC = {"period": 4, "warmup_steps": 2, "control_every": 4}
+SYNC: dict[str, Any] = {"period": 4, "warmup_steps": 2, "control_every": 4}
 
 
 def model(seed: int) -> nn.Module:
@@ -126,7 +126,7 @@ def test_joiner_takes_state_from_process_mode_donors() -> None:
     final: list[int] = []
     joined = threading.Event()
     models = [model(i) for i in range(3)]
-    sync = {"strategy": "diloco", **SYNC}
+    sync: dict[str, Any] = {"strategy": "diloco", **SYNC}
     try:
         on_threads(lambda i: members[i].connect(ring, require_all=False), 2)
 
@@ -208,3 +208,26 @@ def test_the_comm_process_ignores_sigterm_and_sigint() -> None:
     finally:
         node.close()
     assert not alive(comm.pid)
+
+
+def test_a_shared_buffer_is_the_same_memory_on_both_ends() -> None:
+    """share_memory_() in place keeps the strategy's views valid; the child's tensor writes into them."""
+    from dreamp2p.sync.commchild import _receive_buffer
+    from dreamp2p.sync.commwire import ShareBuffer
+
+    base = torch.arange(10, dtype=torch.float32)
+    buf = base[2:8]  # a view, as a strategy might hold into a buffer
+    before = buf.view(2, 3)
+    buf.share_memory_()
+    fd, size = buf.untyped_storage()._share_fd_cpu_()
+    a, b = socket.socketpair()
+    try:
+        socket.send_fds(a, [b"F"], [fd])
+        theirs = _receive_buffer(b, ShareBuffer(1, int(size), int(buf.storage_offset()), buf.numel()))
+    finally:
+        a.close()
+        b.close()
+    assert theirs.tolist() == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    theirs.mul_(-1)
+    assert before.flatten().tolist() == [-2.0, -3.0, -4.0, -5.0, -6.0, -7.0]
+    assert base[:2].tolist() == [0.0, 1.0] and base[8:].tolist() == [8.0, 9.0]
