@@ -3,15 +3,24 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# pip must take the torch CPU wheel lying on disk, never a multi-GB CUDA build.
+# torch for the dev venv: the CPU build, never a multi-GB CUDA download. Where WHEELS holds the CPU
+# wheel (this machine) pip takes it from there; elsewhere set TORCH_INDEX to a CPU-only torch index
+# (README, Install). pyproject.toml itself only asks for torch>=2.4.
+TORCH_VERSION ?= 2.13.0
 WHEELS ?= /opt/wheels
+TORCH_INDEX ?=
+TORCH_SOURCE := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)))
 
 .PHONY: install demo test test-fast test-unit test-loaded lint proto bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(if $(wildcard $(WHEELS)),--find-links $(WHEELS)) "torch==2.13.0"
+	if [ -n "$(TORCH_SOURCE)" ]; then $(BIN)/python -m pip install --quiet $(TORCH_SOURCE) "torch==$(TORCH_VERSION)"; \
+	elif $(BIN)/python -c "import torch" 2>/dev/null; then echo "no torch source given: keeping the venv's torch"; \
+	elif [ "$$(uname -s)" != Linux ]; then $(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)"; \
+	else echo "$(WHEELS) is absent and TORCH_INDEX is unset; on Linux the default index serves torch's CUDA" \
+		"build (GBs): make $(MAKECMDGOALS) TORCH_INDEX=<CPU-only torch index URL> (see README, Install)" >&2; exit 2; fi
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
