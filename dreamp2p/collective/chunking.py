@@ -49,3 +49,32 @@ def choose_chunk_bytes(
     size = min(max(size, min_bytes), max_bytes)
     size = int(size) // 4096 * 4096
     return max(size, min(min_bytes, max_bytes))
+
+
+def choose_chunk(
+    bandwidth_Bps: float,
+    segment_elems: int,
+    world: int,
+    wire_ratio: float,
+    *,
+    min_bytes: int = 64 << 10,
+    max_bytes: int = 4 << 20,
+    frame_overhead_s: float = DEFAULT_FRAME_OVERHEAD_S,
+) -> tuple[int, int]:
+    """(elements, wire bytes) per chunk for segments of ``segment_elems`` fp32 elements sent with a codec
+    of ``wire_ratio`` wire bytes per fp32 byte (`Codec.wire_ratio`).
+
+    Sized in wire bytes, since the link carries those and a frame's fixed cost is amortized over them: at
+    the same link rate a frame of a 4-bit codec holds ~7x the elements of an fp32 one.
+    """
+    if not 0 < wire_ratio <= 2:
+        raise ValueError(f"wire_ratio must be in (0, 2], got {wire_ratio}")
+    wire = choose_chunk_bytes(
+        bandwidth_Bps,
+        int(segment_elems * 4 * wire_ratio),
+        world,
+        min_bytes=min_bytes,
+        max_bytes=max_bytes,
+        frame_overhead_s=frame_overhead_s,
+    )
+    return max(1, int(wire / (4 * wire_ratio))), wire

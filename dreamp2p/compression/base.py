@@ -63,6 +63,11 @@ class Codec(abc.ABC):
     def encoded_nbytes(self, n: int) -> int:
         """Exact length in bytes of ``encode`` output for ``n`` elements."""
 
+    def wire_ratio(self) -> float:
+        """Wire bytes per fp32 byte on a long buffer (fp32 1.0, bf16 0.5, int8 ~0.27), block overheads included."""
+        n = 1 << 16
+        return self.encoded_nbytes(n) / (4 * n)
+
     @abc.abstractmethod
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Encode a 1-D float32 CPU tensor into a new 1-D uint8 tensor of ``encoded_nbytes(x.numel())``."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dreamp2p.collective.chunking import choose_chunk_bytes
+from dreamp2p.collective.chunking import choose_chunk
 from dreamp2p.collective.feedback import GroupFeedback, RoundFeedback
 from dreamp2p.collective.partition import split_segments
 from dreamp2p.collective.ring import RingRound, RoundAborted, RoundSpec
@@ -164,9 +164,11 @@ class RoundRunner:
             flat.zero_()
         succ = members[(rank + 1) % world]
         pred = members[(rank - 1) % world]
-        chunk_bytes, stream = 0, None
+        link_fields = _link_codec_fields(links, rank, world)
+        chunk_elems, chunk_bytes, stream = 1, 0, None
         if world > 1:
-            chunk_bytes, stream = self._stream_to(succ.node_id, flat.numel(), world, codec_obj, timeout)
+            sends = [codec_obj, *(c for c in (link_fields.get("send_codec"), link_fields.get("gather_codec")) if c)]
+            chunk_elems, chunk_bytes, stream = self._stream_to(succ.node_id, flat.numel(), world, sends, timeout)
         spec = RoundSpec(
             group_id=group_id,
             round_id=round_id,
@@ -178,11 +180,11 @@ class RoundRunner:
             codec=codec_obj,
             dtype=_dtype_of(tensors),
             zstd=self._zstd,
-            chunk_elems=max(1, chunk_bytes // 4),
+            chunk_elems=chunk_elems,
             max_payload=self.max_payload,
             contributes=refusal is None,
             view_id=vid,
-            **_link_codec_fields(links, rank, world),
+            **link_fields,
         )
         feedback = self._feedback_for(spec, flat.numel()) if error_feedback and world > 1 else None
         rnd = RingRound(spec, flat, stream, feedback)
@@ -220,21 +222,27 @@ class RoundRunner:
         return group.begin(layout, numel)
 
     def _stream_to(
-        self, succ: str, numel: int, world: int, codec: Codec, timeout: float | None
-    ) -> tuple[int, OutboundStream]:
-        """This round's chunk size, sized to the link's measured goodput, and a stream to our successor."""
+        self, succ: str, numel: int, world: int, codecs: Sequence[Codec], timeout: float | None
+    ) -> tuple[int, int, OutboundStream]:
+        """This round's chunk size (elements, wire bytes), sized to the link's measured goodput, and a
+        stream to our successor.
+
+        Sized in wire bytes (`choose_chunk`). ``codecs``: those we may send with in this round; the least
+        compressive one bounds a frame's size.
+        """
         link = self._links.link(succ)
-        seg_elems = max(s.length for s in split_segments(numel, world, codec.block))
+        ratio = max(c.wire_ratio() for c in codecs)
+        seg_elems = max(s.length for s in split_segments(numel, world, codecs[0].block))
         t = self.config.transport
         goodput = link.stats.goodput_Bps if link.stats.samples else math.nan
-        chunk_bytes = choose_chunk_bytes(
-            goodput, seg_elems * 4, world, min_bytes=t.chunk_min_bytes, max_bytes=t.chunk_max_bytes
+        chunk_elems, chunk_bytes = choose_chunk(
+            goodput, seg_elems, world, ratio, min_bytes=t.chunk_min_bytes, max_bytes=t.chunk_max_bytes
         )
         link.chunk_bytes = chunk_bytes
         # a small round gains nothing from parallel streams and pays each one's setup
-        wire = numel * 4 * 2 * (world - 1) / world
+        wire = numel * 4 * ratio * 2 * (world - 1) / world
         nstreams = 1 if wire <= 4 * chunk_bytes else t.streams_per_link
-        return chunk_bytes, link.open_stream(nstreams, timeout=timeout or t.round_timeout_s)
+        return chunk_elems, chunk_bytes, link.open_stream(nstreams, timeout=timeout or t.round_timeout_s)
 
     async def _settle(
         self, rnd: RingRound, stream: OutboundStream | None, vid: int, others: Sequence[str], limit: float, t0: float

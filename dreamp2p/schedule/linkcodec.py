@@ -25,14 +25,10 @@ from collections.abc import Sequence
 from dreamp2p.compression import get_codec
 from dreamp2p.messages import RingCodecPlan
 
-# Elements used to measure a codec's wire ratio: many whole 64-element blocks, so per-block scales
-# count at their steady-state share and a partial last block does not skew the ratio.
-_RATIO_ELEMS = 1 << 16
-
 
 def wire_ratio(codec: str) -> float:
     """Wire bytes per fp32 byte of ``codec`` on a long buffer (fp32 1.0, bf16 0.5, int8 ~0.266)."""
-    return get_codec(codec).encoded_nbytes(_RATIO_ELEMS) / (4 * _RATIO_ELEMS)
+    return get_codec(codec).wire_ratio()
 
 
 def _known(bandwidth: float) -> bool:

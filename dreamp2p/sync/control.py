@@ -23,11 +23,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from dreamp2p.compression import get_codec
 from dreamp2p.messages import RingCodecPlan
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import plan_dreamddp
-from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs
+from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs, wire_ratio
 from dreamp2p.schedule.plan import Plan
 from dreamp2p.schedule.plancodec import choose_plan_codec
 from dreamp2p.sync.config import SyncConfig
@@ -111,11 +110,6 @@ class PlanRequest:
     start: int  # the step it takes effect at (a period boundary of the plan in force)
 
 
-def codec_ratio(name: str) -> float:
-    """Wire bytes per fp32 byte of codec ``name`` (on a 1 MiB-element tensor)."""
-    return get_codec(name).encoded_nbytes(1 << 20) / float(4 << 20)
-
-
 class Replanner:
     """Decides, from each gathered view, whether to re-plan and which plan and codec follow.
 
@@ -125,7 +119,7 @@ class Replanner:
 
     def __init__(self, cfg: SyncConfig) -> None:
         self.cfg = cfg
-        self.ratio = codec_ratio(cfg.codec)
+        self.ratio = wire_ratio(cfg.codec)
         self.basis_bw = math.nan
         self.changed = 0
         self.last_gathered: Gathered | None = None
@@ -201,7 +195,7 @@ class Replanner:
 
         if not cfg.plan_codecs or cfg.link_codecs:  # per-link codecs replace the per-plan choice
             return make_plan(req.link), cfg.codec
-        candidates = [(c, codec_ratio(c)) for c in cfg.plan_codecs]
+        candidates = [(c, wire_ratio(c)) for c in cfg.plan_codecs]
         choice = choose_plan_codec(candidates, list(req.costs), req.link, cfg.period, make_plan, cfg.codec_link_budget)
         log.info(
             "plan v%d: codec %s (link busy %.0f%% of the period, predicted exposed %.3g s per period)",

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dreamp2p.collective.chunking import choose_chunk_bytes
+from dreamp2p.collective.chunking import choose_chunk, choose_chunk_bytes
 from dreamp2p.collective.partition import (
     all_gather_recv,
     all_gather_send,
@@ -131,3 +131,32 @@ def test_chunk_bytes_within_bounds(bw: float, seg: int, world: int) -> None:
 def test_chunk_bytes_monotone_in_bandwidth() -> None:
     sizes = [choose_chunk_bytes(bw, 1 << 30, 4) for bw in (1e6, 1e7, 1e8, 1e9)]
     assert sizes == sorted(sizes)
+
+
+@pytest.mark.parametrize("bw", [2.5e6, 12.5e6, 1e9])
+@pytest.mark.parametrize("world", [2, 3, 8])
+@pytest.mark.parametrize("ratio", [1.0, 0.5, 0.266, 0.1406, 0.0065])
+def test_chunks_are_sized_in_wire_bytes(bw: float, world: int, ratio: float) -> None:
+    """A chunk's wire bytes are what an fp32 chunk would carry; its elements scale with 1 / ratio."""
+    seg = 50_000_000
+    elems, wire = choose_chunk(bw, seg, world, ratio)
+    assert wire == choose_chunk_bytes(bw, int(seg * 4 * ratio), world)
+    assert elems * 4 * ratio <= wire + 4
+    assert elems == max(1, int(wire / (4 * ratio)))
+    fp32_elems, _ = choose_chunk(bw, seg, world, 1.0)
+    # a codec that sends fewer bytes never gets noticeably more frames (the 4 KiB rounding aside)
+    assert elems >= 0.95 * fp32_elems
+
+
+def test_a_slow_link_sends_four_bit_chunks_with_seven_times_the_elements() -> None:
+    """At 20 Mbit/s the per-frame cost sets the wire bytes per frame, whatever the codec (one layer's segment)."""
+    fp32_elems, fp32_wire = choose_chunk(2.5e6, 1 << 17, 2, 1.0)
+    int4_elems, int4_wire = choose_chunk(2.5e6, 1 << 17, 2, 0.1406)
+    assert int4_wire == fp32_wire
+    assert int4_elems == pytest.approx(fp32_elems / 0.1406, rel=1e-3)
+
+
+@pytest.mark.parametrize("ratio", [0.0, -1.0, 3.0, float("nan")])
+def test_chunk_wire_ratio_out_of_range_is_refused(ratio: float) -> None:
+    with pytest.raises(ValueError, match="wire_ratio"):
+        choose_chunk(2.5e6, 1000, 2, ratio)

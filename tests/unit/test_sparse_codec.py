@@ -21,7 +21,6 @@ import dreamp2p.v1.peer_pb2 as pb
 from dreamp2p.collective.partition import split_chunks, split_segments
 from dreamp2p.compression import CodecError, ErrorFeedback, NonFiniteError, codec_names, get_codec
 from dreamp2p.schedule.linkcodec import wire_ratio
-from dreamp2p.sync.control import codec_ratio
 
 TOPK = get_codec("topk")
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -131,7 +130,7 @@ def test_bytes_per_element_as_promised() -> None:
     assert TOPK.encoded_nbytes(16 * B) == 16 * 106
     # what the planner and the per-link codec choice price it at: ~1/155 of fp32, ~1/22 of int4
     assert wire_ratio("topk") == pytest.approx(106 / (4 * B))
-    assert codec_ratio("topk") == pytest.approx(106 / (4 * B))
+    assert TOPK.wire_ratio() == pytest.approx(106 / (4 * B))
     assert wire_ratio("int4") / wire_ratio("topk") > 20
 
 
