@@ -73,18 +73,24 @@ class _Child:
 
     def read(self) -> None:
         """Read messages until EOF; runs on its own thread, hands everything to the loop in order."""
-        while True:
-            try:
-                msg = pickle.loads(self.conn.recv_bytes())
-                if isinstance(msg, ShareBuffer):
-                    tensor = _receive_buffer(self.sock, msg)
-                    self.loop.call_soon_threadsafe(self.buffers.__setitem__, msg.buf_id, tensor)
-                    continue
-            except (EOFError, OSError):
-                log.info("the trainer closed its end: closing the peer")
-                self.loop.call_soon_threadsafe(self._start, self._close(2.0, None))
-                return
-            self.loop.call_soon_threadsafe(self.dispatch, msg)
+        try:
+            while True:
+                try:
+                    msg = pickle.loads(self.conn.recv_bytes())
+                    if isinstance(msg, ShareBuffer):
+                        tensor = _receive_buffer(self.sock, msg)
+                        self.loop.call_soon_threadsafe(self.buffers.__setitem__, msg.buf_id, tensor)
+                        continue
+                except (EOFError, OSError):
+                    log.info("the trainer closed its end: closing the peer")
+                    self.loop.call_soon_threadsafe(self._close_soon)
+                    return
+                self.loop.call_soon_threadsafe(self.dispatch, msg)
+        except RuntimeError:  # the loop is closed: we were closed already and are on our way out
+            return
+
+    def _close_soon(self) -> None:
+        self._start(self._close(2.0, None))
 
     # ------------------------------------------------------------------ loop
 

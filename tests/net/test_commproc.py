@@ -11,7 +11,10 @@ import concurrent.futures
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,11 +75,12 @@ def on_threads(fn: Callable[[int], Any], n: int) -> list[Any]:
 
 
 def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie left to a parent that does not reap it counts as gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    return True
 
 
 @pytest.mark.timeout(240)
@@ -231,3 +235,29 @@ def test_a_shared_buffer_is_the_same_memory_on_both_ends() -> None:
     theirs.mul_(-1)
     assert before.flatten().tolist() == [-2.0, -3.0, -4.0, -5.0, -6.0, -7.0]
     assert base[:2].tolist() == [0.0, 1.0] and base[8:].tolist() == [8.0, 9.0]
+
+
+@pytest.mark.timeout(120)
+def test_the_comm_process_leaves_when_its_trainer_is_killed() -> None:
+    """No orphan: a trainer killed with SIGKILL closes its end of the socket, and the comm process exits."""
+    script = (
+        "import sys, time\n"
+        "from dreamp2p.config import PeerConfig\n"
+        "from dreamp2p.node import Node\n"
+        "node = Node(PeerConfig(node_id='t0'), comm='process')\n"
+        "print(node.comm.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert trainer.stdout is not None
+        child = int(trainer.stdout.readline())
+        assert alive(child)
+        trainer.kill()
+        trainer.wait(30)
+        while alive(child):  # a hang here is pytest-timeout's to report
+            time.sleep(0.05)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(10)
