@@ -325,8 +325,7 @@ def _train(
         metrics.loss.set(value)
         tokens_per_s = task.tokens_per_batch / dt if dt > 0 else 0.0
         metrics.tokens_per_s.set(tokens_per_s)
-        metrics.exposed.inc(stats.exposed_s)
-        metrics.comm.inc(stats.comm_s)
+        metrics.step_stats(stats)
         metrics.hidden.set(sync.totals.hidden_fraction)
         metrics.plan_version.set(stats.plan_version)
         if step % cfg.metrics.log_every == 0:
@@ -342,10 +341,7 @@ def _train(
                 plan_version=stats.plan_version,
             )
         if step % 10 == 0:
-            status = node.comm.status()
-            metrics.rounds_failed.set(status.rounds_failed)
-            metrics.rounds_completed.set(status.rounds_completed)
-            metrics.links(list(status.links))
+            metrics.peer_status(node.comm.status())
         if sync.plan_version != last_plan:
             last_plan = sync.plan_version
             report = sync.plan_report()

@@ -57,14 +57,14 @@ def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
             "dreamp2p_step",
             "dreamp2p_loss",
             "dreamp2p_tokens_per_second",
-            "dreamp2p_bytes_sent{",
-            "dreamp2p_bytes_received{",
+            "dreamp2p_bytes_sent_total{",
+            "dreamp2p_bytes_received_total{",
             "dreamp2p_link_goodput_bytes_per_second{",
             "dreamp2p_link_rtt_seconds{",
             "dreamp2p_exposed_wait_seconds_total",
             "dreamp2p_hidden_fraction",
             "dreamp2p_plan_version",
-            "dreamp2p_rounds_failed",
+            "dreamp2p_rounds_failed_total",
         ):
             assert series in body, series
 
