@@ -144,6 +144,43 @@ class RoundProgress(NamedTuple):
     lengths: tuple[tuple[tuple[Phase, int, int], int], ...]
 
 
+def check_header(spec: RoundSpec, codecs: dict[int, Codec], numel: int, f: Frame) -> Codec:
+    """Check what a frame says about its round (view, sender, plan, size, codec, dtype, step) against
+    ``spec``; the codec it was encoded with, or PeerError with the precise status. ``codecs``: those the
+    round accepts, by wire id; ``numel``: the group buffer's elements."""
+    if f.view_id != spec.view_id:
+        raise PeerError(
+            Status.VIEW_MISMATCH,
+            f"frame from a round among members {f.view_id:#x}; here it runs among {spec.view_id:#x}",
+        )
+    if f.sender != spec.predecessor:
+        raise PeerError(Status.UNKNOWN_PEER, f"frame from {f.sender!r}, but this round expects {spec.predecessor!r}")
+    if f.plan_version != spec.plan_version:
+        raise PeerError(Status.BAD_FRAME, f"plan version {f.plan_version}, round uses {spec.plan_version}")
+    if f.element_count != numel:
+        raise PeerError(Status.BAD_FRAME, f"element_count {f.element_count} but group buffer has {numel}")
+    codec = codecs.get(f.codec)
+    if codec is None:
+        try:
+            other = get_codec(f.codec).name
+        except UnknownCodecError:
+            raise PeerError(Status.UNKNOWN_CODEC, f"unknown codec id {f.codec}") from None
+        detail = f"codec {other} but round uses {spec.codec.name}"
+        if len(codecs) > 1:
+            detail += f" and accepts only {', '.join(codecs[i].name for i in sorted(codecs))}"
+        raise PeerError(Status.BAD_FRAME, detail)
+    if f.dtype != spec.dtype:
+        raise PeerError(Status.BAD_FRAME, f"dtype {f.dtype.name} but round uses {spec.dtype.name}")
+    if f.ring_step >= spec.world - 1:
+        raise PeerError(Status.BAD_FRAME, f"ring_step {f.ring_step} out of range for {spec.world} peers")
+    if f.excluded > (f.ring_step + 1 if f.phase == Phase.REDUCE_SCATTER else spec.world - 1):
+        raise PeerError(
+            Status.BAD_FRAME,
+            f"excluded {f.excluded} exceeds the contributions a {f.phase.name} frame at step {f.ring_step} can carry",
+        )
+    return codec
+
+
 class RingRound:
     """One all-reduce round at one peer. Create, :meth:`start`, feed :meth:`deliver`, await :attr:`done`."""
 
@@ -327,41 +364,7 @@ class RingRound:
 
     def _validate(self, f: Frame) -> tuple[bytes | memoryview, int, int, Codec]:
         spec = self.spec
-        if f.view_id != spec.view_id:
-            raise PeerError(
-                Status.VIEW_MISMATCH,
-                f"frame from a round among members {f.view_id:#x}; here it runs among {spec.view_id:#x}",
-            )
-        if f.sender != spec.predecessor:
-            raise PeerError(
-                Status.UNKNOWN_PEER, f"frame from {f.sender!r}, but this round expects {spec.predecessor!r}"
-            )
-        if f.plan_version != spec.plan_version:
-            raise PeerError(Status.BAD_FRAME, f"plan version {f.plan_version}, round uses {spec.plan_version}")
-        if f.element_count != self.acc.numel():
-            raise PeerError(
-                Status.BAD_FRAME, f"element_count {f.element_count} but group buffer has {self.acc.numel()}"
-            )
-        codec = self._codecs.get(f.codec)
-        if codec is None:
-            try:
-                other = get_codec(f.codec).name
-            except UnknownCodecError:
-                raise PeerError(Status.UNKNOWN_CODEC, f"unknown codec id {f.codec}") from None
-            detail = f"codec {other} but round uses {spec.codec.name}"
-            if len(self._codecs) > 1:
-                detail += f" and accepts only {', '.join(self._codecs[i].name for i in sorted(self._codecs))}"
-            raise PeerError(Status.BAD_FRAME, detail)
-        if f.dtype != spec.dtype:
-            raise PeerError(Status.BAD_FRAME, f"dtype {f.dtype.name} but round uses {spec.dtype.name}")
-        if f.ring_step >= spec.world - 1:
-            raise PeerError(Status.BAD_FRAME, f"ring_step {f.ring_step} out of range for {spec.world} peers")
-        if f.excluded > (f.ring_step + 1 if f.phase == Phase.REDUCE_SCATTER else spec.world - 1):
-            raise PeerError(
-                Status.BAD_FRAME,
-                f"excluded {f.excluded} exceeds the contributions a {f.phase.name} "
-                f"frame at step {f.ring_step} can carry",
-            )
+        codec = check_header(spec, self._codecs, self.acc.numel(), f)
         if f.phase == Phase.REDUCE_SCATTER:
             want = reduce_scatter_recv(spec.rank, spec.world, f.ring_step)
         else:

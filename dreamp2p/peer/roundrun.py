@@ -152,10 +152,7 @@ class RoundRunner:
         rank = [p.node_id for p in members].index(self.config.node_id)
         round_id = self._rounds.claim(group_id, round_id)
         key = (group_id, round_id)
-        if isinstance(codec, RingCodecPlan):
-            links, codec_obj = codec, get_codec(codec.allowed[0])
-        else:
-            links, codec_obj = None, get_codec(codec or self.config.codec)
+        links, codec_obj = self._resolve_codec(codec)
         flat, numel = _flatten(tensors, world)
         refusal = self._guard.check(group_id, flat, guard_norm)
         if refusal is not None:
@@ -165,10 +162,11 @@ class RoundRunner:
         succ = members[(rank + 1) % world]
         pred = members[(rank - 1) % world]
         link_fields = _link_codec_fields(links, rank, world)
-        chunk_elems, chunk_bytes, stream = 1, 0, None
-        if world > 1:
-            sends = [codec_obj, *(c for c in (link_fields.get("send_codec"), link_fields.get("gather_codec")) if c)]
-            chunk_elems, chunk_bytes, stream = self._stream_to(succ.node_id, flat.numel(), world, sends, timeout)
+        chunk_elems, chunk_bytes, stream = (
+            self._stream_to(succ.node_id, flat.numel(), world, codec_obj, link_fields, timeout)
+            if world > 1
+            else (1, 0, None)
+        )
         spec = RoundSpec(
             group_id=group_id,
             round_id=round_id,
@@ -221,16 +219,23 @@ class RoundRunner:
         group = self._feedback.setdefault(spec.group_id & ~RETRY_GROUP_BIT, GroupFeedback())
         return group.begin(layout, numel)
 
+    def _resolve_codec(self, codec: str | RingCodecPlan | None) -> tuple[RingCodecPlan | None, Codec]:
+        """A round's per-link codec plan (None for one codec on every link) and its base codec."""
+        if isinstance(codec, RingCodecPlan):
+            return codec, get_codec(codec.allowed[0])
+        return None, get_codec(codec or self.config.codec)
+
     def _stream_to(
-        self, succ: str, numel: int, world: int, codecs: Sequence[Codec], timeout: float | None
+        self, succ: str, numel: int, world: int, codec: Codec, link_fields: dict[str, Any], timeout: float | None
     ) -> tuple[int, int, OutboundStream]:
         """This round's chunk size (elements, wire bytes), sized to the link's measured goodput, and a
         stream to our successor.
 
-        Sized in wire bytes (`choose_chunk`). ``codecs``: those we may send with in this round; the least
-        compressive one bounds a frame's size.
+        Sized in wire bytes (`choose_chunk`): the least compressive codec we may send with in this round
+        (``codec``, or our link's codecs in ``link_fields``) bounds a frame's size.
         """
         link = self._links.link(succ)
+        codecs = [codec, *(link_fields.get(k) or codec for k in ("send_codec", "gather_codec"))]
         ratio = max(c.wire_ratio() for c in codecs)
         seg_elems = max(s.length for s in split_segments(numel, world, codecs[0].block))
         t = self.config.transport

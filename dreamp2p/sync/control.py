@@ -23,13 +23,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from dreamp2p.messages import RingCodecPlan
+from dreamp2p.errors import RoundFailed
+from dreamp2p.messages import RingCodecPlan, RoundResult
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import plan_dreamddp
 from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs, wire_ratio
 from dreamp2p.schedule.plan import Plan
 from dreamp2p.schedule.plancodec import choose_plan_codec
 from dreamp2p.sync.config import SyncConfig
+from dreamp2p.sync.groups import GROUP_CONTROL
+from dreamp2p.sync.layers import FlatGroup
 
 log = logging.getLogger(__name__)
 A = TypeVar("A")
@@ -205,3 +208,29 @@ class Replanner:
             choice.exposed_s,
         )
         return choice.plan, choice.codec
+
+
+# A control round in flight: (the step its result is used at, the round, its buffer, the members it was
+# packed for)
+Control = tuple[int, concurrent.futures.Future[RoundResult], FlatGroup, int]
+
+
+def control_record(control: Control, timeout: float) -> dict[str, Any] | None:
+    """A control round's checkpoint record once it finished; None if it failed (everywhere: all-or-none,
+    so no member will use it)."""
+    land, fut, group, world = control
+    try:
+        fut.result(timeout)
+    except RoundFailed:
+        return None
+    return {"land": land, "mean": group.work.clone(), "world": world}
+
+
+def restore_control(rec: dict[str, Any], world: int) -> Control:
+    """The finished control round a :func:`control_record` describes; its result is used at the same step
+    as on every other member. ``world``: the members, for records written before the field existed."""
+    group = FlatGroup([rec["mean"]])
+    group.work.copy_(rec["mean"])
+    done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
+    done.set_result(RoundResult(GROUP_CONTROL, 0, 0.0, 0, 0, group.numel, "fp32", 0))
+    return (int(rec["land"]), done, group, int(rec.get("world", world)))

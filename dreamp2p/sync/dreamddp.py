@@ -42,13 +42,22 @@ from typing import Any
 
 import torch
 
-from dreamp2p.errors import RoundFailed
-from dreamp2p.messages import RingCodecPlan, RoundResult, TrainingInfo
+from dreamp2p.messages import RingCodecPlan, TrainingInfo
 from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.schedule.dreamddp import even_plan
 from dreamp2p.schedule.plan import GroupSync, Plan
 from dreamp2p.sync.base import Strategy
-from dreamp2p.sync.control import Gathered, PlanRequest, Replanner, in_background, pack_control, unpack_control
+from dreamp2p.sync.control import (
+    Control,
+    Gathered,
+    PlanRequest,
+    Replanner,
+    control_record,
+    in_background,
+    pack_control,
+    restore_control,
+    unpack_control,
+)
 from dreamp2p.sync.groups import GROUP_CONTROL, anchor_check_group, plan_sync_group
 from dreamp2p.sync.inflight import InFlight
 from dreamp2p.sync.layers import FlatGroup
@@ -99,7 +108,7 @@ class DreamDDP(Strategy):
         self._armed: dict[int, set[int]] = {}
         self._pending: dict[int, int] = {}
         # (landing step, round, buffer, members it was packed for)
-        self._control: tuple[int, concurrent.futures.Future[RoundResult], FlatGroup, int] | None = None
+        self._control: Control | None = None
         self._sync_rate = math.nan  # EWMA of bytes sent / seconds of this member's landed layer syncs
         self._replanner = Replanner(self.cfg)
         self._summary: tuple[object, str] = (None, "")  # (plan version, link codecs) -> plan_summary text
@@ -298,12 +307,13 @@ class DreamDDP(Strategy):
             # at that step (if it is not there yet) gives every member the same plan at the same step
             self._planning = (req, in_background(self._replanner.make, req))
 
-    def _collect_plan(self) -> None:
-        """Queue the plan being made, waiting for it if it is not ready yet."""
+    def _collect_plan(self) -> Plan | None:
+        """Queue the plan being made, waiting for it if it is not ready yet; the queued plan, if any."""
         if self._planning is not None:
             req, fut = self._planning
             self._planning = None
             self._next_plan, self._plan_codecs[req.version] = fut.result()
+        return self._next_plan
 
     def plan_report(self) -> dict[str, Any]:
         g = self.last_gathered
@@ -348,28 +358,19 @@ class DreamDDP(Strategy):
         self._inflight.clear()
         self._control = None
 
-    def _queued_plan_dict(self) -> dict[str, Any] | None:
-        self._collect_plan()
-        return self._next_plan.to_dict() if self._next_plan is not None else None
-
     def _extra_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
             "plan": self.plan.to_dict(),
-            "next_plan": self._queued_plan_dict(),
+            "next_plan": queued.to_dict() if (queued := self._collect_plan()) is not None else None,
             **self._replanner.state(),
             "history": [list(h) for h in self.plan_history],
             **self._weights.state(),
             "plan_codecs": dict(self._plan_codecs),
             "inflight": [r for inf in self._inflight if (r := inf.record(self.comm.round_timeout_s))],
         }
-        if self._control is not None:
-            land, fut, group, world = self._control
-            try:
-                fut.result(self.comm.round_timeout_s)
-                state["control"] = {"land": land, "mean": group.work.clone(), "world": world}
-            except RoundFailed:
-                pass  # failed everywhere (all-or-none): no member will use it
-
+        record = control_record(self._control, self.comm.round_timeout_s) if self._control is not None else None
+        if record is not None:
+            state["control"] = record
         return state
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
@@ -385,10 +386,5 @@ class DreamDDP(Strategy):
             self._inflight = [InFlight.restore(rec, self.layers, self.pin) for rec in state.get("inflight", [])]
             control = state.get("control")
             if control is not None:
-                # the control round finished before the checkpoint; its result lands at the same step as elsewhere
-                group = FlatGroup([control["mean"]])
-                group.work.copy_(control["mean"])
-                done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
-                done.set_result(RoundResult(GROUP_CONTROL, 0, 0.0, 0, 0, group.numel, "fp32", 0))
-                self._control = (int(control["land"]), done, group, int(control.get("world", self.comm.world)))
+                self._control = restore_control(control, self.comm.world)
             self._arm(self.step_count)
