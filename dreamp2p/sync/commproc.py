@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,6 +54,9 @@ class CommProcess:
     """A started Peer in a child process, with CommThread's methods (see the module docstring)."""
 
     def __init__(self, config: PeerConfig, ready: bool = True) -> None:
+        if not sys.platform.startswith("linux"):
+            # buffers travel as shared-memory file descriptors (torch's fd sharing, SCM_RIGHTS)
+            raise ValueError(f"comm = 'process' needs Linux, this is {sys.platform}: use comm = 'thread'")
         self.config = config
         self.donor: RemoteDonor | None = None
         self._pipe = ChildPipe(config.node_id, self._event)
