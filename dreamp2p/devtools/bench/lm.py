@@ -37,7 +37,8 @@ Measured per strategy (per region, then combined over regions):
 - ``comm_cpu_s``: CPU time of everything but the training thread during the loop (comm thread, gRPC's
   threads): ``time.process_time()`` minus the training thread's ``time.thread_time()``, plus the comm
   process's CPU time with ``comm=process`` (a variant key routed to ``[node] comm``); and
-  ``comm_cpu_s_per_mb`` = total comm CPU / total ``mb_sent`` (null below 0.1 MB);
+  ``comm_cpu_s_per_mb`` = total comm CPU / total ``mb_sent`` (null below 0.1 MB); ``comm``: "thread" or
+  "process", where the peer ran;
 - ``time_to_target_s``: the first loop time (slowest region's clock) at which the region-mean held-out loss,
   evaluated every ``eval_every`` = ceil(steps / 10) steps, is <= ``target_loss`` (default: the final
   held-out loss of ``none``, or of the ceiling if ``none`` is not run, times 1.02). To keep evaluation out
@@ -110,6 +111,7 @@ def _summarize(res: list[dict[str, Any]], steps: int, wire_run: list[int] | None
         "payload_mb_sent": _r(sum(r["bytes_sent"] for r in res) / 1e6 / len(res), 3),
         "comm_cpu_s": _r(cpu / len(res), 3),
         "comm_cpu_s_per_mb": _r(cpu / mb, 4) if mb >= 0.1 else None,
+        "comm": res[0]["comm"],  # where the peer ran: "thread" or "process" ([node] comm)
         "identical_replicas": len({r["digest"] for r in res}) == 1,
         "rounds_skipped": [r["rounds_skipped"] for r in res],
         "exposed_by_plan": {v: [n, _r(e, 3), _r(c, 3)] for v, (n, e, c) in res[0]["exposed_by_plan"].items()},

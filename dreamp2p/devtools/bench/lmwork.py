@@ -210,6 +210,7 @@ def lm_job(
     cpu0 = child_cpu()
     out = w.loop(sync.step, sync.zero_grad, wire_devs[rank])
     out["comm_cpu_s"] += child_cpu() - cpu0  # the comm process's CPU, with [node] comm = "process"
+    out["comm"] = node.config.comm
     tot = sync.totals
     out.update(
         exposed_s=tot.exposed_s,
