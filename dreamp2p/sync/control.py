@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -139,6 +139,22 @@ class Replanner:
     def load(self, state: dict[str, Any]) -> None:
         self.basis_bw = float(state.get("basis_bw", math.nan))
         self.changed = int(state.get("changed", 0))
+
+    def report(self, plan: Plan, profiled: tuple[LayerCost, ...], world: int) -> dict[str, Any]:
+        """``plan`` with the layer costs and link it was made from (``profiled`` before any was gathered)."""
+        g = self.last_gathered
+        costs = g.costs if g is not None else profiled
+        bw = g.bandwidth_Bps if g is not None and math.isfinite(g.bandwidth_Bps) else 1e12
+        return {
+            "plan": plan.to_dict(),
+            "costs": [asdict(c) for c in costs],
+            "link": {
+                "bandwidth_Bps": bw,
+                "rtt_s": g.rtt_s if g is not None else 0.0,
+                "world": world,
+                "codec_ratio": self.ratio,
+            },
+        }
 
     def decide(self, g: Gathered, t: int, plan: Plan, next_version: int, world: int) -> PlanRequest | None:
         """Whether to re-plan on ``g``, and what for; None keeps the plan in force (and the one queued).

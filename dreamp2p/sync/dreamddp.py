@@ -37,7 +37,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -245,6 +244,11 @@ class DreamDDP(Strategy):
         return self._replanner.ring_codecs
 
     @property
+    def basis_bw(self) -> float:
+        """The bandwidth (B/s) the latest plan was made for (NaN before the first measured plan)."""
+        return self._replanner.basis_bw
+
+    @property
     def last_gathered(self) -> Gathered | None:
         """What the last control round gathered (None before the first)."""
         return self._replanner.last_gathered
@@ -316,19 +320,8 @@ class DreamDDP(Strategy):
         return self._next_plan
 
     def plan_report(self) -> dict[str, Any]:
-        g = self.last_gathered
-        costs = g.costs if g is not None else tuple(self.profiler.costs())
-        bw = g.bandwidth_Bps if g is not None and math.isfinite(g.bandwidth_Bps) else 1e12
-        return {
-            "plan": self.plan.to_dict(),
-            "costs": [asdict(c) for c in costs],
-            "link": {
-                "bandwidth_Bps": bw,
-                "rtt_s": g.rtt_s if g is not None else 0.0,
-                "world": self.comm.world,
-                "codec_ratio": self._replanner.ratio,
-            },
-        }
+        """The plan in force with the profile and link it was made from (the run report's Gantt chart)."""
+        return self._replanner.report(self.plan, tuple(self.profiler.costs()), self.comm.world)
 
     def _rearm(self) -> None:
         self._arm(self.step_count)

@@ -127,7 +127,7 @@ def train_job(
         "init_digest": init_digest,
         "digest": param_digest(model),
         "trained_digest": trained_digest,
-        "basis_bw": getattr(s, "_basis_bw", None),
+        "basis_bw": getattr(s, "basis_bw", None),  # DreamDDP's: the bandwidth its latest plan was made for
         "params": [p.detach().cpu().numpy().copy() for p in model.parameters()],
         "compute_s": tot.compute_s,
         "exposed_s": tot.exposed_s,
