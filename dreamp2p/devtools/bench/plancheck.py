@@ -1,11 +1,13 @@
 """`bench plancheck`: validate ``dreamp2p plan`` against `bench lm` measurements over a grid of WAN settings.
 
 For every grid point (model size, rate, RTT, regions) it runs `bench lm` with dreamddp at its defaults
-(the ceiling measured in the same run), then compares the measured step time and compute utilization with
+(the ceiling measured in the same run), measures the ceiling once more after it (on a shared host, how far
+the hardware's pace moved meanwhile), then compares the measured step time and compute utilization with
 what ``dreamp2p plan`` predicts from what a user would give it, and with the plan dreamddp adopted (see
 `devtools.plancheck_table`, which holds everything but the running). Points run one after another, never
-two at once; with ``out`` each finished point is appended to a JSON-lines file at once, so a long grid that
-is stopped keeps what it measured, and ``reports`` rebuilds the table from saved `bench lm` reports.
+two at once; with ``out`` each finished point (with its `bench lm` report) is appended to a JSON-lines
+file at once, so a long grid that is stopped keeps what it measured; ``reports`` compares saved `bench lm`
+outputs or such rows again without running anything.
 
 ``target_cu`` mode checks ``dreamp2p plan --target-cu``: per point a short ceiling run measures the step
 time a user would give, the recommendation (codec, period, max delay) is run through `bench lm` as
