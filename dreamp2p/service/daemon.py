@@ -24,13 +24,14 @@ from typing import Any, Final, Literal
 
 import torch
 
-from dreamp2p.config import PeerConfig, _build
+from dreamp2p.config import PeerConfig, TaskConfig
+from dreamp2p.config.parse import _build
 from dreamp2p.errors import PeerError, RoundFailed
 from dreamp2p.manifest import manifest_hash, param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.checkpoint import agree_resume_step, checkpoint_step, list_checkpoints, load_step, save_checkpoint
 from dreamp2p.service.metrics import NodeMetrics, RecordKind
-from dreamp2p.service.tasks import TaskConfig, make_task
+from dreamp2p.service.tasks import make_task
 from dreamp2p.sync.config import SyncConfig
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,22 @@
+"""Every configuration type of a node and the TOML loaders, in one place (a leaf: it imports no other dreamp2p package).
+
+- :mod:`dreamp2p.config.parse`: link rates, durations, and dataclasses built from TOML tables with precise errors;
+- :mod:`dreamp2p.config.peer`: the peer, its transport and TLS (``[node]`` of a daemon's file);
+- :mod:`dreamp2p.config.task`: the built-in training task of ``dreamp2p node`` (``[task]``).
+"""
+
+from dreamp2p.config.parse import parse_duration, parse_rate
+from dreamp2p.config.peer import COMM_MODES, PeerConfig, PeerInfo, TLSConfig, TransportConfig, is_loopback_address
+from dreamp2p.config.task import TaskConfig
+
+__all__ = [
+    "COMM_MODES",
+    "PeerConfig",
+    "PeerInfo",
+    "TLSConfig",
+    "TaskConfig",
+    "TransportConfig",
+    "is_loopback_address",
+    "parse_duration",
+    "parse_rate",
+]
