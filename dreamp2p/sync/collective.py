@@ -1,9 +1,10 @@
 """What a strategy needs from the network, as a Protocol: averaging rounds, the members, the links.
 
-Strategies talk only to this interface. `dreamp2p.sync.comm.CommThread` implements it for real runs (a
-gRPC peer on its own event loop); `dreamp2p.sync.inprocess` implements it in memory so that a strategy's
-logic (what it averages when, what it merges, what it checkpoints) is tested in one process in
-milliseconds. Every call is made from the training thread.
+Strategies talk only to this interface. Two classes implement it for real runs: `dreamp2p.sync.comm.CommThread`
+(a gRPC peer on its own event loop, in the trainer's process) and `dreamp2p.sync.commproc.CommProcess`
+(``[node] comm = "process"``: the same peer in a child process of its own, off the trainer's GIL).
+`dreamp2p.sync.inprocess` implements it in memory so that a strategy's logic (what it averages when, what
+it merges, what it checkpoints) is tested in one process in milliseconds. Every call is made from the training thread.
 """
 
 from __future__ import annotations
