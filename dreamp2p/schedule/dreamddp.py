@@ -87,7 +87,7 @@ from dreamp2p.schedule.simulate import CommBlock, ComputeBlock, IterationTimelin
 from dreamp2p.schedule.timing import Cycle, Job, Profile, check_H, check_version, layers_of, profile_of, steady_state
 
 __all__ = [
-    "STRATEGIES",
+    "PLANNED_SCHEDULES",
     "CommBlock",
     "ComputeBlock",
     "IterationTimeline",
@@ -98,7 +98,9 @@ __all__ = [
     "simulate",
 ]
 
-STRATEGIES = ("dreamddp", "plsgd", "localsgd", "ssgd")
+# The schedules `predict` models (the planner's what-if comparison), not sync strategies: plsgd is no strategy of
+# dreamp2p.sync, and diloco/streaming/co2 have no model here. The strategies are `dreamp2p.sync.config.STRATEGIES`.
+PLANNED_SCHEDULES = ("dreamddp", "plsgd", "localsgd", "ssgd")
 _MAX_DESCENT_PASSES = 16
 
 
@@ -332,8 +334,8 @@ def predict(
     """
     prof = profile_of(costs)
     check_H(H)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}")
+    if strategy not in PLANNED_SCHEDULES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(PLANNED_SCHEDULES)}")
     total_bytes = sum(prof.nbytes)
     if strategy == "localsgd":
         exposed = ring_comm_time(total_bytes, link) / H

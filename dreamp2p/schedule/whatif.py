@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel
-from dreamp2p.schedule.dreamddp import STRATEGIES, plan_dreamddp, predict
+from dreamp2p.schedule.dreamddp import PLANNED_SCHEDULES, plan_dreamddp, predict
 
 
 def uniform_costs(params: float, layers: int, step_time_s: float) -> list[LayerCost]:
@@ -36,7 +36,7 @@ def what_if(
     costs = uniform_costs(params, layers, step_time_s)
     link = LinkModel(bandwidth_Bps=bandwidth_Bps, rtt_s=rtt_s, world=peers, codec_ratio=codec_ratio)
     out: dict[str, Any] = {}
-    for name in STRATEGIES:
+    for name in PLANNED_SCHEDULES:
         pred = predict(costs, link, period, name, max_delay=max_delay if name == "dreamddp" else 0, bubble_fill=False)
         out[name] = {k: pred[k] for k in ("step_time_s", "compute_utilization", "bytes_per_step")}
     plan = plan_dreamddp(costs, link, period, max_delay=max_delay, bubble_fill=False)

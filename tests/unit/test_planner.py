@@ -19,7 +19,7 @@ from planner_oracle import brute_force
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel, ring_comm_time, ring_wire_bytes
 from dreamp2p.schedule.dreamddp import (
-    STRATEGIES,
+    PLANNED_SCHEDULES,
     even_plan,
     plan_dreamddp,
     predict,
@@ -553,7 +553,7 @@ def test_predict_fields_and_strategy_relations() -> None:
     costs = _table([0.01] * 8, [0.02] * 8, [4 * 10**6] * 8)
     link = LinkModel(1.25e7, 0.08, 4, 0.266)
     H = 4
-    res = {s: predict(costs, link, H, s) for s in STRATEGIES}
+    res = {s: predict(costs, link, H, s) for s in PLANNED_SCHEDULES}
     for r in res.values():
         assert set(r) == {
             "strategy",
