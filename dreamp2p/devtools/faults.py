@@ -5,7 +5,10 @@ kills one with SIGKILL once every rank is past ``kill_at`` (rounds are in flight
 that the survivors keep stepping, restarts the victim as a joining node (state transfer from the live
 members, start at the cluster's step), and finally has every rank train to the same step, then run a
 quiet stretch with learning rate 0 so that every layer is averaged with nothing local on top: the
-replicas must then hold identical parameters. Used by the fault tests (issue 5) and nothing else.
+replicas must then hold identical parameters. With ``rejoin=False`` the victim stays dead and only the
+survivors finish. Each rank reports why its failed rounds failed (`peer.rounds.RoundFailure`), so a test
+can tell a round given up because a member left from one that waited out its deadline. Used by the
+fault tests (issues 5 and 14) and the recovery benchmark.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class FaultReport:
     steps_at_kill: list[int]
     survivor_steps_after_kill: list[int]  # where the survivors were before the victim came back
     seconds_to_progress: float  # from the kill until every survivor had made `progress` more steps
-    joined_at: int  # the step the restarted victim started at
+    joined_at: int  # the step the restarted victim started at (-1 without a rejoin)
 
 
 def _child(
@@ -52,6 +55,7 @@ def _child(
     from dreamp2p.devtools.bench.training import batch, student
     from dreamp2p.manifest import param_digest
     from dreamp2p.node import Node
+    from dreamp2p.sync.comm import CommThread
 
     torch.set_num_threads(1)
     node = Node(node_config(rank, config), joining=join)
@@ -84,6 +88,10 @@ def _child(
         s.close()
         if args.get("flush"):
             s.flush()
+        failures: list[tuple[tuple[int, int], str, bool]] = []
+        if isinstance(node.comm, CommThread):  # a comm process keeps its peer to itself
+            peer = node.comm.peer
+            failures = node.comm.on_loop(lambda: [(f.key, f.reason, f.deadline) for f in peer.rounds.failures])
         conn.send(("done", None))
         conn.recv()  # every rank is done: nobody sends to us any more
         conn.send(
@@ -95,6 +103,7 @@ def _child(
                     "step": s.step_count,
                     "skipped": s.rounds_skipped,
                     "view_changes": node.comm.view_changes,
+                    "failures": failures,
                 },
             )
         )
@@ -129,6 +138,7 @@ def kill_and_rejoin(
     strategy: str = "dreamddp",
     step_sleep: float = 0.02,
     timeout: float = 240.0,
+    rejoin: bool = True,
 ) -> FaultReport:
     """Run the scenario in the module docstring; raises RuntimeError with the failing rank's reason."""
     sync = sync or {"period": 5, "warmup_steps": 3, "control_every": 5, "max_delay": 2}
@@ -180,16 +190,20 @@ def kill_and_rejoin(
             time.sleep(0.05)
         to_progress = time.monotonic() - t_kill
         after_kill = [boxes[r].value for r in range(n)]
-        spawn(victim, join=True)
-        joined_at = int(expect_message(pipes[victim], "started", deadline, f"rank {victim} (restarted)"))
-        final = max(b.value for b in boxes) + after_join
-        for rank in range(n):
+        joined_at = -1
+        if rejoin:
+            spawn(victim, join=True)
+            joined_at = int(expect_message(pipes[victim], "started", deadline, f"rank {victim} (restarted)"))
+        ranks = list(range(n)) if rejoin else survivors
+        final = max(boxes[r].value for r in ranks) + after_join
+        for rank in ranks:
             pipes[rank].send(final)
-        for rank in range(n):
+        for rank in ranks:
             expect_message(pipes[rank], "done", deadline, f"rank {rank}")
-        for rank in range(n):
+        for rank in ranks:
             pipes[rank].send("close")
-        results = [expect_message(pipes[rank], "ok", deadline, f"rank {rank}") for rank in range(n)]
+        got = {rank: expect_message(pipes[rank], "ok", deadline, f"rank {rank}") for rank in ranks}
+        results = [got.get(rank, {}) for rank in range(n)]
         return FaultReport(results, at_kill, after_kill, to_progress, joined_at)
     finally:
         reap(procs)

@@ -68,7 +68,10 @@ class Inbound:
         self._links.note_received(frame.sender, len(frame.payload))
 
     def stream_broken(self, sender: str, keys: set[tuple[int, int]], reason: str) -> None:
+        """``sender``'s stream of frames broke: its rounds on it fail, and we check at once that it lives."""
         self._rounds.fail_open(f"{sender}: {reason}", lambda key, rnd: key in keys and rnd.spec.predecessor == sender)
+        if self._admission.is_admitted(sender):
+            self._live.check(sender)
 
     def vote(self, v: Vote) -> None:
         """A member's outcome of a round: recorded, and a failure ends ours (see `peer.commit`)."""

@@ -2,8 +2,10 @@
 
 The loop repeats one heartbeat round (`peer.heartbeat`) every ``heartbeat_s`` and publishes the view it
 leaves; a view change is handed to ``on_change`` (the peer fails the rounds that need a member that is
-gone). Callers that learned of a loss first take a member out at once (`mark_unreachable`), and a
-retry waits for one more pass over the members (`next_heartbeat`). Runs on the peer's event loop only.
+gone). Callers that learned of a loss first take a member out at once (`mark_unreachable`); a member
+whose stream to us broke is echoed at once (`check`), so a dead one leaves the view without waiting for
+the next pass; a retry waits for one more pass over the members (`next_heartbeat`). Runs on the peer's
+event loop only.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Liveness:
         self._on_change = on_change
         self._heart: asyncio.Task[None] | None = None
         self._beat = asyncio.Event()  # set (and replaced) after each heartbeat pass over the members
+        self._checks: dict[str, asyncio.Task[None]] = {}  # one out-of-turn echo per member at a time
 
     def begin(self, members: Sequence[str], unreachable: Iterable[str]) -> None:
         """A new membership over ``members``, all alive but ``unreachable`` (they count as dead at once)."""
@@ -67,6 +70,11 @@ class Liveness:
             self._heart.cancel()
             await asyncio.wait({self._heart})
             self._heart = None
+        checks = list(self._checks.values())
+        for task in checks:
+            task.cancel()
+        if checks:
+            await asyncio.wait(checks)
 
     def heard(self, node: str) -> None:
         """``node`` sent us something: it is alive (but a dead member is revived only by a heartbeat)."""
@@ -95,6 +103,24 @@ class Liveness:
         tick = self._beat
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(tick.wait(), t.heartbeat_s + max(0.5, 2 * t.heartbeat_s) + 1.0)
+
+    def check(self, node: str) -> None:
+        """Evidence that ``node`` may be gone (its stream broke): echo it now, not at the next pass.
+
+        A refused connection takes it out of the view at once (which fails the rounds that need it); an
+        answer keeps it in. Only with heartbeats on (the same echo they send), once per member at a time.
+        """
+        link = self._links().get(node)
+        if self._heart is None or self.membership is None or link is None or node in self._checks:
+            return
+        task = asyncio.create_task(self._check(node, link), name=f"check-{node}")
+        self._checks[node] = task
+        task.add_done_callback(lambda _: self._checks.pop(node, None))
+
+    async def _check(self, node: str, link: Link) -> None:
+        assert self.membership is not None
+        await beat_once({node: link}, self.membership, max(0.5, 2 * self.transport.heartbeat_s), self._reintroduce)
+        self._set_view(self.membership.view())
 
     def mark_unreachable(self, node: str) -> None:
         """Take ``node`` out of the view now, as a refused heartbeat would; a later answer brings it back."""

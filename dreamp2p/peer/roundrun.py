@@ -117,6 +117,7 @@ class RoundRunner:
         retries = self.config.transport.round_retries
         for attempt in range(retries + 1):
             gid = group_id if attempt == 0 else group_id | RETRY_GROUP_BIT
+            view = self._live.view
             try:
                 return await self._allreduce_once(
                     tensors, gid, codec, plan_version, timeout, out, round_id, guard_norm, error_feedback
@@ -125,8 +126,10 @@ class RoundRunner:
                 if attempt == retries or self._closing() or round_id is None:
                     raise
                 self.retried += 1
-                # let failure detection look at every member once more, so the retry runs among the living
-                await self._live.next_heartbeat()
+                # a member left during the round (the view changed, which failed it): retry among the
+                # survivors now; otherwise let failure detection look at every member once more first
+                if self._live.view == view:
+                    await self._live.next_heartbeat()
                 log.info("round %s failed (%s); retrying among %s", exc.key, exc.reason, ", ".join(self._live.view))
         raise AssertionError("unreachable")
 
@@ -265,6 +268,8 @@ class RoundRunner:
         except (PeerError, TimeoutError, RoundAborted) as exc:
             rnd.fail(str(exc))
             self.failed += 1
+            deadline = isinstance(exc, TimeoutError) or (isinstance(exc, PeerError) and exc.status == Status.TIMEOUT)
+            self._rounds.note_failure(key, str(exc) or type(exc).__name__, deadline=deadline)
             self._commits.announce(key, vid, others, commit=False)
             if isinstance(exc, PeerError) and exc.status == Status.VIEW_MISMATCH:
                 log.info("round %s: members disagree about who is alive (%s); skipped", key, exc.detail)
@@ -300,8 +305,8 @@ async def _run(rnd: RingRound, out: OutboundStream | None, timeout: float) -> No
                 if exc is not None:
                     raise exc if isinstance(exc, PeerError | RoundAborted) else RoundAborted(str(exc))
             waiters = [w for w in waiters if not w.done()]
-        if out is not None:
-            await asyncio.wait_for(out.close(), max(0.1, deadline - loop.time()))
+        if out is not None and failed is not None:
+            await _close(out, failed, max(0.1, deadline - loop.time()))
     finally:
         if not starter.done():
             starter.cancel()
@@ -314,6 +319,30 @@ async def _run(rnd: RingRound, out: OutboundStream | None, timeout: float) -> No
             failed.exception()
         if rnd.done.done() and not rnd.done.cancelled():
             rnd.done.exception()
+
+
+async def _close(out: OutboundStream, failed: asyncio.Future[None], timeout: float) -> None:
+    """Wait for our stream's acknowledgements, unless the round is aborted first.
+
+    Our part may be done while the successor died with our last frames unacknowledged: the stream then
+    waits for it to come back (a restart) up to the round's deadline, so a view change that drops it
+    (which aborts the stream) must end the wait, not the deadline.
+    """
+    closing = asyncio.ensure_future(out.close())
+    try:
+        done, _ = await asyncio.wait({closing, failed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if closing in done:
+            closing.result()
+        elif failed in done and not failed.cancelled():
+            failed.result()  # raises the stream's failure (an abort names its reason)
+        if not done:
+            raise TimeoutError(f"our frames were not acknowledged within {timeout:.1f} s")
+    finally:
+        if not closing.done():
+            closing.cancel()
+            await asyncio.wait({closing})
+        if not closing.cancelled():
+            closing.exception()
 
 
 def _flatten(tensors: Sequence[torch.Tensor], world: int) -> tuple[torch.Tensor, int]:

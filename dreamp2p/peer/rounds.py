@@ -9,6 +9,7 @@ peer's event loop only.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -25,6 +26,17 @@ MAX_ROUNDS_AHEAD = 1 << 16
 MAX_PENDING_ROUNDS = 256
 # Closed round ids remembered per group before the oldest are forgotten (older ids are stale anyway).
 MAX_CLOSED_IDS = 1024
+# Failed rounds whose reasons are kept for status and tests (the newest; older ones are dropped).
+MAX_FAILURE_RECORDS = 64
+
+
+@dataclass(frozen=True)
+class RoundFailure:
+    """Why one of our rounds failed: ``deadline`` when it ran out of time rather than being given up."""
+
+    key: Key
+    reason: str
+    deadline: bool
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,8 @@ class RoundRegistry:
         self._waiter_refs: dict[Key, int] = {}
         self._next: dict[int, int] = {}
         self._closed: dict[int, set[int]] = {}
+        # why our recent rounds failed, oldest first: a member that left, a failed vote, or the deadline
+        self.failures: deque[RoundFailure] = deque(maxlen=MAX_FAILURE_RECORDS)
 
     def claim(self, group_id: int, round_id: int | None) -> int:
         """The id of our next round of ``group_id`` (``round_id`` when given, which must be newer)."""
@@ -86,6 +100,10 @@ class RoundRegistry:
             # ids at or below our newest round are refused as stale anyway; keep the set small
             for rid in sorted(closed)[: -MAX_CLOSED_IDS // 2]:
                 closed.discard(rid)
+
+    def note_failure(self, key: Key, reason: str, *, deadline: bool) -> None:
+        """Record why round ``key`` failed here (see `failures`)."""
+        self.failures.append(RoundFailure(key, reason, deadline))
 
     async def round_for(self, frame: Frame) -> RingRound:
         """The open round ``frame`` belongs to, waiting (bounded) for it to open; PeerError when it cannot."""

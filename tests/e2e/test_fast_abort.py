@@ -1,0 +1,48 @@
+"""Fast abort (issue 14): a member killed mid-round fails the rounds that need it at once, not at their deadline.
+
+4 trainer processes with ``round_timeout_s`` 120; one is killed with SIGKILL while rounds with it are in
+flight. Only a round given up because its member left can let the survivors go on inside this test's
+limits: the whole scenario must finish within 100 s (and pytest's limit is 110 s), so a single round
+that waited out its 120 s deadline would make it fail. Each survivor also reports why its rounds failed:
+none by deadline, and the victim is named. No wall-clock bound is asserted.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dreamp2p.devtools.faults import kill_and_rejoin
+
+ROUND_TIMEOUT_S = 120.0
+SCENARIO_LIMIT_S = 100.0  # < ROUND_TIMEOUT_S: no round may have waited out its deadline
+SURVIVORS = (0, 1, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(110)
+def test_kill_one_of_four_mid_round_survivors_go_on_before_the_round_timeout() -> None:
+    assert SCENARIO_LIMIT_S < ROUND_TIMEOUT_S
+    rep = kill_and_rejoin(
+        n=4,
+        victim=3,
+        kill_at=30,
+        progress=25,
+        after_join=20,
+        transport={"round_timeout_s": ROUND_TIMEOUT_S},
+        timeout=SCENARIO_LIMIT_S,
+        rejoin=False,
+    )
+    # kill_and_rejoin raises unless every survivor made `progress` more steps within its limit
+    assert all(rep.survivor_steps_after_kill[r] >= rep.steps_at_kill[r] + 25 for r in SURVIVORS), rep
+    failures = {r: rep.results[r]["failures"] for r in SURVIVORS}
+    # rounds with the victim were in flight (it was killed mid-run); they failed because it left...
+    assert any("p3" in reason for r in SURVIVORS for _, reason, _ in failures[r]), failures
+    # ...and none by running out of time
+    assert not [f for r in SURVIVORS for f in failures[r] if f[2]], failures
+    # all-or-none: a round that failed on one survivor failed on every survivor
+    failed_keys = [{tuple(key) for key, _, _ in failures[r]} for r in SURVIVORS]
+    assert failed_keys[0] == failed_keys[1] == failed_keys[2], failures
+    # the survivors trained on among themselves to the same step with identical parameters
+    assert len({rep.results[r]["step"] for r in SURVIVORS}) == 1
+    assert len({rep.results[r]["digest"] for r in SURVIVORS}) == 1, [rep.results[r]["digest"][:12] for r in SURVIVORS]
+    assert all(rep.results[r]["view_changes"] >= 1 for r in SURVIVORS)
