@@ -157,7 +157,7 @@ def _bench_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 def _demo_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse a strategy or codec the daemons would refuse, before any of them starts."""
     from dreamp2p.compression import codec_names, get_codec
-    from dreamp2p.sync.config import STRATEGIES
+    from dreamp2p.config.sync import STRATEGIES
 
     if args.strategy not in STRATEGIES:
         parser.error(f"argument --strategy: invalid choice: {args.strategy!r} (choose from {', '.join(STRATEGIES)})")
@@ -310,7 +310,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _node(args: argparse.Namespace) -> int:
-    from dreamp2p.service.daemon import DaemonConfig, JsonFormatter, StopFlag, run_node
+    from dreamp2p.config import DaemonConfig
+    from dreamp2p.service.daemon import JsonFormatter, StopFlag, run_node
 
     cfg = DaemonConfig.from_toml(args.config)
     # a fatal signal (a native abort or crash) leaves every thread's Python stack in the node's log

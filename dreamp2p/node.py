@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.config.sync import SyncConfig
 from dreamp2p.errors import PeerError
 from dreamp2p.manifest import manifest_hash
 from dreamp2p.messages import PeerStatus
@@ -34,7 +35,6 @@ from dreamp2p.sync.agreement import inner_momentum, is_adaptive, training_settin
 from dreamp2p.sync.base import Strategy, broadcast_state
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.commproc import CommProcess, RemoteDonor
-from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.registry import strategy_class
 
 log = logging.getLogger(__name__)

@@ -2,17 +2,27 @@
 
 - :mod:`dreamp2p.config.parse`: link rates, durations, and dataclasses built from TOML tables with precise errors;
 - :mod:`dreamp2p.config.peer`: the peer, its transport and TLS (``[node]`` of a daemon's file);
-- :mod:`dreamp2p.config.task`: the built-in training task of ``dreamp2p node`` (``[task]``).
+- :mod:`dreamp2p.config.sync`: the synchronization strategies' knobs (``[sync]``) and the strategy names;
+- :mod:`dreamp2p.config.task`: the built-in training task of ``dreamp2p node`` (``[task]``);
+- :mod:`dreamp2p.config.daemon`: a node daemon's whole file (``dreamp2p node --config``);
+- :mod:`dreamp2p.config.codecs`: the codec names the checks accept (held equal to the codec registry by a test).
 """
 
+from dreamp2p.config.daemon import CheckpointConfig, DaemonConfig, MetricsConfig
 from dreamp2p.config.parse import parse_duration, parse_rate
 from dreamp2p.config.peer import COMM_MODES, PeerConfig, PeerInfo, TLSConfig, TransportConfig, is_loopback_address
+from dreamp2p.config.sync import STRATEGIES, SyncConfig
 from dreamp2p.config.task import TaskConfig
 
 __all__ = [
     "COMM_MODES",
+    "STRATEGIES",
+    "CheckpointConfig",
+    "DaemonConfig",
+    "MetricsConfig",
     "PeerConfig",
     "PeerInfo",
+    "SyncConfig",
     "TLSConfig",
     "TaskConfig",
     "TransportConfig",

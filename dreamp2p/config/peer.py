@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dreamp2p.config.codecs import DENSE_CODECS
 from dreamp2p.config.parse import _build
-
-_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "e3m0")
 
 
 @dataclass(frozen=True)
@@ -159,8 +158,8 @@ class PeerConfig:
             raise ValueError(f"node_id must be a non-empty word without spaces, got {self.node_id!r}")
         if not self.cluster_id:
             raise ValueError("cluster_id must not be empty")
-        if self.codec not in _CODECS:
-            raise ValueError(f"codec must be one of {', '.join(_CODECS)}; got {self.codec!r}")
+        if self.codec not in DENSE_CODECS:
+            raise ValueError(f"codec must be one of {', '.join(DENSE_CODECS)}; got {self.codec!r}")
         ids = [p.node_id for p in self.ring]
         if len(set(ids)) != len(ids):
             raise ValueError(f"ring lists a node id twice: {ids}")

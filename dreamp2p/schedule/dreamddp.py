@@ -99,7 +99,7 @@ __all__ = [
 ]
 
 # The schedules `predict` models (the planner's what-if comparison), not sync strategies: plsgd is no strategy of
-# dreamp2p.sync, and diloco/streaming/co2 have no model here. The strategies are `dreamp2p.sync.config.STRATEGIES`.
+# dreamp2p.sync, and diloco/streaming/co2 have no model here. The strategies are `dreamp2p.config.sync.STRATEGIES`.
 PLANNED_SCHEDULES = ("dreamddp", "plsgd", "localsgd", "ssgd")
 _MAX_DESCENT_PASSES = 16
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dreamp2p.config.sync import SyncConfig
 from dreamp2p.manifest import manifest_hash
-from dreamp2p.sync.config import SyncConfig
 
 # Inner optimizers with per-element adaptive steps: DiLoCo's Nesterov outer step suits them (looked up by
 # name: older torch releases lack some).

@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from dreamp2p.config.sync import SyncConfig
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RoundResult, TrainingInfo
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.sync.agreement import is_adaptive
 from dreamp2p.sync.buffers import BufferSync, frozen_parameters, model_buffers
 from dreamp2p.sync.collective import Collective
-from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.groups import GROUP_FLUSH, GROUP_INIT
 from dreamp2p.sync.layers import FlatGroup, Layer, discover_layers
 

@@ -8,7 +8,7 @@ update everywhere, the others skip that average or outer step and carry on local
 - ``localsgd``: local SGD, whole model averaged every H steps (blocking).
 - ``diloco``: DiLoCo (Douillard et al., arXiv 2311.08455): H inner steps, then the mean pseudo-gradient
   (global - local) drives an outer Nesterov SGD step (lr 0.7, momentum 0.9 over an adaptive inner
-  optimizer as in the paper; plain averaging, lr 1 and momentum 0, over SGD: see `sync.config`).
+  optimizer as in the paper; plain averaging, lr 1 and momentum 0, over SGD: see `config.sync`).
 - ``streaming``: Streaming DiLoCo (arXiv 2501.18512): P strided fragments, each synced once per H steps
   at staggered offsets; its 4-bit outer gradient travels while training goes on for tau steps, then
   theta <- alpha * local + (1 - alpha) * outer.
@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from dreamp2p.config.sync import SyncConfig
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RoundResult
 from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided_fragments
 from dreamp2p.sync.base import Strategy, landed
-from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.groups import GROUP_CO2_GAP, GROUP_GRADS, GROUP_PARAMS, fragment_group
 from dreamp2p.sync.layers import FlatGroup
 

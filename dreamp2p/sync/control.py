@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from dreamp2p.config.sync import SyncConfig
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RingCodecPlan, RoundResult
 from dreamp2p.schedule.cost import LayerCost, LinkModel
@@ -30,7 +31,6 @@ from dreamp2p.schedule.dreamddp import plan_dreamddp
 from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs, wire_ratio
 from dreamp2p.schedule.plan import Plan
 from dreamp2p.schedule.plancodec import choose_plan_codec
-from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.groups import GROUP_CONTROL
 from dreamp2p.sync.layers import FlatGroup
 

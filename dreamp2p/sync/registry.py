@@ -1,10 +1,10 @@
-"""The one map from strategy name to class; the names themselves are `dreamp2p.sync.config.STRATEGIES`."""
+"""The one map from strategy name to class; the names themselves are `dreamp2p.config.sync.STRATEGIES`."""
 
 from __future__ import annotations
 
+from dreamp2p.config.sync import STRATEGIES
 from dreamp2p.sync.base import Strategy
 from dreamp2p.sync.baselines import CO2, SSGD, DiLoCo, LocalSGD, NoSync, StreamingDiLoCo
-from dreamp2p.sync.config import STRATEGIES
 from dreamp2p.sync.dreamddp import DreamDDP
 
 STRATEGY_CLASSES: dict[str, type[Strategy]] = {

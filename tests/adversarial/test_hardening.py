@@ -23,11 +23,10 @@ from grpc import aio
 
 from dreamp2p import PROTOCOL_VERSION
 from dreamp2p.compression import codec_names, get_codec
-from dreamp2p.config import PeerConfig, PeerInfo, TLSConfig, TransportConfig, is_loopback_address
+from dreamp2p.config import DaemonConfig, PeerConfig, PeerInfo, TLSConfig, TransportConfig, is_loopback_address
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import Frame
 from dreamp2p.peer import Peer
-from dreamp2p.service.daemon import DaemonConfig
 from dreamp2p.transport.budget import SenderBudget
 from dreamp2p.transport.server import PeerServicer
 from dreamp2p.v1 import peer_pb2 as pb

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from dreamp2p.config import DaemonConfig
 from dreamp2p.devtools.localrun import last_step, read_records, start_node, wait_exits, wait_progress, write_configs
 from dreamp2p.service.checkpoint import list_checkpoints
-from dreamp2p.service.daemon import DaemonConfig
 
 SYNC = {"strategy": "dreamddp", "period": 4, "warmup_steps": 2, "control_every": 5, "max_delay": 1, "codec": "int8"}
 TASK = {

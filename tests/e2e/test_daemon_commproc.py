@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from dreamp2p.config import DaemonConfig
 from dreamp2p.devtools.localrun import last_step, read_records, start_node, wait_exits, wait_progress, write_configs
-from dreamp2p.service.daemon import DaemonConfig
 
 SYNC = {"strategy": "dreamddp", "period": 4, "warmup_steps": 2, "control_every": 5, "max_delay": 1}
 TASK = {"steps": 30, "batch": 8, "context": 32, "dim": 64, "layers": 1, "heads": 2, "max_corpus_bytes": 1 << 20}

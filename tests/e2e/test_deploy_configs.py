@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dreamp2p.service.daemon import DaemonConfig
+from dreamp2p.config import DaemonConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 MAKE_CERTS = ROOT / "deploy" / "tls" / "make-certs.sh"

@@ -114,12 +114,12 @@ def test_checkpoints_and_state_transfer_carry_buffers_and_frozen_parameters(rout
     """What a resumed or joining node loads holds BatchNorm statistics, frozen parameters and buffers."""
     import torch
 
+    from dreamp2p.config.sync import SyncConfig
     from dreamp2p.devtools.bench.statejobs import BatchNormNet
     from dreamp2p.manifest import state_digest
     from dreamp2p.service.checkpoint import load_step, save_checkpoint
     from dreamp2p.state.snapshot import flatten_state, unflatten_state
     from dreamp2p.sync.baselines import NoSync
-    from dreamp2p.sync.config import SyncConfig
     from dreamp2p.sync.inprocess import InProcessHub
 
     comm = InProcessHub(1).member(0)

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from dreamp2p.config.sync import SyncConfig
 from dreamp2p.schedule.cost import LayerCost
-from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.control import in_background, pack_control, unpack_control
 from dreamp2p.sync.outer import DIGEST_BITS, anchor_check_vector, anchor_verdict
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from dreamp2p.config.sync import SyncConfig
 from dreamp2p.devtools.bench.lm import parse_variant
-from dreamp2p.sync.config import SyncConfig
 
 
 @pytest.mark.parametrize(

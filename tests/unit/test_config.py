@@ -123,14 +123,14 @@ def test_transport_limits() -> None:
     ],
 )
 def test_bad_link_codecs_are_refused(data: dict[str, object], message: str) -> None:
-    from dreamp2p.sync.config import SyncConfig
+    from dreamp2p.config.sync import SyncConfig
 
     with pytest.raises(ValueError, match=message):
         SyncConfig.from_dict(data)
 
 
 def test_link_codecs_from_a_toml_array_become_a_tuple() -> None:
-    from dreamp2p.sync.config import SyncConfig
+    from dreamp2p.config.sync import SyncConfig
 
     cfg = SyncConfig.from_dict({"link_codecs": ["fp32", "bf16", "int8"]})
     assert cfg.link_codecs == ("fp32", "bf16", "int8")

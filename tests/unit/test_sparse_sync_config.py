@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from dreamp2p.cli import main
+from dreamp2p.config.sync import SyncConfig
 from dreamp2p.settings import settings_mismatch
-from dreamp2p.sync.config import SyncConfig
 from dreamp2p.sync.groups import GROUP_PLAN_BASE
 from dreamp2p.sync.inprocess import InProcessHub
 from dreamp2p.sync.registry import strategy_class

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from dreamp2p.config.sync import STRATEGIES, SyncConfig
 from dreamp2p.sync.base import Strategy
-from dreamp2p.sync.config import STRATEGIES, SyncConfig
 from dreamp2p.sync.groups import GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, GROUP_PLAN_BASE
 from dreamp2p.sync.inprocess import InProcessHub
 from dreamp2p.sync.registry import STRATEGY_CLASSES, strategy_class

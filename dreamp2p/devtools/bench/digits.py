@@ -39,9 +39,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from dreamp2p.config.sync import SyncConfig
 from dreamp2p.devtools.launch import run_local
 from dreamp2p.node import Node
-from dreamp2p.sync.config import SyncConfig
 
 log = logging.getLogger(__name__)
 

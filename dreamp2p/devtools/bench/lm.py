@@ -59,10 +59,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from dreamp2p.config import PeerConfig, parse_rate
+from dreamp2p.config.sync import STRATEGIES, SyncConfig
 from dreamp2p.devtools.bench.lmwork import JOB, VOCAB, count_params, eval_every, run_ceiling
 from dreamp2p.devtools.launch import run_local
 from dreamp2p.devtools.netns import Namespaces
-from dreamp2p.sync.config import STRATEGIES, SyncConfig
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import logging
 from typing import Any
 
 from dreamp2p.config import parse_duration, parse_rate
+from dreamp2p.config.sync import STRATEGIES
 from dreamp2p.devtools.launch import run_local
-from dreamp2p.sync.config import STRATEGIES
 
 log = logging.getLogger(__name__)
 

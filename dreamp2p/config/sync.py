@@ -1,12 +1,15 @@
-"""Knobs of the synchronization strategies, one frozen dataclass with validation."""
+"""Knobs of the synchronization strategies (``[sync]``), one frozen dataclass with validation.
+
+The codec fields are checked against `dreamp2p.config.codecs` (this package is a leaf: it may not import
+the codec registry in `dreamp2p.compression`, which a unit test holds those names equal to).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from dreamp2p.compression import UnknownCodecError, codec_names, get_codec
-from dreamp2p.schedule.linkcodec import choose_link_codecs
+from dreamp2p.config.codecs import CODEC_NAMES, check_link_codecs, is_sparse
 
 STRATEGIES = ("none", "ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp")
 # How model buffers (BatchNorm running statistics, any registered buffer) are kept equal across members
@@ -27,13 +30,6 @@ GROUP_OUTER_ADAPTIVE = (1.0, 0.5)
 REMOVED_KEYS = {
     "round_timeout_s": "sync rounds are governed by [node.transport] round_timeout_s; set it there",
 }
-
-
-def _is_sparse(name: str) -> bool:
-    try:
-        return get_codec(name).sparse
-    except UnknownCodecError:
-        return False  # unknown names are refused (or not) by the checks that know the field
 
 
 @dataclass(frozen=True)
@@ -138,23 +134,23 @@ class SyncConfig:
             raise ValueError(f"sync.group_outer_lr must be in (0, 2], got {self.group_outer_lr}")
         if self.group_outer_momentum is not None and not 0.0 <= self.group_outer_momentum < 1.0:
             raise ValueError(f"sync.group_outer_momentum must be in [0, 1), got {self.group_outer_momentum}")
-        if self.delta_codec and self.delta_codec not in codec_names():
-            raise ValueError(f"sync.delta_codec: unknown codec {self.delta_codec!r}; known: {', '.join(codec_names())}")
+        if self.delta_codec and self.delta_codec not in CODEC_NAMES:
+            raise ValueError(f"sync.delta_codec: unknown codec {self.delta_codec!r}; known: {', '.join(CODEC_NAMES)}")
         if isinstance(self.link_codecs, str) or not all(isinstance(c, str) for c in self.link_codecs):
             raise ValueError(f"sync.link_codecs must be a list of codec names, got {self.link_codecs!r}")
         object.__setattr__(self, "link_codecs", tuple(self.link_codecs))  # a TOML array arrives as a list
         if isinstance(self.plan_codecs, str) or not all(isinstance(c, str) for c in self.plan_codecs):
             raise ValueError(f"sync.plan_codecs must be a list of codec names, got {self.plan_codecs!r}")
         object.__setattr__(self, "plan_codecs", tuple(self.plan_codecs))
-        unknown = [c for c in self.plan_codecs if c not in codec_names()]
+        unknown = [c for c in self.plan_codecs if c not in CODEC_NAMES]
         if unknown:
-            raise ValueError(f"sync.plan_codecs: unknown codec {unknown[0]!r}; known: {', '.join(codec_names())}")
+            raise ValueError(f"sync.plan_codecs: unknown codec {unknown[0]!r}; known: {', '.join(CODEC_NAMES)}")
         self._check_sparse_codecs()
         if not 0.0 < self.codec_link_budget <= 1.0:
             raise ValueError(f"sync.codec_link_budget must be in (0, 1], got {self.codec_link_budget}")
         if self.link_codecs:
             try:
-                choose_link_codecs(self.codec, self.link_codecs, [], self.link_codec_tolerance)
+                check_link_codecs(self.codec, self.link_codecs, self.link_codec_tolerance)
             except ValueError as exc:
                 raise ValueError(f"sync.link_codecs: {exc}") from None
 
@@ -169,13 +165,13 @@ class SyncConfig:
             "link_codecs": self.link_codecs,
         }
         for key, names in carriers.items():
-            sparse = [c for c in names if _is_sparse(c)]
+            sparse = [c for c in names if is_sparse(c)]
             if sparse:
                 raise ValueError(
                     f"sync.{key}: {sparse[0]} is a sparse codec, usable only as sync.delta_codec with "
                     "sync.error_feedback = true (it sends 2% of each block and decodes the rest as zeros)"
                 )
-        if self.delta_codec and _is_sparse(self.delta_codec) and not self.error_feedback:
+        if self.delta_codec and is_sparse(self.delta_codec) and not self.error_feedback:
             raise ValueError(
                 f"sync.delta_codec {self.delta_codec} is sparse (2% of each block per round): it needs "
                 "sync.error_feedback = true, which carries the rest into the next rounds"
