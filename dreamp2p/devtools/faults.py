@@ -139,8 +139,13 @@ def kill_and_rejoin(
     step_sleep: float = 0.02,
     timeout: float = 240.0,
     rejoin: bool = True,
+    victim_transport: dict[str, Any] | None = None,
 ) -> FaultReport:
-    """Run the scenario in the module docstring; raises RuntimeError with the failing rank's reason."""
+    """Run the scenario in the module docstring; raises RuntimeError with the failing rank's reason.
+
+    ``victim_transport`` overrides the victim's transport settings until it is killed (a ``rate_limit``
+    makes every round with it long, so the kill surely lands while rounds with it are in flight).
+    """
     sync = sync or {"period": 5, "warmup_steps": 3, "control_every": 5, "max_delay": 2}
     period = int(sync.get("period", 10))
     args = {
@@ -168,6 +173,8 @@ def kill_and_rejoin(
 
     def spawn(rank: int, join: bool) -> None:
         cfg = {**config, "listen": ring[rank][1]}
+        if rank == victim and not join and victim_transport:
+            cfg["transport"] = {**config["transport"], **victim_transport}
         procs[rank], pipes[rank] = start_child(_child, (rank, boxes[rank], cfg, ring, join, args), pipe_at=1)
 
     try:
