@@ -8,15 +8,16 @@ import faulthandler
 import functools
 import json
 import logging
-import math
 import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 from dreamp2p import __version__
+from dreamp2p.cliargs import address_with_port, int_at_least, open_fraction, positive_float
 from dreamp2p.errors import PeerError
 from dreamp2p.messages import PROTOCOL_VERSION
 
@@ -26,77 +27,7 @@ log = logging.getLogger(__name__)
 EXIT_BROKEN_PIPE = 141
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``low``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0 (``7e9`` is fine)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _open_fraction(text: str) -> float:
-    """An argparse type: a compute utilization strictly between 0 and 1 (1.0 would need infinite bandwidth)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 < value < 1.0:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"must be a compute utilization in (0, 1), e.g. 0.95, got {text}")
-    return value
-
-
-def _address_with_port(text: str) -> str:
-    """An argparse type: a gRPC address that names its port (``HOST:PORT``, ``[V6]:PORT``, ``unix:PATH``).
-
-    gRPC would dial a bare host on port 443, which is never a dreamp2p peer: refuse it instead.
-    """
-    addr = text.strip()
-    if addr.startswith(("unix:", "unix-abstract:")):
-        return addr
-    rest = addr
-    for scheme in ("ipv4:", "ipv6:", "dns:"):
-        if rest.startswith(scheme):
-            rest = rest[len(scheme) :]
-            if rest.startswith("//"):  # dns://authority/host:port
-                rest = rest[2:].partition("/")[2]
-            break
-    if rest.startswith("["):
-        host, _, port = rest[1:].partition("]")
-        if not port.startswith(":"):
-            raise argparse.ArgumentTypeError(f"address {text!r} has no port; use [IPV6]:PORT")
-        port = port[1:]
-    elif rest.count(":") == 1:
-        host, _, port = rest.partition(":")
-    elif ":" in rest:
-        raise argparse.ArgumentTypeError(f"address {text!r}: put an IPv6 address in brackets, [IPV6]:PORT")
-    else:
-        raise argparse.ArgumentTypeError(f"address {text!r} has no port; use HOST:PORT")
-    if not host:
-        raise argparse.ArgumentTypeError(f"address {text!r} has no host; use HOST:PORT")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"address {text!r}: port must be a number in 1..65535, got {port!r}")
-    return addr
-
-
-def _check_delay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_delay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """DreamDDP's landing delay d must stay below the period H (a layer lands before it is launched again)."""
     if args.max_delay is not None and args.max_delay >= args.period:
         parser.error(
@@ -127,146 +58,7 @@ def _plan_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             args.codec = "fp32" if args.codec is None else args.codec
             args.max_delay = 0 if args.max_delay is None else args.max_delay
     if args.period is not None:
-        _check_delay(parser, args)
-
-
-# Per-benchmark defaults of the flags the benchmarks share (None on the command line: not given).
-BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "strategies": {"steps": 150, "period": 10, "width": 512, "depth": 4, "rtt": "20ms", "rate": "100mbit"},
-    "lm": {"steps": 200, "period": 20, "width": 256, "depth": 4, "rtt": "0ms", "rate": "20mbit"},
-    "plancheck": {"steps": 100, "period": 20, "width": 256, "depth": 4, "rtt": "0ms", "rate": "20mbit"},
-}
-FALLBACK_DEFAULTS: dict[str, Any] = {
-    "steps": 150,
-    "period": 10,
-    "width": 512,
-    "depth": 4,
-    "rtt": "20ms",
-    "rate": "100mbit",
-}
-
-
-def _bench_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Fill the shared flags' defaults for the chosen benchmark, then check them across options."""
-    for key, value in BENCH_DEFAULTS.get(args.what, FALLBACK_DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    _check_delay(parser, args)
-
-
-def _demo_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse a strategy or codec the daemons would refuse, before any of them starts."""
-    from dreamp2p.compression import codec_names, get_codec
-    from dreamp2p.config.sync import STRATEGIES
-
-    if args.strategy not in STRATEGIES:
-        parser.error(f"argument --strategy: invalid choice: {args.strategy!r} (choose from {', '.join(STRATEGIES)})")
-    # the demo's codec averages parameters, which a sparse codec (topk) would zero: [sync] refuses it
-    dense = [c for c in codec_names() if not get_codec(c).sparse]
-    if args.codec not in dense:
-        parser.error(f"argument --codec: invalid choice: {args.codec!r} (choose from {', '.join(dense)})")
-
-
-def _emit(result: dict[str, Any], as_json: bool) -> None:
-    if not as_json:
-        for key, value in result.items():
-            print(f"{key}: {json.dumps(value)}")
-    # the last line is always the JSON object, so scripts can `tail -1`
-    print(json.dumps(result))
-
-
-def _bench(args: argparse.Namespace) -> int:
-    if args.what == "codec":
-        from dreamp2p.devtools.bench.codec import bench_codecs
-
-        result = bench_codecs(mbytes=args.mbytes or 64.0, repeats=args.repeats, names=args.codecs)
-    elif args.what == "transport":
-        from dreamp2p.devtools.bench.transport import bench_transport
-
-        result = bench_transport(
-            mbytes=args.mbytes or 64.0,
-            seconds=args.seconds,
-            streams=args.streams,
-            netns=args.netns,
-            rate=args.rate,
-        )
-    elif args.what == "allreduce":
-        from dreamp2p.devtools.bench.allreduce import bench_allreduce
-
-        result = bench_allreduce(
-            peers=args.peers or 4,
-            mbytes=args.mbytes or 64.0,
-            codecs=args.codecs,
-            rounds=args.repeats,
-            streams=args.streams,
-        )
-    elif args.what == "soak":
-        from dreamp2p.devtools.bench.soak import bench_soak
-
-        result = bench_soak(minutes=args.minutes, peers=args.peers or 4, mbytes=args.mbytes or 4.0)
-    elif args.what == "strategies":
-        from dreamp2p.devtools.bench.strategies import bench_strategies
-
-        result = bench_strategies(
-            strategies=args.strategies,
-            steps=args.steps,
-            period=args.period,
-            width=args.width,
-            depth=args.depth,
-            batch=args.batch,
-            rate=args.link_rate,
-            rtt=args.rtt,
-            max_delay=args.max_delay,
-            codec=args.codecs[0] if args.codecs else "fp32",
-            device=args.device,
-            lr=args.lr,
-        )
-    elif args.what == "lm":
-        from dreamp2p.config import parse_duration
-        from dreamp2p.devtools.bench.lm import bench_lm
-
-        extra = {"max_delay": args.max_delay} if args.max_delay is not None else {}
-        result = bench_lm(
-            strategies=args.strategies,
-            regions=args.regions,
-            rate=args.rate,
-            rtt_ms=parse_duration(args.rtt) * 1e3,
-            steps=args.steps,
-            period=args.period,
-            width=args.width,
-            layers=args.depth,
-            device=args.device,
-            extra_sync=extra,
-        )
-    elif args.what == "plancheck":
-        from dreamp2p.devtools.bench.plancheck import bench_plancheck
-
-        result = bench_plancheck(
-            sizes=args.sizes,
-            rates=args.rates,
-            rtts=args.rtts,
-            regions=args.region_counts,
-            steps=args.steps,
-            period=args.period,
-            out=args.out,
-            reports=args.reports or (),
-            target_cu=args.target_cu,
-        )
-        if not args.json and "table" in result:
-            print(result["table"])
-    elif args.what == "digits":
-        from dreamp2p.devtools.bench.digits import bench_digits
-
-        knobs = {"max_delay": args.max_delay} if args.max_delay is not None else {}
-        result = bench_digits(
-            strategies=args.strategies or ("ssgd", "dreamddp", "diloco"),
-            peers=args.peers or 3,
-            **knobs,
-        )
-    else:  # argparse restricts choices
-        raise AssertionError(args.what)
-    _emit(result, args.json)
-    return 0
+        check_delay(parser, args)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -338,21 +130,6 @@ def _health(args: argparse.Namespace) -> int:
     status = asyncio.run(check_health(args.address, args.service, args.timeout))
     print(status)
     return 0 if status == "SERVING" else 1
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from dreamp2p.devtools.demo import run_demo
-
-    return run_demo(
-        nodes=args.nodes,
-        link=args.link,
-        rtt=args.rtt,
-        minutes=args.minutes,
-        codec=args.codec,
-        strategy=args.strategy,
-        out=args.out,
-        device=args.device,
-    )
 
 
 def _gbit(value: float | None) -> str:
@@ -505,64 +282,6 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench_parser(sub: Any) -> None:
-    b = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
-    b.add_argument(
-        "what", choices=["codec", "transport", "allreduce", "strategies", "soak", "digits", "lm", "plancheck"]
-    )
-    b.add_argument("--json", action="store_true", help="print only the JSON result line")
-    b.add_argument("--mbytes", type=float, default=None, help="buffer size in MB (default 64)")
-    b.add_argument("--repeats", type=int, default=3, help="measured repetitions (median)")
-    b.add_argument("--codecs", nargs="+", default=None, help="codecs to measure (default: all)")
-    b.add_argument("--peers", type=int, default=None, help="peer processes (allreduce, soak: 4; digits: 3)")
-    b.add_argument("--seconds", type=float, default=6.0, help="transport: measuring time")
-    b.add_argument("--streams", type=int, default=2, help="parallel streams (TCP connections) per link")
-    b.add_argument("--netns", action="store_true", help="transport: run across two tbf-shaped namespaces (root)")
-    b.add_argument("--rate", default=None, help="link rate, e.g. 20mbit (transport --netns: 100mbit; lm: 20mbit)")
-    b.add_argument("--regions", type=_int_at_least(1), default=2, help="lm: regions (one process each)")
-    b.add_argument("--minutes", type=float, default=10.0, help="soak: how long to run")
-    b.add_argument(
-        "--strategies",
-        nargs="+",
-        default=None,
-        help="which to run (default: all); lm also takes variants, e.g. dreamddp:error_feedback=true",
-    )
-    b.add_argument(
-        "--steps", type=_int_at_least(1), default=None, help="training steps per run (strategies 150, lm 200)"
-    )
-    b.add_argument("--period", type=_int_at_least(1), default=None, help="period H (strategies 10, lm 20)")
-    b.add_argument("--width", type=_int_at_least(1), default=None, help="model width (strategies: MLP 512, lm: 256)")
-    b.add_argument("--depth", type=_int_at_least(1), default=None, help="hidden layers / transformer blocks (4)")
-    b.add_argument("--batch", type=int, default=4096, help="strategies: batch size per peer (4096: ~0.16 s CPU steps)")
-    b.add_argument("--link-rate", default=None, help="strategies: link rate (default: full sync = H/2 steps)")
-    b.add_argument("--rtt", default=None, help="emulated round-trip time per hop (strategies 20ms, lm 0ms)")
-    b.add_argument(
-        "--max-delay", type=_int_at_least(0), default=None, help="strategies: DreamDDP max landing delay d (H-1)"
-    )
-    b.add_argument("--lr", type=float, default=0.05, help="strategies: SGD learning rate (wide models want less)")
-    b.add_argument(
-        "--device", default="cpu", choices=["cpu", "cuda"], help="strategies: where the trainers run (both peers)"
-    )
-    _add_plancheck_parser(b)
-    b.set_defaults(func=_bench, check=functools.partial(_bench_check, b))
-
-
-def _add_plancheck_parser(b: argparse.ArgumentParser) -> None:
-    """`bench plancheck`'s own flags: the grid of `bench lm` runs that `dreamp2p plan` is checked against."""
-    g = b.add_argument_group("plancheck (dreamp2p plan against bench lm; --steps 100, --period 20)")
-    g.add_argument(
-        "--sizes", nargs="+", default=["small", "large"], choices=["small", "large", "tiny"], help="d256x4, d384x6"
-    )
-    g.add_argument("--rates", nargs="+", default=["10mbit", "20mbit", "100mbit"], help="link rates of the grid")
-    g.add_argument("--rtts", nargs="+", default=["0ms", "80ms"], help="RTTs of the grid")
-    g.add_argument(
-        "--region-counts", nargs="+", type=_int_at_least(2), default=[2, 3], help="region counts of the grid"
-    )
-    g.add_argument("--target-cu", type=_open_fraction, default=None, help="check plan --target-cu's recommendation")
-    g.add_argument("--out", default=None, help="append each finished point to this JSON-lines file")
-    g.add_argument("--reports", nargs="+", default=None, help="saved bench lm reports to compare instead of running")
-
-
 def _add_node_parser(sub: Any) -> None:
     n = sub.add_parser("node", help="run one region's daemon (trainer + peer) from a TOML config")
     n.add_argument("--config", required=True, help="path to the node's TOML file (see nodes/)")
@@ -588,7 +307,7 @@ def _add_node_parser(sub: Any) -> None:
 def _add_status_parser(sub: Any) -> None:
     s = sub.add_parser("status", help="live status of a peer: ring, links, counters")
     s.add_argument(
-        "address", type=_address_with_port, help="HOST:PORT of the peer (a port is required: no default is assumed)"
+        "address", type=address_with_port, help="HOST:PORT of the peer (a port is required: no default is assumed)"
     )
     s.add_argument("--token", default=None, help="shared cluster token, if the peer requires one")
     s.add_argument("--ca", default=None, help="CA certificate (PEM) to verify a TLS peer")
@@ -600,9 +319,9 @@ def _add_status_parser(sub: Any) -> None:
 
 def _add_health_parser(sub: Any) -> None:
     h = sub.add_parser("health", help="ask a node's health listener (grpc.health.v1); exit 0 only when SERVING")
-    h.add_argument("address", type=_address_with_port, help="HOST:PORT of the node's health_listen")
+    h.add_argument("address", type=address_with_port, help="HOST:PORT of the node's health_listen")
     h.add_argument("--service", default="", help="service name ('' = the whole node, or dreamp2p.v1.Peer)")
-    h.add_argument("--timeout", type=_positive_float, default=5.0, help="seconds to wait for the answer")
+    h.add_argument("--timeout", type=positive_float, default=5.0, help="seconds to wait for the answer")
     h.set_defaults(func=_health)
 
 
@@ -616,35 +335,35 @@ def _add_plan_parser(sub: Any) -> None:
     )
     mode.add_argument(
         "--target-cu",
-        type=_open_fraction,
+        type=open_fraction,
         default=None,
         help="recommend DreamDDP period, delay, codec reaching this compute utilization (0..1) on --link",
     )
     pl.add_argument(
-        "--params", type=_positive_float, default=None, help="model parameters, e.g. 7e9 (required unless --table)"
+        "--params", type=positive_float, default=None, help="model parameters, e.g. 7e9 (required unless --table)"
     )
     pl.add_argument(
-        "--layers", type=_int_at_least(1), default=None, help="layers, all of equal size (required unless --table)"
+        "--layers", type=int_at_least(1), default=None, help="layers, all of equal size (required unless --table)"
     )
     pl.add_argument(
         "--step-time",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="forward+backward seconds per step (required unless --table)",
     )
-    pl.add_argument("--peers", type=_int_at_least(1), default=2)
+    pl.add_argument("--peers", type=int_at_least(1), default=2)
     pl.add_argument("--link", default="1gbit", help="slowest link rate")
     pl.add_argument("--rtt", default=None, help="largest RTT (80ms; --table: 0ms)")
     pl.add_argument(
         "--period",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=None,
         help="H: every layer is averaged once per H steps (10; --table: 100; --target-cu: searched)",
     )
     pl.add_argument("--codec", default=None, help="fp32 (--target-cu: searched among fp32, bf16, int8)")
     pl.add_argument(
         "--max-delay",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=None,
         help="d: DreamDDP's max landing delay in steps, < --period (0; --table and --target-cu: up to period-1)",
     )
@@ -652,33 +371,38 @@ def _add_plan_parser(sub: Any) -> None:
     pl.set_defaults(func=_plan, check=functools.partial(_plan_check, pl))
 
 
-def _add_demo_parser(sub: Any) -> None:
-    d = sub.add_parser("demo", help="train across N local node daemons over emulated WAN links, then report")
-    d.add_argument("--nodes", type=int, default=3)
-    d.add_argument("--link", default="20mbit", help="emulated link rate per hop")
-    d.add_argument("--rtt", default="80ms", help="emulated round-trip time per hop")
-    d.add_argument("--minutes", type=float, default=3.0, help="training time before a clean stop")
-    d.add_argument("--codec", default="int8")
-    d.add_argument("--strategy", default="dreamddp")
-    d.add_argument("--out", default=None, help="run folder (default runs/demo-TIMESTAMP)")
-    d.add_argument(
-        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the daemons train (auto: CUDA if any)"
-    )
-    d.set_defaults(func=_demo, check=functools.partial(_demo_check, d))
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dreamp2p", description=__doc__)
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     p.add_argument("--version", action="version", version=f"dreamp2p {__version__} (wire protocol {PROTOCOL_VERSION})")
     sub = _Subcommands(p.add_subparsers(dest="command", required=True))
-    _add_bench_parser(sub)
-    _add_node_parser(sub)
-    _add_status_parser(sub)
-    _add_health_parser(sub)
-    _add_plan_parser(sub)
-    _add_demo_parser(sub)
+    adders = {**_plugin_commands(), **_CORE_COMMANDS}
+    # the listing order of `dreamp2p --help`; a plugin command not named there comes after
+    for name in sorted(adders, key=lambda n: _ORDER.index(n) if n in _ORDER else len(_ORDER)):
+        adders[name](sub)
     return p
+
+
+# name -> function adding the subcommand's parser to the `_Subcommands` it is given
+AddParser = Callable[[Any], None]
+_CORE_COMMANDS: dict[str, AddParser] = {
+    "node": _add_node_parser,
+    "status": _add_status_parser,
+    "health": _add_health_parser,
+    "plan": _add_plan_parser,
+}
+_ORDER = ("bench", "node", "status", "health", "plan", "demo")
+# The developer subcommands (bench, demo) live in dreamp2p.devtools, above the console script in the
+# layering: they are found by this entry-point group (pyproject.toml), a name rather than an import.
+COMMAND_GROUP = "dreamp2p.commands"
+
+
+def _plugin_commands() -> dict[str, AddParser]:
+    """The subcommands other packages declare in COMMAND_GROUP (an entry named ``bench`` adds ``bench``)."""
+    adders: dict[str, AddParser] = {}
+    for entry in entry_points(group=COMMAND_GROUP):
+        adders[entry.name] = entry.load()
+    return adders
 
 
 class _Subcommands:

@@ -1,0 +1,240 @@
+"""The developer subcommands of `dreamp2p` (bench, demo): their parsers, checks and handlers.
+
+cli.py finds them through the ``dreamp2p.commands`` entry-point group (pyproject.toml) rather than
+importing this package, so the console script stays below devtools in the layering. Importing this module
+is cheap: each handler imports its benchmark or the demo only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from typing import Any
+
+from dreamp2p.cli import check_delay
+from dreamp2p.cliargs import int_at_least, open_fraction
+
+# Per-benchmark defaults of the flags the benchmarks share (None on the command line: not given).
+BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "strategies": {"steps": 150, "period": 10, "width": 512, "depth": 4, "rtt": "20ms", "rate": "100mbit"},
+    "lm": {"steps": 200, "period": 20, "width": 256, "depth": 4, "rtt": "0ms", "rate": "20mbit"},
+    "plancheck": {"steps": 100, "period": 20, "width": 256, "depth": 4, "rtt": "0ms", "rate": "20mbit"},
+}
+FALLBACK_DEFAULTS: dict[str, Any] = {
+    "steps": 150,
+    "period": 10,
+    "width": 512,
+    "depth": 4,
+    "rtt": "20ms",
+    "rate": "100mbit",
+}
+
+
+def _bench_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the shared flags' defaults for the chosen benchmark, then check them across options."""
+    for key, value in BENCH_DEFAULTS.get(args.what, FALLBACK_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    check_delay(parser, args)
+
+
+def _demo_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a strategy or codec the daemons would refuse, before any of them starts."""
+    from dreamp2p.compression import codec_names, get_codec
+    from dreamp2p.config.sync import STRATEGIES
+
+    if args.strategy not in STRATEGIES:
+        parser.error(f"argument --strategy: invalid choice: {args.strategy!r} (choose from {', '.join(STRATEGIES)})")
+    # the demo's codec averages parameters, which a sparse codec (topk) would zero: [sync] refuses it
+    dense = [c for c in codec_names() if not get_codec(c).sparse]
+    if args.codec not in dense:
+        parser.error(f"argument --codec: invalid choice: {args.codec!r} (choose from {', '.join(dense)})")
+
+
+def emit(result: dict[str, Any], as_json: bool) -> None:
+    if not as_json:
+        for key, value in result.items():
+            print(f"{key}: {json.dumps(value)}")
+    # the last line is always the JSON object, so scripts can `tail -1`
+    print(json.dumps(result))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.what == "codec":
+        from dreamp2p.devtools.bench.codec import bench_codecs
+
+        result = bench_codecs(mbytes=args.mbytes or 64.0, repeats=args.repeats, names=args.codecs)
+    elif args.what == "transport":
+        from dreamp2p.devtools.bench.transport import bench_transport
+
+        result = bench_transport(
+            mbytes=args.mbytes or 64.0,
+            seconds=args.seconds,
+            streams=args.streams,
+            netns=args.netns,
+            rate=args.rate,
+        )
+    elif args.what == "allreduce":
+        from dreamp2p.devtools.bench.allreduce import bench_allreduce
+
+        result = bench_allreduce(
+            peers=args.peers or 4,
+            mbytes=args.mbytes or 64.0,
+            codecs=args.codecs,
+            rounds=args.repeats,
+            streams=args.streams,
+        )
+    elif args.what == "soak":
+        from dreamp2p.devtools.bench.soak import bench_soak
+
+        result = bench_soak(minutes=args.minutes, peers=args.peers or 4, mbytes=args.mbytes or 4.0)
+    elif args.what == "strategies":
+        from dreamp2p.devtools.bench.strategies import bench_strategies
+
+        result = bench_strategies(
+            strategies=args.strategies,
+            steps=args.steps,
+            period=args.period,
+            width=args.width,
+            depth=args.depth,
+            batch=args.batch,
+            rate=args.link_rate,
+            rtt=args.rtt,
+            max_delay=args.max_delay,
+            codec=args.codecs[0] if args.codecs else "fp32",
+            device=args.device,
+            lr=args.lr,
+        )
+    elif args.what == "lm":
+        from dreamp2p.config import parse_duration
+        from dreamp2p.devtools.bench.lm import bench_lm
+
+        extra = {"max_delay": args.max_delay} if args.max_delay is not None else {}
+        result = bench_lm(
+            strategies=args.strategies,
+            regions=args.regions,
+            rate=args.rate,
+            rtt_ms=parse_duration(args.rtt) * 1e3,
+            steps=args.steps,
+            period=args.period,
+            width=args.width,
+            layers=args.depth,
+            device=args.device,
+            extra_sync=extra,
+        )
+    elif args.what == "plancheck":
+        from dreamp2p.devtools.bench.plancheck import bench_plancheck
+
+        result = bench_plancheck(
+            sizes=args.sizes,
+            rates=args.rates,
+            rtts=args.rtts,
+            regions=args.region_counts,
+            steps=args.steps,
+            period=args.period,
+            out=args.out,
+            reports=args.reports or (),
+            target_cu=args.target_cu,
+        )
+        if not args.json and "table" in result:
+            print(result["table"])
+    elif args.what == "digits":
+        from dreamp2p.devtools.bench.digits import bench_digits
+
+        knobs = {"max_delay": args.max_delay} if args.max_delay is not None else {}
+        result = bench_digits(
+            strategies=args.strategies or ("ssgd", "dreamddp", "diloco"),
+            peers=args.peers or 3,
+            **knobs,
+        )
+    else:  # argparse restricts choices
+        raise AssertionError(args.what)
+    emit(result, args.json)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from dreamp2p.devtools.demo import run_demo
+
+    return run_demo(
+        nodes=args.nodes,
+        link=args.link,
+        rtt=args.rtt,
+        minutes=args.minutes,
+        codec=args.codec,
+        strategy=args.strategy,
+        out=args.out,
+        device=args.device,
+    )
+
+
+def add_bench_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
+    b.add_argument(
+        "what", choices=["codec", "transport", "allreduce", "strategies", "soak", "digits", "lm", "plancheck"]
+    )
+    b.add_argument("--json", action="store_true", help="print only the JSON result line")
+    b.add_argument("--mbytes", type=float, default=None, help="buffer size in MB (default 64)")
+    b.add_argument("--repeats", type=int, default=3, help="measured repetitions (median)")
+    b.add_argument("--codecs", nargs="+", default=None, help="codecs to measure (default: all)")
+    b.add_argument("--peers", type=int, default=None, help="peer processes (allreduce, soak: 4; digits: 3)")
+    b.add_argument("--seconds", type=float, default=6.0, help="transport: measuring time")
+    b.add_argument("--streams", type=int, default=2, help="parallel streams (TCP connections) per link")
+    b.add_argument("--netns", action="store_true", help="transport: run across two tbf-shaped namespaces (root)")
+    b.add_argument("--rate", default=None, help="link rate, e.g. 20mbit (transport --netns: 100mbit; lm: 20mbit)")
+    b.add_argument("--regions", type=int_at_least(1), default=2, help="lm: regions (one process each)")
+    b.add_argument("--minutes", type=float, default=10.0, help="soak: how long to run")
+    b.add_argument(
+        "--strategies",
+        nargs="+",
+        default=None,
+        help="which to run (default: all); lm also takes variants, e.g. dreamddp:error_feedback=true",
+    )
+    b.add_argument(
+        "--steps", type=int_at_least(1), default=None, help="training steps per run (strategies 150, lm 200)"
+    )
+    b.add_argument("--period", type=int_at_least(1), default=None, help="period H (strategies 10, lm 20)")
+    b.add_argument("--width", type=int_at_least(1), default=None, help="model width (strategies: MLP 512, lm: 256)")
+    b.add_argument("--depth", type=int_at_least(1), default=None, help="hidden layers / transformer blocks (4)")
+    b.add_argument("--batch", type=int, default=4096, help="strategies: batch size per peer (4096: ~0.16 s CPU steps)")
+    b.add_argument("--link-rate", default=None, help="strategies: link rate (default: full sync = H/2 steps)")
+    b.add_argument("--rtt", default=None, help="emulated round-trip time per hop (strategies 20ms, lm 0ms)")
+    b.add_argument(
+        "--max-delay", type=int_at_least(0), default=None, help="strategies: DreamDDP max landing delay d (H-1)"
+    )
+    b.add_argument("--lr", type=float, default=0.05, help="strategies: SGD learning rate (wide models want less)")
+    b.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="strategies: where the trainers run (both peers)"
+    )
+    _add_plancheck_parser(b)
+    b.set_defaults(func=_bench, check=functools.partial(_bench_check, b))
+
+
+def _add_plancheck_parser(b: argparse.ArgumentParser) -> None:
+    """`bench plancheck`'s own flags: the grid of `bench lm` runs that `dreamp2p plan` is checked against."""
+    g = b.add_argument_group("plancheck (dreamp2p plan against bench lm; --steps 100, --period 20)")
+    g.add_argument(
+        "--sizes", nargs="+", default=["small", "large"], choices=["small", "large", "tiny"], help="d256x4, d384x6"
+    )
+    g.add_argument("--rates", nargs="+", default=["10mbit", "20mbit", "100mbit"], help="link rates of the grid")
+    g.add_argument("--rtts", nargs="+", default=["0ms", "80ms"], help="RTTs of the grid")
+    g.add_argument("--region-counts", nargs="+", type=int_at_least(2), default=[2, 3], help="region counts of the grid")
+    g.add_argument("--target-cu", type=open_fraction, default=None, help="check plan --target-cu's recommendation")
+    g.add_argument("--out", default=None, help="append each finished point to this JSON-lines file")
+    g.add_argument("--reports", nargs="+", default=None, help="saved bench lm reports to compare instead of running")
+
+
+def add_demo_parser(sub: Any) -> None:
+    d = sub.add_parser("demo", help="train across N local node daemons over emulated WAN links, then report")
+    d.add_argument("--nodes", type=int, default=3)
+    d.add_argument("--link", default="20mbit", help="emulated link rate per hop")
+    d.add_argument("--rtt", default="80ms", help="emulated round-trip time per hop")
+    d.add_argument("--minutes", type=float, default=3.0, help="training time before a clean stop")
+    d.add_argument("--codec", default="int8")
+    d.add_argument("--strategy", default="dreamddp")
+    d.add_argument("--out", default=None, help="run folder (default runs/demo-TIMESTAMP)")
+    d.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the daemons train (auto: CUDA if any)"
+    )
+    d.set_defaults(func=_demo, check=functools.partial(_demo_check, d))
