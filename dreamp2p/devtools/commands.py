@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 from dreamp2p.cli import check_delay
@@ -60,96 +61,124 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
     print(json.dumps(result))
 
 
+def _bench_codec(args: argparse.Namespace) -> dict[str, Any]:
+    from dreamp2p.devtools.bench.codec import bench_codecs
+
+    return bench_codecs(mbytes=args.mbytes or 64.0, repeats=args.repeats, names=args.codecs)
+
+
+def _bench_transport(args: argparse.Namespace) -> dict[str, Any]:
+    from dreamp2p.devtools.bench.transport import bench_transport
+
+    return bench_transport(
+        mbytes=args.mbytes or 64.0,
+        seconds=args.seconds,
+        streams=args.streams,
+        netns=args.netns,
+        rate=args.rate,
+    )
+
+
+def _bench_allreduce(args: argparse.Namespace) -> dict[str, Any]:
+    from dreamp2p.devtools.bench.allreduce import bench_allreduce
+
+    return bench_allreduce(
+        peers=args.peers or 4,
+        mbytes=args.mbytes or 64.0,
+        codecs=args.codecs,
+        rounds=args.repeats,
+        streams=args.streams,
+    )
+
+
+def _bench_soak(args: argparse.Namespace) -> dict[str, Any]:
+    from dreamp2p.devtools.bench.soak import bench_soak
+
+    return bench_soak(minutes=args.minutes, peers=args.peers or 4, mbytes=args.mbytes or 4.0)
+
+
+def _bench_strategies(args: argparse.Namespace) -> dict[str, Any]:
+    from dreamp2p.devtools.bench.strategies import bench_strategies
+
+    return bench_strategies(
+        strategies=args.strategies,
+        steps=args.steps,
+        period=args.period,
+        width=args.width,
+        depth=args.depth,
+        batch=args.batch,
+        rate=args.link_rate,
+        rtt=args.rtt,
+        max_delay=args.max_delay,
+        codec=args.codecs[0] if args.codecs else "fp32",
+        device=args.device,
+        lr=args.lr,
+    )
+
+
+def _bench_lm(args: argparse.Namespace) -> dict[str, Any]:
+    from dreamp2p.config import parse_duration
+    from dreamp2p.devtools.bench.lm import bench_lm
+
+    extra = {"max_delay": args.max_delay} if args.max_delay is not None else {}
+    return bench_lm(
+        strategies=args.strategies,
+        regions=args.regions,
+        rate=args.rate,
+        rtt_ms=parse_duration(args.rtt) * 1e3,
+        steps=args.steps,
+        period=args.period,
+        width=args.width,
+        layers=args.depth,
+        device=args.device,
+        extra_sync=extra,
+    )
+
+
+def _bench_plancheck(args: argparse.Namespace) -> dict[str, Any]:
+    from dreamp2p.devtools.bench.plancheck import bench_plancheck
+
+    result = bench_plancheck(
+        sizes=args.sizes,
+        rates=args.rates,
+        rtts=args.rtts,
+        regions=args.region_counts,
+        steps=args.steps,
+        period=args.period,
+        out=args.out,
+        reports=args.reports or (),
+        target_cu=args.target_cu,
+    )
+    if not args.json and "table" in result:
+        print(result["table"])
+    return result
+
+
+def _bench_digits(args: argparse.Namespace) -> dict[str, Any]:
+    from dreamp2p.devtools.bench.digits import bench_digits
+
+    knobs = {"max_delay": args.max_delay} if args.max_delay is not None else {}
+    return bench_digits(
+        strategies=args.strategies or ("ssgd", "dreamddp", "diloco"),
+        peers=args.peers or 3,
+        **knobs,
+    )
+
+
+_BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "codec": _bench_codec,
+    "transport": _bench_transport,
+    "allreduce": _bench_allreduce,
+    "soak": _bench_soak,
+    "strategies": _bench_strategies,
+    "lm": _bench_lm,
+    "plancheck": _bench_plancheck,
+    "digits": _bench_digits,
+}
+
+
 def _bench(args: argparse.Namespace) -> int:
-    if args.what == "codec":
-        from dreamp2p.devtools.bench.codec import bench_codecs
-
-        result = bench_codecs(mbytes=args.mbytes or 64.0, repeats=args.repeats, names=args.codecs)
-    elif args.what == "transport":
-        from dreamp2p.devtools.bench.transport import bench_transport
-
-        result = bench_transport(
-            mbytes=args.mbytes or 64.0,
-            seconds=args.seconds,
-            streams=args.streams,
-            netns=args.netns,
-            rate=args.rate,
-        )
-    elif args.what == "allreduce":
-        from dreamp2p.devtools.bench.allreduce import bench_allreduce
-
-        result = bench_allreduce(
-            peers=args.peers or 4,
-            mbytes=args.mbytes or 64.0,
-            codecs=args.codecs,
-            rounds=args.repeats,
-            streams=args.streams,
-        )
-    elif args.what == "soak":
-        from dreamp2p.devtools.bench.soak import bench_soak
-
-        result = bench_soak(minutes=args.minutes, peers=args.peers or 4, mbytes=args.mbytes or 4.0)
-    elif args.what == "strategies":
-        from dreamp2p.devtools.bench.strategies import bench_strategies
-
-        result = bench_strategies(
-            strategies=args.strategies,
-            steps=args.steps,
-            period=args.period,
-            width=args.width,
-            depth=args.depth,
-            batch=args.batch,
-            rate=args.link_rate,
-            rtt=args.rtt,
-            max_delay=args.max_delay,
-            codec=args.codecs[0] if args.codecs else "fp32",
-            device=args.device,
-            lr=args.lr,
-        )
-    elif args.what == "lm":
-        from dreamp2p.config import parse_duration
-        from dreamp2p.devtools.bench.lm import bench_lm
-
-        extra = {"max_delay": args.max_delay} if args.max_delay is not None else {}
-        result = bench_lm(
-            strategies=args.strategies,
-            regions=args.regions,
-            rate=args.rate,
-            rtt_ms=parse_duration(args.rtt) * 1e3,
-            steps=args.steps,
-            period=args.period,
-            width=args.width,
-            layers=args.depth,
-            device=args.device,
-            extra_sync=extra,
-        )
-    elif args.what == "plancheck":
-        from dreamp2p.devtools.bench.plancheck import bench_plancheck
-
-        result = bench_plancheck(
-            sizes=args.sizes,
-            rates=args.rates,
-            rtts=args.rtts,
-            regions=args.region_counts,
-            steps=args.steps,
-            period=args.period,
-            out=args.out,
-            reports=args.reports or (),
-            target_cu=args.target_cu,
-        )
-        if not args.json and "table" in result:
-            print(result["table"])
-    elif args.what == "digits":
-        from dreamp2p.devtools.bench.digits import bench_digits
-
-        knobs = {"max_delay": args.max_delay} if args.max_delay is not None else {}
-        result = bench_digits(
-            strategies=args.strategies or ("ssgd", "dreamddp", "diloco"),
-            peers=args.peers or 3,
-            **knobs,
-        )
-    else:  # argparse restricts choices
-        raise AssertionError(args.what)
+    result = _BENCHES[args.what](args)  # argparse restricts the choices to these names
     emit(result, args.json)
     return 0
 
