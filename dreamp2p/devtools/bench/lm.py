@@ -158,6 +158,172 @@ def split_node_keys(own: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     return {k: v for k, v in own.items() if k not in NODE_KEYS}, {k: v for k, v in own.items() if k in NODE_KEYS}
 
 
+def _check_lm(
+    names: list[str],
+    variants: dict[str, tuple[str, dict[str, Any]]],
+    extra: dict[str, Any],
+    period: int,
+    regions: int,
+    workload: dict[str, Any],
+    rtt_ms: float,
+) -> None:
+    """bench_lm's settings, each variant built once: a ValueError before anything starts."""
+    steps, batch, eval_batches = workload["steps"], workload["batch"], workload["eval_batches"]
+    context, width, heads = workload["context"], workload["width"], workload["heads"]
+    if regions < 1 or steps < 1 or batch < 1 or eval_batches < 1 or context < 1:
+        raise ValueError("regions, steps, batch, eval_batches and context must be >= 1")
+    if width % heads:
+        raise ValueError(f"width ({width}) must be a multiple of heads ({heads})")
+    if rtt_ms < 0:
+        raise ValueError(f"rtt_ms must be >= 0, got {rtt_ms}")
+    if {"strategy", "period"} & set(extra):
+        raise ValueError("give strategy and period as arguments, not in extra_sync")
+    if not names:
+        raise ValueError("no strategies to run")
+    for strategy, own in variants.values():  # fail early on a bad name or knob
+        if {"strategy", "period"} & set(own):
+            raise ValueError("a variant may not set strategy or period")
+        sync_own, node_own = split_node_keys(own)
+        SyncConfig.from_dict({"strategy": strategy, "period": period, **extra, **sync_own})
+        PeerConfig(node_id="check", **node_own)
+
+
+def _run_strategy(
+    name: str,
+    variant: tuple[str, dict[str, Any]],
+    period: int,
+    extra: dict[str, Any],
+    workload: dict[str, Any],
+    regions: int,
+    ns_ctx: Namespaces | None,
+    transport: dict[str, Any],
+    timeout: float,
+    ceiling_sps: float,
+) -> tuple[dict[str, Any], list[list[float]]]:
+    """One strategy (or variant) on every region: its summary row and its held-out loss curve."""
+    strategy, own = variant
+    own, node_own = split_node_keys(own)
+    args = {
+        "strategy": strategy,
+        "period": period,
+        "extra_sync": {**extra, **own},
+        "workload": workload,
+        "wire_devs": [dev for _, dev in ns_ctx.devs] if ns_ctx is not None else [None] * regions,
+    }
+    before = ns_ctx.tx_bytes() if ns_ctx is not None else None
+    t0 = time.perf_counter()
+    res = run_local(
+        regions,
+        JOB,
+        args,
+        {"transport": transport, **node_own},
+        timeout=timeout,
+        node_job=True,
+        hosts=ns_ctx.hosts if ns_ctx is not None else None,
+    )
+    total = time.perf_counter() - t0
+    wire_run = None
+    if ns_ctx is not None and before is not None:
+        wire_run = [a - b for a, b in zip(ns_ctx.tx_bytes(), before, strict=True)]
+    row = _summarize(res, workload["steps"], wire_run)
+    row["compute_utilization"] = _r(row["steps_per_s"] / ceiling_sps, 3)
+    row["run_s"] = _r(total, 1)
+    log.info(
+        "%s: %.3f steps/s (%.0f%% of ceiling), hidden %.2f, held-out loss %.4f, %.1f MB/region",
+        name,
+        row["steps_per_s"],
+        100 * row["compute_utilization"],
+        row["hidden_fraction"],
+        row["heldout_loss"],
+        row["mb_sent"],
+    )
+    return row, _region_curve(res)
+
+
+def _ceiling_summary(
+    ceiling_res: list[dict[str, Any]],
+    ceiling_curve: list[list[float]],
+    ceiling_sps: float,
+    steps: int,
+    target: float,
+    rows: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """The report's ``ceiling`` entry, with the no-sync run's speed beside it when ``none`` ran."""
+    ceiling = {
+        "steps_per_s": _r(ceiling_sps),
+        "steps_per_s_regions": [_r(steps / r["wall_s"]) for r in ceiling_res],
+        "heldout_loss": _r(ceiling_curve[-1][2]),
+        "heldout_loss_regions": [_r(r["heldout_loss"]) for r in ceiling_res],
+        "train_loss_last10": _r(_mean([r["train_loss_last10"] for r in ceiling_res])),
+        "time_to_target_s": _r(_time_to(ceiling_curve, target), 3),
+        "curve": [[s, _r(t, 3), _r(loss)] for s, t, loss in ceiling_curve],
+    }
+    if "none" in rows:
+        ceiling["none_steps_per_s"] = rows["none"]["steps_per_s"]
+        ceiling["none_utilization"] = rows["none"]["compute_utilization"]
+    return ceiling
+
+
+def _run_ceiling(regions: int, workload: dict[str, Any]) -> tuple[list[dict[str, Any]], list[list[float]], float]:
+    """The plain processes without dreamp2p: their results, held-out loss curve and steps/s."""
+    steps = workload["steps"]
+    ceiling_res = run_ceiling(regions, workload, timeout=600.0 + 10.0 * steps)
+    ceiling_curve = _region_curve(ceiling_res)
+    ceiling_sps = _mean([steps / r["wall_s"] for r in ceiling_res])
+    log.info("ceiling: %.3f steps/s, held-out loss %.4f", ceiling_sps, ceiling_curve[-1][2])
+    return ceiling_res, ceiling_curve, ceiling_sps
+
+
+def _shaping(rate: str, netns: bool | None, rtt_ms: float) -> tuple[float, bool, dict[str, Any]]:
+    """The link rate in bytes/s, whether the regions run in tbf-shaped namespaces, the [transport] table."""
+    rate_Bps = parse_rate(rate)
+    root = os.geteuid() == 0
+    if netns and not root:
+        raise ValueError("netns=True needs root (network namespaces, tc)")
+    use_netns = root if netns is None else netns
+    transport: dict[str, Any] = {"delay_s": rtt_ms / 2000.0}
+    if not use_netns:
+        transport["rate_limit"] = rate_Bps
+    return rate_Bps, use_netns, transport
+
+
+def _run_strategies(
+    names: list[str],
+    variants: dict[str, tuple[str, dict[str, Any]]],
+    period: int,
+    extra: dict[str, Any],
+    workload: dict[str, Any],
+    regions: int,
+    netns_rate: str | None,
+    transport: dict[str, Any],
+    timeout: float,
+    ceiling_sps: float,
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[list[float]]]]:
+    """Every strategy in turn (in namespaces shaped to ``netns_rate`` when given): rows and loss curves."""
+    rows: dict[str, dict[str, Any]] = {}
+    curves: dict[str, list[list[float]]] = {}
+    with contextlib.ExitStack() as stack:
+        ns_ctx = stack.enter_context(Namespaces(regions, netns_rate)) if netns_rate is not None else None
+        for name in names:
+            rows[name], curves[name] = _run_strategy(
+                name, variants[name], period, extra, workload, regions, ns_ctx, transport, timeout, ceiling_sps
+            )
+    return rows, curves
+
+
+def _target(
+    target_loss: float | None, curves: dict[str, list[list[float]]], ceiling_curve: list[list[float]]
+) -> tuple[float, str]:
+    """The held-out loss that time_to_target_s measures to, and where it came from."""
+    if target_loss is None:
+        reference = curves["none"][-1][2] if "none" in curves else ceiling_curve[-1][2]
+        target = reference * TARGET_MARGIN
+        target_from = "none" if "none" in curves else "ceiling"
+    else:
+        target, target_from = target_loss, "given"
+    return target, target_from
+
+
 def bench_lm(
     strategies: Sequence[str] | None = None,
     regions: int = 2,
@@ -186,27 +352,6 @@ def bench_lm(
     names = list(strategies) if strategies is not None else list(STRATEGIES)
     variants = {name: parse_variant(name) for name in names}
     extra = dict(extra_sync or {})
-    if regions < 1 or steps < 1 or batch < 1 or eval_batches < 1 or context < 1:
-        raise ValueError("regions, steps, batch, eval_batches and context must be >= 1")
-    if width % heads:
-        raise ValueError(f"width ({width}) must be a multiple of heads ({heads})")
-    if rtt_ms < 0:
-        raise ValueError(f"rtt_ms must be >= 0, got {rtt_ms}")
-    if {"strategy", "period"} & set(extra):
-        raise ValueError("give strategy and period as arguments, not in extra_sync")
-    if not names:
-        raise ValueError("no strategies to run")
-    for strategy, own in variants.values():  # fail early on a bad name or knob
-        if {"strategy", "period"} & set(own):
-            raise ValueError("a variant may not set strategy or period")
-        sync_own, node_own = split_node_keys(own)
-        SyncConfig.from_dict({"strategy": strategy, "period": period, **extra, **sync_own})
-        PeerConfig(node_id="check", **node_own)
-    rate_Bps = parse_rate(rate)
-    root = os.geteuid() == 0
-    if netns and not root:
-        raise ValueError("netns=True needs root (network namespaces, tc)")
-    use_netns = root if netns is None else netns
     workload = {
         "steps": steps,
         "width": width,
@@ -218,85 +363,22 @@ def bench_lm(
         "eval_batches": eval_batches,
         "device": device,
     }
+    _check_lm(names, variants, extra, period, regions, workload, rtt_ms)
+    rate_Bps, use_netns, transport = _shaping(rate, netns, rtt_ms)
     params = count_params(width, layers, heads, context)
-    transport: dict[str, Any] = {"delay_s": rtt_ms / 2000.0}
-    if not use_netns:
-        transport["rate_limit"] = rate_Bps
     # the slowest strategy (ssgd) moves about twice the model per step over the link
     timeout = 600.0 + steps * (2.0 * 4 * params / rate_Bps + 2.0 * rtt_ms / 1000.0 + 5.0)
     t_start = time.perf_counter()
-
-    ceiling_res = run_ceiling(regions, workload, timeout=600.0 + 10.0 * steps)
-    ceiling_curve = _region_curve(ceiling_res)
-    ceiling_sps = _mean([steps / r["wall_s"] for r in ceiling_res])
-    log.info("ceiling: %.3f steps/s, held-out loss %.4f", ceiling_sps, ceiling_curve[-1][2])
-
-    rows: dict[str, dict[str, Any]] = {}
-    curves: dict[str, list[list[float]]] = {}
-    with contextlib.ExitStack() as stack:
-        ns_ctx = stack.enter_context(Namespaces(regions, rate)) if use_netns else None
-        for name in names:
-            strategy, own = variants[name]
-            own, node_own = split_node_keys(own)
-            args = {
-                "strategy": strategy,
-                "period": period,
-                "extra_sync": {**extra, **own},
-                "workload": workload,
-                "wire_devs": [dev for _, dev in ns_ctx.devs] if ns_ctx is not None else [None] * regions,
-            }
-            before = ns_ctx.tx_bytes() if ns_ctx is not None else None
-            t0 = time.perf_counter()
-            res = run_local(
-                regions,
-                JOB,
-                args,
-                {"transport": transport, **node_own},
-                timeout=timeout,
-                node_job=True,
-                hosts=ns_ctx.hosts if ns_ctx is not None else None,
-            )
-            total = time.perf_counter() - t0
-            wire_run = None
-            if ns_ctx is not None and before is not None:
-                wire_run = [a - b for a, b in zip(ns_ctx.tx_bytes(), before, strict=True)]
-            row = _summarize(res, steps, wire_run)
-            row["compute_utilization"] = _r(row["steps_per_s"] / ceiling_sps, 3)
-            row["run_s"] = _r(total, 1)
-            rows[name] = row
-            curves[name] = _region_curve(res)
-            log.info(
-                "%s: %.3f steps/s (%.0f%% of ceiling), hidden %.2f, held-out loss %.4f, %.1f MB/region",
-                name,
-                row["steps_per_s"],
-                100 * row["compute_utilization"],
-                row["hidden_fraction"],
-                row["heldout_loss"],
-                row["mb_sent"],
-            )
-
-    if target_loss is None:
-        reference = curves["none"][-1][2] if "none" in curves else ceiling_curve[-1][2]
-        target = reference * TARGET_MARGIN
-        target_from = "none" if "none" in curves else "ceiling"
-    else:
-        target, target_from = target_loss, "given"
+    ceiling_res, ceiling_curve, ceiling_sps = _run_ceiling(regions, workload)
+    rows, curves = _run_strategies(
+        names, variants, period, extra, workload, regions, rate if use_netns else None, transport, timeout, ceiling_sps
+    )
+    target, target_from = _target(target_loss, curves, ceiling_curve)
     for name, curve in curves.items():
         rows[name]["time_to_target_s"] = _r(_time_to(curve, target), 3)
     syncing = [n for n in rows if n != "none"] or list(rows)
     winner = max(syncing, key=lambda n: rows[n]["steps_per_s"])
-    ceiling = {
-        "steps_per_s": _r(ceiling_sps),
-        "steps_per_s_regions": [_r(steps / r["wall_s"]) for r in ceiling_res],
-        "heldout_loss": _r(ceiling_curve[-1][2]),
-        "heldout_loss_regions": [_r(r["heldout_loss"]) for r in ceiling_res],
-        "train_loss_last10": _r(_mean([r["train_loss_last10"] for r in ceiling_res])),
-        "time_to_target_s": _r(_time_to(ceiling_curve, target), 3),
-        "curve": [[s, _r(t, 3), _r(loss)] for s, t, loss in ceiling_curve],
-    }
-    if "none" in rows:
-        ceiling["none_steps_per_s"] = rows["none"]["steps_per_s"]
-        ceiling["none_utilization"] = rows["none"]["compute_utilization"]
+    ceiling = _ceiling_summary(ceiling_res, ceiling_curve, ceiling_sps, steps, target, rows)
     return {
         "bench": "lm",
         "regions": regions,
