@@ -207,6 +207,44 @@ def reference_run(
     return {"accuracy": round(acc, 4), "wall_s": round(wall, 3)}
 
 
+def _reference_run(
+    data: dict[str, Any], peers: int, steps: int, batch: int, lr: float, momentum: float, seed: int
+) -> dict[str, Any]:
+    """reference_run on one torch thread, as in the peer processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the peer processes
+    try:
+        return reference_run(data, peers, steps, batch, lr, momentum, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _row(res: list[dict[str, Any]], total: float, reference: dict[str, Any], sync: dict[str, Any]) -> dict[str, Any]:
+    """One strategy's entry in the report, from its ranks' results."""
+    accs = [r["accuracy"] for r in res]
+    mean = sum(accs) / len(accs)
+
+    def same(kind: str, res: list[dict[str, Any]] = res) -> bool:
+        return len({r["digests"][kind] for r in res}) == 1
+
+    row = {
+        "accuracy": [round(a, 4) for a in accs],
+        "mean_accuracy": round(mean, 4),
+        "reference_accuracy": reference["accuracy"],
+        "gap": round(reference["accuracy"] - mean, 4) + 0.0,  # no "-0.0"
+        "identical_state": same("state"),
+        "identical_params": same("params"),
+        "identical_buffers": same("buffers"),
+        "wall_s": round(max(r["wall_s"] for r in res), 3),
+        "total_s": round(total, 3),
+        "rounds_skipped": [r["rounds_skipped"] for r in res],
+        "final_train_loss": [None if r["final_loss"] is None else round(r["final_loss"], 4) for r in res],
+        "bytes_sent_per_rank": round(sum(r["bytes_sent"] for r in res) / len(res)),
+        "sync": {k: v for k, v in res[0]["sync"].items() if k in REPORTED_SYNC or k in sync},
+    }
+    return row
+
+
 def bench_digits(
     strategies: Sequence[str] = ("ssgd", "dreamddp", "diloco"),
     peers: int = 3,
@@ -240,12 +278,7 @@ def bench_digits(
         raise ValueError(f"batch {batch} is larger than a rank's shard ({n_train // peers} samples)")
     steps = epochs * steps_per_epoch(n_train, peers, batch)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in the peer processes
-    try:
-        reference = reference_run(data, peers, steps, batch, lr, momentum, seed)
-    finally:
-        torch.set_num_threads(threads)
+    reference = _reference_run(data, peers, steps, batch, lr, momentum, seed)
     log.info("reference: accuracy %.4f", reference["accuracy"])
 
     out: dict[str, Any] = {}
@@ -263,28 +296,14 @@ def bench_digits(
         t0 = time.perf_counter()
         res = run_local(peers, JOB, args, node_job=True, timeout=timeout)
         total = time.perf_counter() - t0
-        accs = [r["accuracy"] for r in res]
-        mean = sum(accs) / len(accs)
-
-        def same(kind: str, res: list[dict[str, Any]] = res) -> bool:
-            return len({r["digests"][kind] for r in res}) == 1
-
-        out[name] = {
-            "accuracy": [round(a, 4) for a in accs],
-            "mean_accuracy": round(mean, 4),
-            "reference_accuracy": reference["accuracy"],
-            "gap": round(reference["accuracy"] - mean, 4) + 0.0,  # no "-0.0"
-            "identical_state": same("state"),
-            "identical_params": same("params"),
-            "identical_buffers": same("buffers"),
-            "wall_s": round(max(r["wall_s"] for r in res), 3),
-            "total_s": round(total, 3),
-            "rounds_skipped": [r["rounds_skipped"] for r in res],
-            "final_train_loss": [None if r["final_loss"] is None else round(r["final_loss"], 4) for r in res],
-            "bytes_sent_per_rank": round(sum(r["bytes_sent"] for r in res) / len(res)),
-            "sync": {k: v for k, v in res[0]["sync"].items() if k in REPORTED_SYNC or k in sync},
-        }
-        log.info("%s: mean accuracy %.4f (gap %.4f), identical %s", name, mean, out[name]["gap"], same("state"))
+        out[name] = _row(res, total, reference, sync)
+        log.info(
+            "%s: mean accuracy %.4f (gap %.4f), identical %s",
+            name,
+            out[name]["mean_accuracy"],
+            out[name]["gap"],
+            out[name]["identical_state"],
+        )
     return {
         "strategies": out,
         "reference": reference,
