@@ -43,6 +43,39 @@ def _running(losses: list[float], window: int = 10) -> list[float]:
     return out
 
 
+def _summarize(
+    res: list[dict[str, Any]], steps: int
+) -> tuple[dict[str, Any], tuple[list[float], list[float]], float, float]:
+    """One strategy's row from both peers' results, its (running loss, time) curve, steps/s and last loss."""
+    wall = max(r["wall_s"] for r in res)
+    sps = steps / wall
+    losses = [sum(r["losses"][i] for r in res) / len(res) for i in range(steps)]
+    times = [wall * (i + 1) / steps for i in range(steps)]
+    curve = (_running(losses), times)
+    comm = sum(r["comm_s"] for r in res)
+    exposed = sum(r["exposed_s"] for r in res)
+    row = {
+        "steps_per_s": round(sps, 3),
+        # a blocking wait also covers the other peer's lateness, so exposed can exceed comm: none hidden
+        "hidden_fraction": round(max(0.0, 1.0 - exposed / comm), 3) if comm > 0 else 1.0,
+        "bytes_per_step": round(sum(r["bytes_sent"] for r in res) / len(res) / steps),
+        "loss_at_equal_steps": round(sum(losses[-10:]) / 10, 5),
+        "plans": res[0]["plan_history"],
+    }
+    return row, curve, sps, losses[-1]
+
+
+def _time_to_target(out: dict[str, Any], curves: dict[str, tuple[list[float], list[float]]]) -> float | None:
+    """Set each row's time_to_target_s (to ssgd's final running loss + 5%); the target, None without ssgd."""
+    target = None
+    if "ssgd" in curves:
+        target = curves["ssgd"][0][-1] * 1.05
+    for name, (run, times) in curves.items():
+        hit = next((t for v, t in zip(run, times, strict=True) if target is not None and v <= target), None)
+        out[name]["time_to_target_s"] = round(hit, 3) if hit is not None else None
+    return target
+
+
 def bench_strategies(
     strategies: list[str] | None = None,
     steps: int = 150,
@@ -82,32 +115,13 @@ def bench_strategies(
         res = run_local(
             2, JOB, {**common, "strategy": name, "sync": sync}, {"transport": transport}, node_job=True, timeout=1800
         )
-        wall = max(r["wall_s"] for r in res)
-        sps = steps / wall
-        losses = [sum(r["losses"][i] for r in res) / len(res) for i in range(steps)]
-        times = [wall * (i + 1) / steps for i in range(steps)]
-        curves[name] = (_running(losses), times)
-        comm = sum(r["comm_s"] for r in res)
-        exposed = sum(r["exposed_s"] for r in res)
-        out[name] = {
-            "steps_per_s": round(sps, 3),
-            # a blocking wait also covers the other peer's lateness, so exposed can exceed comm: none hidden
-            "hidden_fraction": round(max(0.0, 1.0 - exposed / comm), 3) if comm > 0 else 1.0,
-            "bytes_per_step": round(sum(r["bytes_sent"] for r in res) / len(res) / steps),
-            "loss_at_equal_steps": round(sum(losses[-10:]) / 10, 5),
-            "plans": res[0]["plan_history"],
-        }
-        log.info("%s: %.2f steps/s, hidden %.2f, loss %.5f", name, sps, out[name]["hidden_fraction"], losses[-1])
+        out[name], curves[name], sps, last_loss = _summarize(res, steps)
+        log.info("%s: %.2f steps/s, hidden %.2f, loss %.5f", name, sps, out[name]["hidden_fraction"], last_loss)
     # measured again at the end: on a shared machine the faster of the two is the fair reference
     compute_sps = max(compute_sps, compute_only()[0])
     for row in out.values():
         row["compute_utilization"] = round(row["steps_per_s"] / compute_sps, 3)
-    target = None
-    if "ssgd" in curves:
-        target = curves["ssgd"][0][-1] * 1.05
-    for name, (run, times) in curves.items():
-        hit = next((t for v, t in zip(run, times, strict=True) if target is not None and v <= target), None)
-        out[name]["time_to_target_s"] = round(hit, 3) if hit is not None else None
+    target = _time_to_target(out, curves)
     return {
         "strategies": out,
         "link": {
