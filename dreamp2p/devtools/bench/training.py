@@ -15,6 +15,7 @@ from torch import nn
 
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
+from dreamp2p.sync.base import Strategy
 
 
 def student(width: int = 64, depth: int = 3, dim: int = 16, seed: int = 0) -> nn.Module:
@@ -52,6 +53,32 @@ def batch(rank: int, step: int, size: int = 32, dim: int = 16) -> tuple[torch.Te
     return x, y
 
 
+def _optimizer(model: nn.Module, optimizer: str, lr: float) -> torch.optim.Optimizer:
+    """SGD for "sgd", AdamW for anything else."""
+    if optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr)
+    return torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def _quiet_steps(
+    s: Strategy,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    rank: int,
+    steps: range,
+    batch_size: int,
+    device: str,
+) -> None:
+    """Steps at learning rate 0 (a full period with no local progress): only synchronization moves the model."""
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    for step in steps:
+        x, y = (t.to(device) for t in batch(rank, step, batch_size))
+        nn.functional.mse_loss(model(x), y).backward()
+        s.step()
+        s.zero_grad()
+
+
 def train_job(
     node: Node,
     rank: int,
@@ -82,11 +109,7 @@ def train_job(
     """
     # different inits on purpose: attach broadcasts rank 0's
     model = student(width, depth, seed=rank).to(device)
-    opt: torch.optim.Optimizer
-    if optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = _optimizer(model, optimizer, lr)
     s = node.attach(model, opt, strategy=strategy, **(sync or {}))
     init_digest = param_digest(model)
     losses = []
@@ -109,14 +132,7 @@ def train_job(
             stamps.append(time.time())  # wall clock: comparable with the parent's fault timeline
     wall = time.perf_counter() - t0
     trained_digest = param_digest(model)
-    # a full period with no further local progress: only synchronization changes the parameters now
-    for group in opt.param_groups:
-        group["lr"] = 0.0
-    for step in range(steps, steps + quiet_steps):
-        x, y = (t.to(device) for t in batch(rank, step, batch_size))
-        nn.functional.mse_loss(model(x), y).backward()
-        s.step()
-        s.zero_grad()
+    _quiet_steps(s, model, opt, rank, range(steps, steps + quiet_steps), batch_size, device)
     s.close()
     if flush:
         s.flush()
