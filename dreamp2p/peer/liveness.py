@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
 from dreamp2p.config import TransportConfig
+from dreamp2p.errors import PeerError
 from dreamp2p.peer.heartbeat import beat_once
 from dreamp2p.peer.membership import Membership
 from dreamp2p.transport.client import Link
@@ -108,7 +109,8 @@ class Liveness:
         """Evidence that ``node`` may be gone (its stream broke): echo it now, not at the next pass.
 
         A refused connection takes it out of the view at once (which fails the rounds that need it); an
-        answer keeps it in. Only with heartbeats on (the same echo they send), once per member at a time.
+        answer or a slow one changes nothing (the heartbeat loop counts misses). Only with heartbeats on
+        (the same echo they send), once per member at a time.
         """
         link = self._links().get(node)
         if self._heart is None or self.membership is None or link is None or node in self._checks:
@@ -118,9 +120,14 @@ class Liveness:
         task.add_done_callback(lambda _: self._checks.pop(node, None))
 
     async def _check(self, node: str, link: Link) -> None:
-        assert self.membership is not None
-        await beat_once({node: link}, self.membership, max(0.5, 2 * self.transport.heartbeat_s), self._reintroduce)
-        self._set_view(self.membership.view())
+        # only a refused connection counts: a slow answer is no miss here (the loop counts those)
+        try:
+            await link.heartbeat(max(0.5, 2 * self.transport.heartbeat_s))
+        except PeerError as err:
+            if err.grpc_code == "UNAVAILABLE" and self.membership is not None:
+                if self.membership.missed(node, time.monotonic(), fatal=True):
+                    log.warning("%s refused a connection after its stream broke: the ring re-forms without it", node)
+                self._set_view(self.membership.view())
 
     def mark_unreachable(self, node: str) -> None:
         """Take ``node`` out of the view now, as a refused heartbeat would; a later answer brings it back."""
