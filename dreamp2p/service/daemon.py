@@ -196,6 +196,46 @@ def _read_stop_at(path: Path | None) -> int | None:
         return None
 
 
+def _publish_step(
+    cfg: DaemonConfig,
+    sync: Any,
+    node: Node,
+    metrics: NodeMetrics,
+    step: int,
+    value: float,
+    tokens_per_s: float,
+    stats: Any,
+    last_plan: int,
+) -> int:
+    """A finished step's gauges and records, the peer status and a changed plan; the plan version now seen."""
+    metrics.step.set(step + 1)
+    metrics.loss.set(value)
+    metrics.tokens_per_s.set(tokens_per_s)
+    metrics.step_stats(stats)
+    metrics.hidden.set(sync.totals.hidden_fraction)
+    metrics.plan_version.set(stats.plan_version)
+    if step % cfg.metrics.log_every == 0:
+        metrics.record(
+            RecordKind.STEP,
+            step=step,
+            loss=value,
+            tokens_per_s=tokens_per_s,
+            exposed_s=stats.exposed_s,
+            comm_s=stats.comm_s,
+            hidden_fraction=stats.hidden_fraction,
+            bytes_sent=stats.bytes_sent,
+            plan_version=stats.plan_version,
+        )
+    if step % 10 == 0:
+        metrics.peer_status(node.comm.status())
+    if sync.plan_version != last_plan:
+        last_plan = sync.plan_version
+        report = sync.plan_report()
+        if report is not None:
+            metrics.write_json("plan.json", report)
+    return last_plan
+
+
 def _train(
     cfg: DaemonConfig,
     task: Any,
@@ -233,32 +273,8 @@ def _train(
         value = loss.item()
         if not math.isfinite(value):
             raise RuntimeError(f"loss became {value} at step {step}")
-        metrics.step.set(step + 1)
-        metrics.loss.set(value)
         tokens_per_s = task.tokens_per_batch / dt if dt > 0 else 0.0
-        metrics.tokens_per_s.set(tokens_per_s)
-        metrics.step_stats(stats)
-        metrics.hidden.set(sync.totals.hidden_fraction)
-        metrics.plan_version.set(stats.plan_version)
-        if step % cfg.metrics.log_every == 0:
-            metrics.record(
-                RecordKind.STEP,
-                step=step,
-                loss=value,
-                tokens_per_s=tokens_per_s,
-                exposed_s=stats.exposed_s,
-                comm_s=stats.comm_s,
-                hidden_fraction=stats.hidden_fraction,
-                bytes_sent=stats.bytes_sent,
-                plan_version=stats.plan_version,
-            )
-        if step % 10 == 0:
-            metrics.peer_status(node.comm.status())
-        if sync.plan_version != last_plan:
-            last_plan = sync.plan_version
-            report = sync.plan_report()
-            if report is not None:
-                metrics.write_json("plan.json", report)
+        last_plan = _publish_step(cfg, sync, node, metrics, step, value, tokens_per_s, stats, last_plan)
         if (step + 1) % cfg.task.eval_every == 0 or step == 0:
             last_eval = task.evaluate(model)
             first_eval = last_eval if first_eval is None else first_eval
