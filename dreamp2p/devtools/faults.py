@@ -127,6 +127,26 @@ def _free_ports(n: int) -> list[int]:
             sock.close()
 
 
+def _job_args(strategy: str, sync: dict[str, Any] | None, step_sleep: float) -> dict[str, Any]:
+    """What every trainer process of the scenario runs: the task, the strategy and its quiet stretch."""
+    sync = sync or {"period": 5, "warmup_steps": 3, "control_every": 5, "max_delay": 2}
+    period = int(sync.get("period", 10))
+    return {
+        "width": 64,
+        "depth": 3,
+        "lr": 0.05,
+        "batch_size": 32,
+        "strategy": strategy,
+        "sync": sync,
+        "step_sleep": step_sleep,
+        # Streaming DiLoCo keeps a share (mix_alpha) of each replica's own parameters at every fragment
+        # sync, so replicas approach each other but only an explicit average makes them identical
+        "flush": strategy == "streaming",
+        # every layer syncs once per period and may land max_delay later: two periods leave no doubt
+        "quiet_steps": 2 * period + int(sync.get("max_delay", 0)) + 1,
+    }
+
+
 def kill_and_rejoin(
     n: int = 4,
     victim: int = 3,
@@ -146,22 +166,7 @@ def kill_and_rejoin(
     ``victim_transport`` overrides the victim's transport settings until it is killed (a ``rate_limit``
     makes every round with it long, so the kill surely lands while rounds with it are in flight).
     """
-    sync = sync or {"period": 5, "warmup_steps": 3, "control_every": 5, "max_delay": 2}
-    period = int(sync.get("period", 10))
-    args = {
-        "width": 64,
-        "depth": 3,
-        "lr": 0.05,
-        "batch_size": 32,
-        "strategy": strategy,
-        "sync": sync,
-        "step_sleep": step_sleep,
-        # Streaming DiLoCo keeps a share (mix_alpha) of each replica's own parameters at every fragment
-        # sync, so replicas approach each other but only an explicit average makes them identical
-        "flush": strategy == "streaming",
-        # every layer syncs once per period and may land max_delay later: two periods leave no doubt
-        "quiet_steps": 2 * period + int(sync.get("max_delay", 0)) + 1,
-    }
+    args = _job_args(strategy, sync, step_sleep)
     config = {"transport": {"heartbeat_s": 0.5, "round_timeout_s": 30.0, **(transport or {})}}
     ports = _free_ports(n)
     ring = [(f"p{r}", f"127.0.0.1:{ports[r]}") for r in range(n)]
