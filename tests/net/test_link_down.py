@@ -26,7 +26,7 @@ def _sh(*args: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
-def test_link_down_30s_both_sides_train_on_and_resync() -> None:
+def test_link_down_30s_both_sides_train_on_and_resync(tmp_path: Path) -> None:
     prefix = f"dpl{os.getpid() % 100000}"
     subnet = f"10.203.{os.getpid() % 200 + 20}"
     _sh("bash", str(SCRIPT), "up", "--prefix", prefix, "--rate", "200mbit", "--subnet", subnet)
@@ -34,8 +34,14 @@ def test_link_down_30s_both_sides_train_on_and_resync() -> None:
         hosts = [(f"{prefix}-a", f"{subnet}.1"), (f"{prefix}-b", f"{subnet}.2")]
         timeline: dict[str, float] = {}
 
+        started = tmp_path / "started"
+
         def cut_link() -> None:
-            time.sleep(8.0)  # trained together for a while (start-up included)
+            # both sides attached (start-up takes longer on a loaded host), then trained together a while
+            deadline = time.monotonic() + 180
+            while not all(Path(f"{started}.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(4.0)
             _sh("ip", "-n", f"{prefix}-a", "link", "set", f"{prefix}-va", "down")
             timeline["down"] = time.time()
             time.sleep(30.0)
@@ -58,6 +64,7 @@ def test_link_down_30s_both_sides_train_on_and_resync() -> None:
                 # period by default) finds them different and resets both to the parameter mean
                 "quiet_steps": 5 * sync["period"] + sync["max_delay"] + 1,
                 "step_times": True,
+                "started_file": str(started),
             },
             config,
             node_job=True,

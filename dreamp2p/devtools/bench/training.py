@@ -8,6 +8,7 @@ for the single-process reference run.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,17 +101,22 @@ def train_job(
     step_sleep: float = 0.0,
     step_times: bool = False,
     device: str = "cpu",
+    started_file: str | None = None,
 ) -> dict[str, Any]:
     """Train the student with ``strategy``; report losses, stats, plans and a parameter digest.
 
     ``device="cuda"`` trains on the GPU (batches are made on the host and uploaded, as a loader would).
     ``stall=(rank, step, seconds)``: that rank's trainer stops for that long before that step (a slow
     peer whose process stays alive and keeps answering heartbeats).
+    ``started_file``: touched as ``<started_file>.<rank>`` once attached, so a parent can time a fault
+    from the start of training rather than from process start (which load stretches).
     """
     # different inits on purpose: attach broadcasts rank 0's
     model = student(width, depth, seed=rank).to(device)
     opt = _optimizer(model, optimizer, lr)
     s = node.attach(model, opt, strategy=strategy, **(sync or {}))
+    if started_file is not None:
+        Path(f"{started_file}.{rank}").touch()
     init_digest = param_digest(model)
     losses = []
     stamps: list[float] = []
