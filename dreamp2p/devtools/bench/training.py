@@ -80,6 +80,22 @@ def _quiet_steps(
         s.zero_grad()
 
 
+def _attach(
+    node: Node,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    strategy: str,
+    sync: dict[str, Any],
+    started_file: str | None,
+    rank: int,
+) -> Strategy:
+    """``node.attach``, then touch ``<started_file>.<rank>`` when asked (training starts now)."""
+    s = node.attach(model, opt, strategy=strategy, **sync)
+    if started_file is not None:
+        Path(f"{started_file}.{rank}").touch()
+    return s
+
+
 def train_job(
     node: Node,
     rank: int,
@@ -108,15 +124,12 @@ def train_job(
     ``device="cuda"`` trains on the GPU (batches are made on the host and uploaded, as a loader would).
     ``stall=(rank, step, seconds)``: that rank's trainer stops for that long before that step (a slow
     peer whose process stays alive and keeps answering heartbeats).
-    ``started_file``: touched as ``<started_file>.<rank>`` once attached, so a parent can time a fault
-    from the start of training rather than from process start (which load stretches).
+    ``started_file``: touched as ``<started_file>.<rank>`` once attached (faults timed from training start).
     """
     # different inits on purpose: attach broadcasts rank 0's
     model = student(width, depth, seed=rank).to(device)
     opt = _optimizer(model, optimizer, lr)
-    s = node.attach(model, opt, strategy=strategy, **(sync or {}))
-    if started_file is not None:
-        Path(f"{started_file}.{rank}").touch()
+    s = _attach(node, model, opt, strategy, sync or {}, started_file, rank)
     init_digest = param_digest(model)
     losses = []
     stamps: list[float] = []
