@@ -1,11 +1,11 @@
 """Fast abort (issue 14): a member killed mid-round fails the rounds that need it at once, not at their deadline.
 
 4 trainer processes with ``round_timeout_s`` 120; one, whose sends are rate-limited so that rounds with
-it are always in flight, is killed with SIGKILL. Only a round given up because its member left can let
-the survivors go on inside this test's limits: the whole scenario must finish within 100 s (and pytest's
-limit is 110 s), so a single round that waited out its 120 s deadline would make it fail. Each survivor
-also reports why its rounds failed: none by deadline; the victim's departure (or the view change it
-caused) is named. No wall-clock bound is asserted.
+it are always in flight, is killed with SIGKILL. Each survivor reports why each of its rounds failed, and
+whether it failed by running out of its deadline: the survivors must make 25 more steps with no round
+failed by deadline (a round that waited out its 120 s would be recorded so), and the victim's departure
+(or the view change it caused) must be named. The scenario's time limit only guards against a hang; it
+is generous so that a loaded host cannot fail the test by slowness alone.
 """
 
 from __future__ import annotations
@@ -15,15 +15,14 @@ import pytest
 from dreamp2p.devtools.faults import kill_and_rejoin
 
 ROUND_TIMEOUT_S = 120.0
-SCENARIO_LIMIT_S = 100.0  # < ROUND_TIMEOUT_S: no round may have waited out its deadline
+HANG_GUARD_S = 600.0  # a hang, not a bound: the deadline records below decide
 SURVIVORS = (0, 1, 2)
 VICTIM_RATE_BPS = 200_000.0
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(110)
+@pytest.mark.timeout(900)
 def test_kill_one_of_four_mid_round_survivors_go_on_before_the_round_timeout() -> None:
-    assert SCENARIO_LIMIT_S < ROUND_TIMEOUT_S
     rep = kill_and_rejoin(
         n=4,
         victim=3,
@@ -31,12 +30,12 @@ def test_kill_one_of_four_mid_round_survivors_go_on_before_the_round_timeout() -
         progress=25,
         after_join=20,
         transport={"round_timeout_s": ROUND_TIMEOUT_S},
-        timeout=SCENARIO_LIMIT_S,
+        timeout=HANG_GUARD_S,
         rejoin=False,
         # the victim sends slowly, so rounds with it are open whenever it is killed
         victim_transport={"rate_limit": VICTIM_RATE_BPS},
     )
-    # kill_and_rejoin raises unless every survivor made `progress` more steps within its limit
+    # kill_and_rejoin raises unless every survivor made `progress` more steps
     assert all(rep.survivor_steps_after_kill[r] >= rep.steps_at_kill[r] + 25 for r in SURVIVORS), rep
     failures = {r: rep.results[r]["failures"] for r in SURVIVORS}
     # rounds with the victim were in flight (it was killed mid-run); they failed because it left (named,
