@@ -260,7 +260,7 @@ def _plan(args: argparse.Namespace) -> int:
     from dreamp2p.schedule.whatif import what_if
 
     codec = get_codec(args.codec)
-    ratio = codec.encoded_nbytes(1 << 20) / float(4 << 20)
+    ratio = codec.wire_ratio()
     result = what_if(
         params=args.params,
         layers=args.layers,

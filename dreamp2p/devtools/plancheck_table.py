@@ -25,10 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dreamp2p.compression import get_codec
 from dreamp2p.config import parse_duration, parse_rate
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import simulate
+from dreamp2p.schedule.linkcodec import wire_ratio
 from dreamp2p.schedule.plan import Plan
 from dreamp2p.schedule.whatif import what_if
 
@@ -121,11 +121,6 @@ class Measured:
         return None if self.exposed_step_s is None else 1.0 - self.exposed_step_s / self.step_s
 
 
-def codec_ratio(codec: str) -> float:
-    """Wire bytes per fp32 byte, computed as ``dreamp2p plan --codec`` does."""
-    return get_codec(codec).encoded_nbytes(1 << 20) / float(4 << 20)
-
-
 def measured(report: Mapping[str, Any], strategy: str = "dreamddp") -> Measured:
     """The measured step time and utilization of ``strategy`` in a `bench lm` report."""
     row = report["strategies"].get(strategy)
@@ -172,7 +167,7 @@ def user_prediction(args: Mapping[str, Any]) -> Prediction:
         bandwidth_Bps=parse_rate(str(args["link"])),
         rtt_s=parse_duration(str(args["rtt"])),
         period=int(args["period"]),
-        codec_ratio=codec_ratio(str(args["codec"])),
+        codec_ratio=wire_ratio(str(args["codec"])),
         max_delay=int(args["max-delay"]),
     )
     p = result["predictions"]["dreamddp"]
@@ -190,7 +185,7 @@ def adopted_prediction(plan_report: Mapping[str, Any]) -> tuple[Prediction, dict
     ]
     lk = plan_report["link"]
     codec = str(plan_report.get("codec", DEFAULT_CODEC))
-    link = LinkModel(float(lk["bandwidth_Bps"]), float(lk["rtt_s"]), int(lk["world"]), codec_ratio(codec))
+    link = LinkModel(float(lk["bandwidth_Bps"]), float(lk["rtt_s"]), int(lk["world"]), wire_ratio(codec))
     timeline = simulate(plan, costs, link)
     compute = math.fsum(c.fwd_s + c.bwd_s for c in costs)
     step = compute + math.fsum(it.exposed_s for it in timeline) / plan.period

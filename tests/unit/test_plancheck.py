@@ -14,6 +14,7 @@ from dreamp2p.cli import main
 from dreamp2p.devtools import plancheck_table as pt
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import plan_dreamddp
+from dreamp2p.schedule.linkcodec import wire_ratio
 
 PARAMS = 3_323_648
 LAYERS = 28
@@ -157,7 +158,7 @@ def test_user_prediction_falls_with_the_link() -> None:
 
 def _plan_report(bandwidth_Bps: float, codec: str) -> tuple[dict[str, Any], float]:
     costs = [LayerCost(f"l{i}", 0.003, 0.006, 400_000) for i in range(8)]
-    link = LinkModel(bandwidth_Bps, 0.04, 2, pt.codec_ratio(codec))
+    link = LinkModel(bandwidth_Bps, 0.04, 2, wire_ratio(codec))
     plan = plan_dreamddp(costs, link, 10, max_delay=9, bubble_fill=False)
     pr = {
         "plan": plan.to_dict(),
