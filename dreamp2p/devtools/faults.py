@@ -24,6 +24,7 @@ from typing import Any
 
 from dreamp2p.config import PeerInfo
 from dreamp2p.devtools.launch import expect_message, node_config, reap, start_child
+from dreamp2p.devtools.localrun import free_ports
 
 log = logging.getLogger(__name__)
 
@@ -114,19 +115,6 @@ def _child(
         node.close()
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 def _job_args(strategy: str, sync: dict[str, Any] | None, step_sleep: float) -> dict[str, Any]:
     """What every trainer process of the scenario runs: the task, the strategy and its quiet stretch."""
     sync = sync or {"period": 5, "warmup_steps": 3, "control_every": 5, "max_delay": 2}
@@ -168,7 +156,7 @@ def kill_and_rejoin(
     """
     args = _job_args(strategy, sync, step_sleep)
     config = {"transport": {"heartbeat_s": 0.5, "round_timeout_s": 30.0, **(transport or {})}}
-    ports = _free_ports(n)
+    ports = free_ports(n)
     ring = [(f"p{r}", f"127.0.0.1:{ports[r]}") for r in range(n)]
     ctx = mp.get_context("spawn")
     boxes = [ctx.Value("q", 0) for _ in range(n)]

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.devtools.localrun import free_ports
 from dreamp2p.manifest import param_digest
 from dreamp2p.messages import TrainingInfo
 from dreamp2p.node import Node
@@ -46,17 +47,6 @@ def train_steps(s: Strategy, m: nn.Module, rank: int, until: Callable[[], bool])
         nn.functional.mse_loss(m(x), x[:, :2]).backward()
         s.step()
         s.zero_grad()
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def ring_of(modes: Sequence[str]) -> tuple[list[PeerConfig], list[PeerInfo]]:
