@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamp2p import __version__
-from dreamp2p.cliargs import address_with_port, int_at_least, open_fraction, positive_float
+from dreamp2p.cliargs import address_with_port, int_at_least, nonneg_float, open_fraction, positive_float
 from dreamp2p.errors import PeerError
 from dreamp2p.messages import PROTOCOL_VERSION
 
@@ -53,10 +53,13 @@ def _plan_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         if missing:
             parser.error(f"the following arguments are required: {', '.join(missing)} (or use --table)")
         args.rtt = "80ms" if args.rtt is None else args.rtt
-        if args.target_cu is None:
-            args.period = 10 if args.period is None else args.period
-            args.codec = "fp32" if args.codec is None else args.codec
-            args.max_delay = 0 if args.max_delay is None else args.max_delay
+        if args.target_cu is None:  # what a DreamDDP run with defaults uses
+            from dreamp2p.config.sync import SyncConfig
+
+            run = SyncConfig()
+            args.period = run.period if args.period is None else args.period
+            args.codec = (run.plan_codecs or (run.codec,))[0] if args.codec is None else args.codec
+            args.max_delay = args.period - 1 if args.max_delay is None else args.max_delay
     if args.period is not None:
         check_delay(parser, args)
 
@@ -257,10 +260,12 @@ def _plan(args: argparse.Namespace) -> int:
         return _plan_target(args)
     from dreamp2p.compression import get_codec
     from dreamp2p.config import parse_duration, parse_rate
+    from dreamp2p.config.sync import SyncConfig
     from dreamp2p.schedule.whatif import what_if
 
     codec = get_codec(args.codec)
     ratio = codec.wire_ratio()
+    run = SyncConfig()
     result = what_if(
         params=args.params,
         layers=args.layers,
@@ -271,6 +276,8 @@ def _plan(args: argparse.Namespace) -> int:
         period=args.period,
         codec_ratio=ratio,
         max_delay=args.max_delay,
+        margin=run.link_margin,
+        round_cost_s=run.round_cost_s if args.round_cost is None else args.round_cost,
     )
     if not args.json:
         print(f"{'strategy':<10} {'step s':>9} {'utilization':>11} {'MB/step':>10}")
@@ -360,12 +367,20 @@ def _add_plan_parser(sub: Any) -> None:
         default=None,
         help="H: every layer is averaged once per H steps (10; --table: 100; --target-cu: searched)",
     )
-    pl.add_argument("--codec", default=None, help="fp32 (--target-cu: searched among fp32, bf16, int8)")
+    pl.add_argument(
+        "--codec", default=None, help="DreamDDP's plan codec, int8 (--target-cu: searched among fp32, bf16, int8)"
+    )
     pl.add_argument(
         "--max-delay",
         type=int_at_least(0),
         default=None,
-        help="d: DreamDDP's max landing delay in steps, < --period (0; --table and --target-cu: up to period-1)",
+        help="d: DreamDDP's max landing delay in steps, < --period (default: period-1, as a run's)",
+    )
+    pl.add_argument(
+        "--round-cost",
+        type=nonneg_float,
+        default=None,
+        help="trainer seconds per sync round besides link time (default: [sync] round_cost_s, 0.08)",
     )
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan, check=functools.partial(_plan_check, pl))

@@ -67,6 +67,12 @@ class SyncConfig:
     replan_sustain: int = 3  # consecutive control rounds that must see the change
     bubble_fill: bool = False  # extra syncs in idle link time; costs CPU, so off unless cores are spare
     plan_margin: float = 0.3  # plan as if syncs took this much longer than measured, so noise stays hidden
+    # trainer seconds one layer-sync round costs besides its link time (launch, landing, the comm path's CPU
+    # and GIL on the trainer's cores); the planner adds it per round and counts plans within one round's
+    # cost as alike. 0.08: measured on bench lm on a 2-core host, where a round in every step cost 0.1 s
+    # per step and 2 rounds per period ~0.06 s per round (docs/BENCHMARKS.md, "Round cost"); 0 prices rounds
+    # by the link alone (the planner then staggers a group into every iteration wherever they hide)
+    round_cost_s: float = 0.08
     # outer optimizer per layer group (Nesterov, as DiLoCo's); lr 1 + momentum 0 is plain averaging. None:
     # resolved at attach to plain averaging (see with_outer_defaults)
     group_outer_lr: float | None = None
@@ -130,6 +136,8 @@ class SyncConfig:
             raise ValueError("sync.replan_threshold must be > 0")
         if not 0.0 <= self.plan_margin <= 9.0:
             raise ValueError(f"sync.plan_margin must be in [0, 9], got {self.plan_margin}")
+        if not 0.0 <= self.round_cost_s <= 60.0:
+            raise ValueError(f"sync.round_cost_s must be in [0, 60] seconds, got {self.round_cost_s}")
         if self.group_outer_lr is not None and not 0.0 < self.group_outer_lr <= 2.0:
             raise ValueError(f"sync.group_outer_lr must be in (0, 2], got {self.group_outer_lr}")
         if self.group_outer_momentum is not None and not 0.0 <= self.group_outer_momentum < 1.0:
@@ -181,6 +189,11 @@ class SyncConfig:
     def delay_cap(self) -> int:
         """The largest delay a DreamDDP group may get: ``max_delay``, or period - 1 when unset."""
         return self.period - 1 if self.max_delay is None else self.max_delay
+
+    @property
+    def link_margin(self) -> float:
+        """The planner's `LinkModel.margin`: syncs planned as if they took this factor longer than measured."""
+        return 1.0 + self.plan_margin
 
     @property
     def outer(self) -> tuple[float, float]:

@@ -26,13 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from dreamp2p.config import parse_duration, parse_rate
+from dreamp2p.config.sync import SyncConfig
 from dreamp2p.schedule.cost import LayerCost, LinkModel
-from dreamp2p.schedule.dreamddp import simulate
+from dreamp2p.schedule.dreamddp import rounds_per_step, simulate
 from dreamp2p.schedule.linkcodec import wire_ratio
 from dreamp2p.schedule.plan import Plan
 from dreamp2p.schedule.whatif import what_if
 
 TOLERANCE = 0.15
+RUN_DEFAULTS = SyncConfig()  # the planner settings of a dreamddp run with defaults
 DEFAULT_CODEC = "int8"  # dreamddp's default plan_codecs: the codec its layer syncs are planned with
 
 
@@ -169,6 +171,8 @@ def user_prediction(args: Mapping[str, Any]) -> Prediction:
         period=int(args["period"]),
         codec_ratio=wire_ratio(str(args["codec"])),
         max_delay=int(args["max-delay"]),
+        margin=RUN_DEFAULTS.link_margin,  # what `dreamp2p plan` passes: a DreamDDP run's own planner settings
+        round_cost_s=RUN_DEFAULTS.round_cost_s,
     )
     p = result["predictions"]["dreamddp"]
     return Prediction(float(p["step_time_s"]), float(p["compute_utilization"]))
@@ -188,7 +192,8 @@ def adopted_prediction(plan_report: Mapping[str, Any]) -> tuple[Prediction, dict
     link = LinkModel(float(lk["bandwidth_Bps"]), float(lk["rtt_s"]), int(lk["world"]), wire_ratio(codec))
     timeline = simulate(plan, costs, link)
     compute = math.fsum(c.fwd_s + c.bwd_s for c in costs)
-    step = compute + math.fsum(it.exposed_s for it in timeline) / plan.period
+    exposed = math.fsum(it.exposed_s for it in timeline) / plan.period
+    step = compute + exposed + rounds_per_step(plan) * float(plan_report.get("round_cost_s", 0.0))
     inputs = {
         "plan_version": plan.version,
         "codec": codec,

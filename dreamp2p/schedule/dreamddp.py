@@ -52,10 +52,22 @@ starts from several groupings: first the delay-0 optimum (so ``max_delay > 0`` i
 ``max_delay = 0``), then k byte-balanced contiguous groups, one all-reduce each, launched at evenly spread
 iterations (k = 1, 2, 3, 4, 6, 8, 12, ... up to min(H, L)): once syncs may overlap later iterations, few large
 all-reduces (few latency chains) spread over the period usually beat layers packed to hide in one backward.
-The best total wins (ties: the least staleness, i.e. the byte-weighted mean delay, so k staggered groups
-with short delays beat one group with a long one; then the earlier starting point). Limits: a heuristic, not an
+The best total wins (the exposed wait plus the rounds' cost, below; ties: the least staleness, i.e. the
+byte-weighted mean delay, so k staggered groups with short delays beat one group with a long one; then the
+earlier starting point). Limits: a heuristic, not an
 exhaustive search over groupings and delays; descent finds a local optimum; the delay-0 search properties
 (at-least-one in particular) need not hold for a delayed plan.
+
+Round cost (``round_cost_s``): a sync round also costs the trainer time the link model does not see:
+launching it (snapshot, pseudo-gradient), landing it (merge, outer step) and the comm path's CPU and GIL
+on the cores the trainer runs on. Measured on `bench lm` (a 0.28 s step on a 2-core host, syncs hidden
+either way), a plan with a round in every iteration ran 0.1 s per step slower than one with 2 rounds per
+period. So the candidates are compared by total exposed wait plus ``round_cost_s`` per round of the
+period; plans within one round's cost of the fastest count as alike (the cost is measured, not exact
+to a round), and the least stale of them wins. So with a cost, a few large staggered groups beat one
+group per iteration wherever both hide; one all-layer group wins only where staggering exposes more than
+a round's worth of wait. Bubble filling is off while rounds cost (each repeat is a
+round bought for freshness, which the model cannot price in seconds).
 
 Bubble filling: after the plan is fixed, idle stretches of the link inside an iteration's backward window (in
 the steady state) get ``repeat=True`` single-layer syncs of layers that fit there entirely, most stale first
@@ -84,7 +96,17 @@ from dreamp2p.schedule.cost import LayerCost, LinkModel, ring_comm_time, ring_wi
 from dreamp2p.schedule.plan import GroupSync, Plan, is_int
 from dreamp2p.schedule.search import Segments, search
 from dreamp2p.schedule.simulate import CommBlock, ComputeBlock, IterationTimeline, Timeline, simulate
-from dreamp2p.schedule.timing import Cycle, Job, Profile, check_H, check_version, layers_of, profile_of, steady_state
+from dreamp2p.schedule.timing import (
+    Cycle,
+    Job,
+    Profile,
+    check_H,
+    check_round_cost,
+    check_version,
+    layers_of,
+    profile_of,
+    steady_state,
+)
 
 __all__ = [
     "PLANNED_SCHEDULES",
@@ -276,8 +298,13 @@ def plan_dreamddp(
     effective_step: int = 0,
     max_delay: int = 0,
     bubble_fill: bool = True,
+    round_cost_s: float = 0.0,
 ) -> Plan:
-    """DreamDDP schedule for ``costs`` (forward order) on ``link`` with period ``H`` (see module docstring)."""
+    """DreamDDP schedule for ``costs`` (forward order) on ``link`` with period ``H`` (see module docstring).
+
+    ``round_cost_s``: trainer seconds one sync round costs besides its link time (see "Round cost" in the
+    module docstring); 0 prices rounds by the link alone.
+    """
     prof = profile_of(costs)
     if not isinstance(link, LinkModel):
         raise ValueError(f"link must be a LinkModel, got {type(link).__name__}")
@@ -287,6 +314,7 @@ def plan_dreamddp(
         raise ValueError(f"max_delay must be an int >= 0, got {max_delay!r}")
     if not isinstance(bubble_fill, bool):
         raise ValueError(f"bubble_fill must be a bool, got {bubble_fill!r}")
+    check_round_cost(round_cost_s)
     L = prof.L
     seg = Segments(prof, link)
     jobs: list[Job] = []
@@ -296,15 +324,18 @@ def plan_dreamddp(
             jobs.append(Job(h, layers, 0, False, prof.ready[layers[0]], seg.comm(i, j)))
     if max_delay > 0 and H > 1:
         # the delay-0 optimum goes first so that ties keep it: max_delay > 0 is never worse than 0
-        best: tuple[float, float] | None = None
+        scored = []
         for cand in [jobs, *_spread_candidates(prof, seg, H)]:
             chosen, total = _choose_delays(cand, H, prof.B, prof.F, max_delay)
-            key = (total, _staleness(chosen))
-            if best is None or key < best:
-                best, jobs = key, chosen
+            rounds = sum(1 for job in chosen if job.comm > 0)  # a group of no bytes starts no round
+            scored.append((math.fsum((total, rounds * round_cost_s)), _staleness(chosen), chosen))
+        # plans within one round's cost of the fastest are alike (the cost is a measured figure, not exact
+        # to a round); among them the freshest wins, then the earlier candidate
+        fastest = min(cost for cost, _, _ in scored)
+        jobs = min((c for c in scored if c[0] <= fastest + round_cost_s), key=lambda c: c[1])[2]
     plan, cyc = _plan_from_jobs(jobs, prof, H, version, effective_step)
-    if not bubble_fill:
-        return plan
+    if not bubble_fill or round_cost_s > 0:
+        return plan  # a repeat is one more round of trainer time, bought for freshness the model cannot price
     repeats = _bubble_fill(jobs, prof, link, H)
     if not repeats:
         return plan
@@ -324,16 +355,19 @@ def predict(
     *,
     max_delay: int = 0,
     bubble_fill: bool = True,
+    round_cost_s: float = 0.0,
 ) -> dict[str, Any]:
     """Predicted step time, compute utilization and wire bytes per step (per peer) of one strategy.
 
     ``dreamddp``: the planned schedule. ``plsgd``: ``even_plan``, each iteration's layers as one all-reduce
     launched when all of them are ready. ``localsgd``: the full model every H steps, blocking. ``ssgd``: the
     full model's gradients every step, bucketed and overlapped with backward (ASC-WFBP), i.e. the DreamDDP
-    timing model with H = 1.
+    timing model with H = 1. Every strategy's step also pays ``round_cost_s`` per sync round (its rounds
+    per period over the period; ``rounds_per_step`` in the result): trainer time besides the link's.
     """
     prof = profile_of(costs)
     check_H(H)
+    check_round_cost(round_cost_s)
     if strategy not in PLANNED_SCHEDULES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(PLANNED_SCHEDULES)}")
     total_bytes = sum(prof.nbytes)
@@ -341,9 +375,12 @@ def predict(
         exposed = ring_comm_time(total_bytes, link) / H
         wire = ring_wire_bytes(total_bytes, link) / H
         period = H
+        rounds = 1.0 / H if link.world > 1 else 0.0
     else:
         if strategy == "dreamddp":
-            plan = plan_dreamddp(costs, link, H, max_delay=max_delay, bubble_fill=bubble_fill)
+            plan = plan_dreamddp(
+                costs, link, H, max_delay=max_delay, bubble_fill=bubble_fill, round_cost_s=round_cost_s
+            )
         elif strategy == "ssgd":
             plan = plan_dreamddp(costs, link, 1, bubble_fill=False)
         else:
@@ -352,7 +389,8 @@ def predict(
         period = plan.period
         exposed = math.fsum(it.exposed_s for it in timeline) / period
         wire = math.fsum(ring_wire_bytes(sum(prof.nbytes[x] for x in s.layers), link) for s in plan.syncs) / period
-    step = prof.compute_s + exposed
+        rounds = rounds_per_step(plan) if link.world > 1 else 0.0
+    step = prof.compute_s + exposed + rounds * round_cost_s
     return {
         "strategy": strategy,
         "period": period,
@@ -361,4 +399,10 @@ def predict(
         "step_time_s": step,
         "compute_utilization": prof.compute_s / step if step > 0 else 1.0,
         "bytes_per_step": wire,
+        "rounds_per_step": rounds,
     }
+
+
+def rounds_per_step(plan: Plan) -> float:
+    """Sync rounds the plan starts per step (repeats included): what ``round_cost_s`` is paid on."""
+    return len(plan.syncs) / plan.period

@@ -71,6 +71,13 @@ def check_H(H: int) -> None:
         raise ValueError(f"H (the period) must be an int >= 1, got {H!r}")
 
 
+def check_round_cost(round_cost_s: float) -> None:
+    if isinstance(round_cost_s, bool) or not isinstance(round_cost_s, int | float):
+        raise ValueError(f"round_cost_s must be a number, got {round_cost_s!r}")
+    if not math.isfinite(round_cost_s) or round_cost_s < 0:
+        raise ValueError(f"round_cost_s must be finite and >= 0, got {round_cost_s!r}")
+
+
 def check_version(version: int, effective_step: int) -> None:
     if not is_int(version) or version < 0:
         raise ValueError(f"version must be an int >= 0, got {version!r}")

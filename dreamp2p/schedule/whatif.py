@@ -2,7 +2,9 @@
 
 A model of ``params`` parameters in ``layers`` equal layers, whose forward+backward takes ``step_time``
 seconds (split 1:2, as backward costs about twice forward), on a ring of ``peers`` joined by links of a
-given rate and RTT. Pure: the same cost model and planner the trainer uses at run time.
+given rate and RTT. Pure: the same cost model and planner the trainer uses at run time (the command passes
+DreamDDP's run-time defaults: delays up to period - 1, the first plan codec, the plan margin and the
+round cost, so it predicts the plan a run with defaults adopts).
 """
 
 from __future__ import annotations
@@ -32,14 +34,19 @@ def what_if(
     period: int = 10,
     codec_ratio: float = 1.0,
     max_delay: int = 0,
+    margin: float = 1.0,
+    round_cost_s: float = 0.0,
 ) -> dict[str, Any]:
+    """Predictions per schedule and DreamDDP's plan. ``margin`` and ``round_cost_s`` are the planner's
+    (`LinkModel.margin`, `plan_dreamddp`): pass the run's own to predict what it will adopt."""
     costs = uniform_costs(params, layers, step_time_s)
-    link = LinkModel(bandwidth_Bps=bandwidth_Bps, rtt_s=rtt_s, world=peers, codec_ratio=codec_ratio)
+    link = LinkModel(bandwidth_Bps=bandwidth_Bps, rtt_s=rtt_s, world=peers, codec_ratio=codec_ratio, margin=margin)
     out: dict[str, Any] = {}
     for name in PLANNED_SCHEDULES:
-        pred = predict(costs, link, period, name, max_delay=max_delay if name == "dreamddp" else 0, bubble_fill=False)
-        out[name] = {k: pred[k] for k in ("step_time_s", "compute_utilization", "bytes_per_step")}
-    plan = plan_dreamddp(costs, link, period, max_delay=max_delay, bubble_fill=False)
+        delay = max_delay if name == "dreamddp" else 0
+        pred = predict(costs, link, period, name, max_delay=delay, bubble_fill=False, round_cost_s=round_cost_s)
+        out[name] = {k: pred[k] for k in ("step_time_s", "compute_utilization", "bytes_per_step", "rounds_per_step")}
+    plan = plan_dreamddp(costs, link, period, max_delay=max_delay, bubble_fill=False, round_cost_s=round_cost_s)
     schedule = [
         {
             "iteration": s.iteration,

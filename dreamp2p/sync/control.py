@@ -148,6 +148,7 @@ class Replanner:
         return {
             "plan": plan.to_dict(),
             "costs": [asdict(c) for c in costs],
+            "round_cost_s": self.cfg.round_cost_s,
             "link": {
                 "bandwidth_Bps": bw,
                 "rtt_s": g.rtt_s if g is not None else 0.0,
@@ -187,7 +188,7 @@ class Replanner:
             rtt_s=g.rtt_s,
             world=len(g.link_bandwidths) or world,
             codec_ratio=self.ratio,
-            margin=1.0 + cfg.plan_margin,
+            margin=cfg.link_margin,
         )
         # adopted at the next period boundary of the plan in force: a plan switched mid-period would sync
         # layers again soon after the old plan did, two rounds contending for the link at once
@@ -210,6 +211,7 @@ class Replanner:
                 effective_step=req.start,
                 max_delay=cfg.delay_cap,
                 bubble_fill=cfg.bubble_fill,
+                round_cost_s=cfg.round_cost_s,
             )
 
         if not cfg.plan_codecs or cfg.link_codecs:  # per-link codecs replace the per-plan choice

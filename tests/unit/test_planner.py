@@ -563,6 +563,7 @@ def test_predict_fields_and_strategy_relations() -> None:
             "step_time_s",
             "compute_utilization",
             "bytes_per_step",
+            "rounds_per_step",
         }
         assert 0 < r["compute_utilization"] <= 1
         assert r["step_time_s"] == pytest.approx(r["compute_s"] + r["exposed_s"])
