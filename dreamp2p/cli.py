@@ -209,11 +209,23 @@ def _plan_target(args: argparse.Namespace) -> int:
     from dreamp2p.schedule.utilization import SEARCH_CODECS, SEARCH_PERIODS, recommend
     from dreamp2p.schedule.whatif import uniform_costs
 
+    from dreamp2p.config.sync import SyncConfig
+
+    run = SyncConfig()  # a recommendation must keep the headroom a dreamddp run demands of its plans
     costs = uniform_costs(args.params, args.layers, args.step_time)
-    link = LinkModel(bandwidth_Bps=parse_rate(args.link), rtt_s=parse_duration(args.rtt), world=args.peers)
+    link = LinkModel(parse_rate(args.link), parse_duration(args.rtt), args.peers, margin=run.link_margin)
     codecs = [get_codec(c).name for c in ((args.codec,) if args.codec else SEARCH_CODECS)]
     periods = (args.period,) if args.period else SEARCH_PERIODS
-    rec = recommend(costs, link, args.target_cu, [(c, wire_ratio(c)) for c in codecs], periods, args.max_delay)
+    rec = recommend(
+        costs,
+        link,
+        args.target_cu,
+        [(c, wire_ratio(c)) for c in codecs],
+        periods,
+        args.max_delay,
+        round_cost_s=run.round_cost_s if args.round_cost is None else args.round_cost,
+        link_budget=run.codec_link_budget,
+    )
     result = {
         "target_cu": rec.target,
         "reached": rec.best is not None,

@@ -40,7 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel, ring_comm_time, ring_wire_bytes
-from dreamp2p.schedule.dreamddp import plan_dreamddp, simulate
+from dreamp2p.schedule.dreamddp import plan_dreamddp, rounds_per_step, simulate
+from dreamp2p.schedule.plancodec import link_busy_fraction
 
 KINDS = ("data-parallel", "diloco", "streaming", "dreamddp")
 # Streaming DiLoCo, Table 4 and its text: H = 100 inner steps, fragments of 3 layers, CU columns 50..99%.
@@ -312,6 +313,7 @@ class Setting:
     utilization: float
     step_time_s: float
     bytes_per_step: float  # wire bytes per peer per step
+    link_busy: float = 0.0  # link seconds of a period's syncs over its compute seconds (margin included)
 
 
 @dataclass(frozen=True)
@@ -325,16 +327,19 @@ class Recommendation:
     message: str
 
 
-def _evaluate(costs: Sequence[LayerCost], link: LinkModel, codec: str, H: int, d: int) -> Setting:
+def _evaluate(
+    costs: Sequence[LayerCost], link: LinkModel, codec: str, H: int, d: int, round_cost_s: float = 0.0
+) -> Setting:
     """Plan and simulate like ``dreamddp.predict`` (no bubble filling, as ``dreamp2p plan`` does)."""
-    plan = plan_dreamddp(costs, link, H, max_delay=d, bubble_fill=False)
+    plan = plan_dreamddp(costs, link, H, max_delay=d, bubble_fill=False, round_cost_s=round_cost_s)
     timeline = simulate(plan, costs, link)
     exposed = math.fsum(it.exposed_s for it in timeline) / H
-    step = plan.compute_s + exposed
+    step = plan.compute_s + exposed + rounds_per_step(plan) * round_cost_s
     wire = math.fsum(ring_wire_bytes(sum(costs[x].nbytes for x in s.layers), link) for s in plan.syncs) / H
     groups = sum(1 for s in plan.syncs if not s.repeat)
     util = plan.compute_s / step if step > 0 else 1.0
-    return Setting(codec, H, d, groups, util, step, wire)
+    busy = link_busy_fraction(costs, link, H, plan)
+    return Setting(codec, H, d, groups, util, step, wire, busy)
 
 
 def _delays(H: int, cap: int | None) -> list[int]:
@@ -384,8 +389,16 @@ def recommend(
     codecs: Sequence[tuple[str, float]],
     periods: Sequence[int] = SEARCH_PERIODS,
     max_delay: int | None = None,
+    round_cost_s: float = 0.0,
+    link_budget: float | None = None,
 ) -> Recommendation:
     """The preferred DreamDDP setting whose planned utilization reaches ``target`` on ``link``.
+
+    A setting qualifies when its predicted utilization (each round's ``round_cost_s`` included) reaches the
+    target and its syncs keep the link busy at most ``link_budget`` of the period's compute time (with
+    ``link.margin``; None: no budget):
+    pass a run's own (`SyncConfig.link_margin`, ``round_cost_s``, ``codec_link_budget``) so a recommendation
+    keeps the headroom the runtime itself demands of a plan codec, instead of a knife-edge setting.
 
     ``codecs`` are (name, wire bytes per fp32 byte), least lossy first; ``link.codec_ratio`` is ignored. Preference,
     i.e. search order with the first hit taken: least lossy codec, then smallest period (workers drift apart
@@ -398,6 +411,9 @@ def recommend(
     _check_target(target)
     if not codecs:
         raise ValueError("no candidate codecs")
+    if link_budget is not None and not 0.0 < link_budget <= 1.0:
+        raise ValueError(f"link_budget must be in (0, 1], got {link_budget!r}")
+    budget = math.inf if link_budget is None else link_budget
     if not math.fsum(c.fwd_s + c.bwd_s for c in costs) > 0:  # utilization is undefined without compute
         raise ValueError("the layer costs must have some compute time")
     for H in periods:
@@ -414,16 +430,16 @@ def recommend(
             if limit < target:
                 continue
             delays = _delays(H, max_delay)
-            top = _evaluate(costs, lk, name, H, delays[-1])
+            top = _evaluate(costs, lk, name, H, delays[-1], round_cost_s)
             evaluated += 1
             closest = top if closest is None or top.utilization > closest.utilization else closest
-            if top.utilization < target:
+            if top.utilization < target or top.link_busy > budget:
                 continue
             best = top
             for d in delays[:-1]:  # smallest delay first; the largest one is known to reach the target
-                trial = _evaluate(costs, lk, name, H, d)
+                trial = _evaluate(costs, lk, name, H, d, round_cost_s)
                 evaluated += 1
-                if trial.utilization >= target:
+                if trial.utilization >= target and trial.link_busy <= budget:
                     best = trial
                     break
             msg = (
@@ -435,6 +451,8 @@ def recommend(
     d = H - 1 if max_delay is None else min(max_delay, H - 1)
     needed, what, tail = _unreached(costs, link, target, codecs, H, d)
     head = f"no setting in the grid reaches {target}"
+    if link_budget is not None:
+        head += f" with the link busy at most {link_budget:.0%} of the period"
     if closest is not None:
         head += f" (closest: codec {closest.codec}, period {closest.period}, delay {closest.delay}: "
         head += f"{closest.utilization:.3f})"

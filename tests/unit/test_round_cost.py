@@ -11,6 +11,7 @@ from dreamp2p.config.sync import SyncConfig
 from dreamp2p.schedule.cost import LinkModel
 from dreamp2p.schedule.dreamddp import plan_dreamddp, predict, rounds_per_step
 from dreamp2p.schedule.plan import total_exposed
+from dreamp2p.schedule.utilization import recommend
 from dreamp2p.schedule.whatif import uniform_costs
 
 # bench lm's byte-level GPT: 3.32M parameters in 16 layers, a 0.28 s step, int8 plans with the runtime's margin
@@ -99,3 +100,39 @@ def test_sync_config_bounds_round_cost(bad: float) -> None:
     with pytest.raises(ValueError, match=r"sync\.round_cost_s"):
         SyncConfig(round_cost_s=bad)
     assert SyncConfig().round_cost_s > 0
+
+
+# ------------------------------------------------------------------ plan --target-cu with a run's headroom
+
+CODECS = [("fp32", 1.0), ("bf16", 0.5), ("int8", 0.266)]
+
+
+@pytest.mark.parametrize(("mbit", "rtt", "target"), [(20, 0.0, 0.9), (10, 0.08, 0.9), (100, 0.0, 0.95)])
+@pytest.mark.parametrize("budget", [0.25, 0.5])
+def test_recommendation_keeps_the_link_budget_and_pays_rounds(
+    mbit: float, rtt: float, target: float, budget: float
+) -> None:
+    link = LinkModel(mbit * 1e6 / 8, rtt, 2, margin=1.3)
+    rec = recommend(LM, link, target, CODECS, round_cost_s=0.08, link_budget=budget)
+    assert rec.best is not None, rec.message
+    best = rec.best
+    assert best.link_busy <= budget and best.utilization >= target
+    lk = LinkModel(link.bandwidth_Bps, rtt, 2, dict(CODECS)[best.codec], margin=1.3)
+    again = predict(LM, lk, best.period, "dreamddp", max_delay=best.delay, bubble_fill=False, round_cost_s=0.08)
+    assert again["compute_utilization"] == pytest.approx(best.utilization, rel=1e-9)
+    # without the budget, the same search may take a setting that keeps the link busier
+    loose = recommend(LM, link, target, CODECS, round_cost_s=0.08)
+    assert loose.best is not None and loose.best.utilization >= target
+
+
+def test_a_budget_no_setting_meets_is_said() -> None:
+    link = LinkModel(2e6 / 8, 0.0, 2, margin=1.3)  # 2 Mbit/s: 3.5 MB of int8 per period needs > 25% of any period
+    rec = recommend(LM, link, 0.5, CODECS, periods=(10, 20), round_cost_s=0.08, link_budget=0.25)
+    assert rec.best is None
+    assert "with the link busy at most 25% of the period" in rec.message
+
+
+@pytest.mark.parametrize("budget", [0.0, 1.5, -0.1])
+def test_bad_link_budget_is_refused(budget: float) -> None:
+    with pytest.raises(ValueError, match="link_budget"):
+        recommend(LM, _link(20, 0.0, 2), 0.9, CODECS, link_budget=budget)

@@ -307,7 +307,17 @@ def test_cli_target_cu_recommends_a_setting_that_reaches_it() -> None:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["reached"] is True and result["target_cu"] == 0.9
     rec = result["recommendation"]
-    assert set(rec) == {"codec", "period", "delay", "fragments", "utilization", "step_time_s", "bytes_per_step"}
+    assert set(rec) == {
+        "codec",
+        "period",
+        "delay",
+        "fragments",
+        "utilization",
+        "step_time_s",
+        "bytes_per_step",
+        "link_busy",
+    }
+    assert rec["link_busy"] <= 0.25  # the run's codec_link_budget
     assert rec["utilization"] >= 0.9 and rec["delay"] < rec["period"]
     assert result["searched"]["codecs"] == ["fp32", "bf16", "int8"]
 

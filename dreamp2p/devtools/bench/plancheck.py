@@ -204,8 +204,18 @@ def _recommendation(point: pt.GridPoint, target: float, layers: int) -> dict[str
     step_s = _ceiling_step_s(point, CALIBRATION_STEPS)
     params = sum(p.numel() for p in make_model(m.width, m.layers, m.heads, m.context, "cpu").parameters())
     costs = uniform_costs(params, layers, step_s)
-    link = LinkModel(parse_rate(point.rate), point.rtt_ms / 1e3, point.regions)
-    rec = recommend(costs, link, target, [(c, wire_ratio(c)) for c in SEARCH_CODECS], SEARCH_PERIODS)
+    run = pt.RUN_DEFAULTS  # what `dreamp2p plan --target-cu` passes: a dreamddp run's own headroom
+    link = LinkModel(parse_rate(point.rate), point.rtt_ms / 1e3, point.regions, margin=run.link_margin)
+    codecs = [(c, wire_ratio(c)) for c in SEARCH_CODECS]
+    rec = recommend(
+        costs,
+        link,
+        target,
+        codecs,
+        SEARCH_PERIODS,
+        round_cost_s=run.round_cost_s,
+        link_budget=run.codec_link_budget,
+    )
     command = (
         f"dreamp2p plan --params {params} --layers {layers} --step-time {step_s:.6f} --peers {point.regions} "
         f"--link {point.rate} --rtt {point.rtt_ms:g}ms --target-cu {target} --json"
