@@ -5,10 +5,12 @@
 - :mod:`dreamp2p.config.sync`: the synchronization strategies' knobs (``[sync]``) and the strategy names;
 - :mod:`dreamp2p.config.task`: the built-in training task of ``dreamp2p node`` (``[task]``);
 - :mod:`dreamp2p.config.daemon`: a node daemon's whole file (``dreamp2p node --config``);
-- :mod:`dreamp2p.config.codecs`: the codec names the checks accept (held equal to the codec registry by a test).
+- :mod:`dreamp2p.config.codecs`: the codec names the checks accept (held equal to the codec registry by a test);
+- :mod:`dreamp2p.config.check`: every error of a daemon's file at once (``dreamp2p config check``).
 """
 
-from dreamp2p.config.daemon import CheckpointConfig, DaemonConfig, MetricsConfig
+from dreamp2p.config.check import check_file
+from dreamp2p.config.daemon import LOG_FORMATS, CheckpointConfig, DaemonConfig, MetricsConfig
 from dreamp2p.config.parse import parse_duration, parse_rate
 from dreamp2p.config.peer import COMM_MODES, PeerConfig, PeerInfo, TLSConfig, TransportConfig, is_loopback_address
 from dreamp2p.config.sync import STRATEGIES, SyncConfig
@@ -16,6 +18,7 @@ from dreamp2p.config.task import TaskConfig
 
 __all__ = [
     "COMM_MODES",
+    "LOG_FORMATS",
     "STRATEGIES",
     "CheckpointConfig",
     "DaemonConfig",
@@ -26,6 +29,7 @@ __all__ = [
     "TLSConfig",
     "TaskConfig",
     "TransportConfig",
+    "check_file",
     "is_loopback_address",
     "parse_duration",
     "parse_rate",

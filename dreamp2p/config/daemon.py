@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dreamp2p.config.parse import _build
+from dreamp2p.config.parse import _build, did_you_mean
 from dreamp2p.config.peer import PeerConfig
 from dreamp2p.config.sync import SyncConfig
 from dreamp2p.config.task import TaskConfig
@@ -30,18 +30,49 @@ class CheckpointConfig:
             raise ValueError("checkpoint.every_steps and checkpoint.keep must be >= 1")
 
 
+LOG_FORMATS = ("text", "json")
+
+
 @dataclass(frozen=True)
 class MetricsConfig:
+    """``[metrics]``: the Prometheus endpoint, the run log (``metrics.jsonl``) and the daemon's own log lines."""
+
     listen: str | None = None  # "host:port" of the Prometheus endpoint; None disables it
-    json_logs: bool = False  # log records as JSON lines on stderr
+    # log records on stderr as "text" lines or as "json" objects, one per line (`dreamp2p node --log-format`
+    # overrides it); json_logs = true is the older spelling of log_format = "json"
+    log_format: str = "text"
+    json_logs: bool = False
+    progress_every_s: float = 10.0  # seconds between two progress lines of the training loop (0: every step)
     run_dir: str | None = None  # where metrics.jsonl / plan.json go (per node sub-directory)
-    log_every: int = 1
+    log_every: int = 1  # steps between two step records in metrics.jsonl
+    # metrics.jsonl keeps at most about jsonl_max_mb over jsonl_files files: metrics.jsonl, then .1 (older)
+    # up to .<jsonl_files - 1> (oldest); the oldest is dropped when the current one fills its share
+    jsonl_max_mb: float = 100.0
+    jsonl_files: int = 5
 
     def __post_init__(self) -> None:
         if self.listen is not None and ":" not in self.listen:
             raise ValueError(f"metrics.listen must look like 'host:port', got {self.listen!r}")
         if self.log_every < 1:
             raise ValueError("metrics.log_every must be >= 1")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"metrics.log_format must be one of {', '.join(LOG_FORMATS)}; got {self.log_format!r}")
+        if not self.progress_every_s >= 0:
+            raise ValueError(f"metrics.progress_every_s must be >= 0, got {self.progress_every_s}")
+        if not 0 < self.jsonl_max_mb < float("inf"):
+            raise ValueError(f"metrics.jsonl_max_mb must be a number > 0, got {self.jsonl_max_mb}")
+        if self.jsonl_files < 1:
+            raise ValueError(f"metrics.jsonl_files must be >= 1, got {self.jsonl_files}")
+
+    @property
+    def json_format(self) -> bool:
+        """Whether log records go out as JSON objects (log_format = "json", or json_logs = true)."""
+        return self.log_format == "json" or self.json_logs
+
+
+# the top-level keys and tables of a node daemon's file
+DAEMON_KEYS = ("node", "sync", "task", "checkpoint", "metrics", "device", "threads", "stop_grace_s")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -67,15 +98,12 @@ class DaemonConfig:
 
     @staticmethod
     def from_dict(data: Mapping[str, Any], base: Path | None = None) -> DaemonConfig:
-        allowed = {"node", "sync", "task", "checkpoint", "metrics", "device", "threads", "stop_grace_s"}
-        unknown = sorted(set(data) - allowed)
+        unknown = sorted(set(data) - set(DAEMON_KEYS))
         if unknown:
-            raise ValueError(f"unknown table or key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
+            raise ValueError(unknown_top_level_message(unknown[0]))
         if "node" not in data:
             raise ValueError("missing [node] table (node_id, listen, ring, ...)")
-        device = data.get("device", "auto")
-        if device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be one of auto, cpu, cuda; got {device!r}")
+        device = check_top_level("device", data.get("device", "auto"))
         ckpt = _build(CheckpointConfig, data.get("checkpoint", {}), "checkpoint")
         if base is not None and not Path(ckpt.dir).is_absolute():
             ckpt = dataclasses.replace(ckpt, dir=str(base / ckpt.dir))
@@ -86,9 +114,25 @@ class DaemonConfig:
             checkpoint=ckpt,
             metrics=_build(MetricsConfig, data.get("metrics", {}), "metrics"),
             device=device,
-            threads=_nonneg_int(data.get("threads", 0), "threads"),
-            stop_grace_s=_grace(data.get("stop_grace_s", 20.0)),
+            threads=check_top_level("threads", data.get("threads", 0)),
+            stop_grace_s=check_top_level("stop_grace_s", data.get("stop_grace_s", 20.0)),
         )
+
+
+def unknown_top_level_message(key: str) -> str:
+    """The message for a top-level key or table a daemon's file may not have, with the closest allowed one."""
+    return f"unknown table or key {key!r}{did_you_mean(key, DAEMON_KEYS)}; allowed: {', '.join(sorted(DAEMON_KEYS))}"
+
+
+def check_top_level(key: str, value: Any) -> Any:
+    """One top-level key's value, checked (``device``, ``threads``, ``stop_grace_s``); ValueError names it."""
+    if key == "device":
+        if value not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {value!r}")
+        return value
+    if key == "threads":
+        return _nonneg_int(value, "threads")
+    return _grace(value)
 
 
 def _grace(value: Any) -> float:

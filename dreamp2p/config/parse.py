@@ -6,10 +6,11 @@ Every loader names the offending key and what it accepts; nothing here touches t
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -44,23 +45,35 @@ def parse_rate(text: str | float | int) -> float:
     )
 
 
+_DURATION = re.compile(r"(?P<num>\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+)(?P<unit>us|µs|ms|s|m|min|h)")
+_SECONDS = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
 def parse_duration(text: str | float | int) -> float:
-    """Parse ``"80ms"``, ``"1.5s"``, ``"200us"`` or a number of seconds."""
+    """Parse a duration into seconds: ``"200us"``, ``"80ms"``, ``"1.5s"``, ``"5m"`` (minutes), ``"1h"``, or a
+    number of seconds. ``m`` is minutes and ``ms`` milliseconds, as in tc and Go."""
     if isinstance(text, int | float):
         if text < 0:
             raise ValueError(f"duration must be >= 0, got {text}")
         return float(text)
-    s = text.strip().lower()
-    for unit, mult in (("ms", 1e-3), ("us", 1e-6), ("s", 1.0)):
-        if s.endswith(unit):
-            try:
-                value = float(s[: -len(unit)]) * mult
-            except ValueError:
-                break
-            if value < 0:
-                break
+    m = _DURATION.fullmatch(text.strip().lower().replace(" ", ""))
+    if m is not None:
+        value = float(m["num"]) * _SECONDS[m["unit"]]
+        if value < float("inf"):
             return value
-    raise ValueError(f"cannot parse duration {text!r}: use e.g. '80ms', '1.5s'")
+    raise ValueError(f"cannot parse duration {text!r}: use e.g. '80ms', '1.5s', '5m', '1h'")
+
+
+def did_you_mean(key: str, allowed: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the allowed name closest to a misspelt ``key``, or ``""`` when none is close."""
+    close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_key_message(key: str, where: str, allowed: Iterable[str]) -> str:
+    """The message for a key no table of that name has: the key, a close allowed name, every allowed name."""
+    names = sorted(allowed)
+    return f"unknown key {where}{key}{did_you_mean(key, names)}; allowed keys: {', '.join(names)}"
 
 
 def _build(cls: type[T], data: Any, where: str) -> T:
@@ -73,7 +86,7 @@ def _build(cls: type[T], data: Any, where: str) -> T:
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"unknown key {prefix}{unknown[0]}; allowed keys: {', '.join(sorted(fields))}")
+        raise ValueError(unknown_key_message(unknown[0], prefix, fields))
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
@@ -99,10 +112,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             except ValueError as exc:
                 errors.append(str(exc))
         raise ValueError(errors[0] if errors else f"{key}: bad value {value!r}")
-    if hint is float and key.endswith("rate_limit") and isinstance(value, str):
-        return parse_rate(value)
-    if hint is float and key.endswith("_s") and isinstance(value, str):
-        return parse_duration(value)
+    if hint is float and isinstance(value, str) and (key.endswith("rate_limit") or key.endswith("_s")):
+        try:
+            return parse_rate(value) if key.endswith("rate_limit") else parse_duration(value)
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
     if hint is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{key} must be true or false, got {value!r}")

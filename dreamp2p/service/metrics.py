@@ -32,6 +32,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dreamp2p.messages import LinkSnapshot, PeerStatus
+from dreamp2p.service.jsonl import RotatingJsonl
+from dreamp2p.service.progress import lifecycle_message
 
 if TYPE_CHECKING:
     from dreamp2p.sync.base import StepStats  # torch: not for readers of RecordKind such as the report
@@ -58,6 +60,10 @@ class RecordKind(enum.StrEnum):
 
 log = logging.getLogger(__name__)
 
+METRICS_FILE = "metrics.jsonl"
+# attributes of a log record, which a record's extra fields may not reuse
+_LOG_RECORD_KEYS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
 
 class PeerStatusCollector(Collector):
     """The peer's own totals and liveness, exported from the last `PeerStatus` handed to :meth:`update`.
@@ -68,6 +74,10 @@ class PeerStatusCollector(Collector):
 
     def __init__(self) -> None:
         self._status: PeerStatus | None = None
+
+    @property
+    def status(self) -> PeerStatus | None:
+        return self._status
 
     def update(self, status: PeerStatus) -> None:
         self._status = status  # one reference swap: the scrape thread sees the old or the new status whole
@@ -110,8 +120,25 @@ def _link_families(links: tuple[LinkSnapshot, ...]) -> Iterator[Metric]:
     yield from (sent, received, goodput, rtt)
 
 
+# metrics.jsonl's default budget ([metrics] jsonl_max_mb, jsonl_files): the last 100 MB of records in 5 files;
+# a step record is about 250 bytes, so that is the last ~400,000 steps with log_every = 1
+JSONL_MAX_BYTES = 100 << 20
+JSONL_FILES = 5
+
+
 class NodeMetrics:
-    def __init__(self, node_id: str, run_dir: str | Path | None = None) -> None:
+    """One node's Prometheus registry and its run log ``RUN/<node_id>/metrics.jsonl`` (size-capped, rotated).
+
+    Lifecycle records (start, join, resume, checkpoint, stop) are also told in the process log at INFO.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        run_dir: str | Path | None = None,
+        max_bytes: int = JSONL_MAX_BYTES,
+        files: int = JSONL_FILES,
+    ) -> None:
         self.node_id = node_id
         self.registry = CollectorRegistry()
         r = self.registry
@@ -141,13 +168,13 @@ class NodeMetrics:
         self.plan_version = Gauge("dreamp2p_plan_version", "Version of the layer schedule in force", registry=r)
         self.peer = PeerStatusCollector()
         r.register(self.peer)
-        self._log = None
+        self._log: RotatingJsonl | None = None
         self._server: Any = None
         self.dir: Path | None = None
         if run_dir is not None:
             self.dir = Path(run_dir) / node_id
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - lives as long as the node
+            self._log = RotatingJsonl(self.dir / METRICS_FILE, max_bytes, files)
 
     def serve(self, listen: str) -> int:
         """Start the HTTP endpoint on ``host:port`` (port 0 picks one); returns the port."""
@@ -158,7 +185,11 @@ class NodeMetrics:
 
     def record(self, kind: RecordKind, **fields: Any) -> None:
         if self._log is not None:
-            self._log.write(json.dumps({"kind": kind.value, "t": time.time(), **fields}) + "\n")
+            self._log.write({"kind": kind.value, "t": time.time(), **fields})
+        message = lifecycle_message(kind, fields)
+        if message is not None:
+            extra = {k: v for k, v in fields.items() if k not in _LOG_RECORD_KEYS}
+            log.info("%s", message, extra={"event": kind.value, **extra})
 
     def step_stats(self, stats: StepStats) -> None:
         """One training step's communication figures: the running totals and the histograms."""
@@ -171,6 +202,11 @@ class NodeMetrics:
             mean = stats.comm_s / stats.syncs
             for _ in range(stats.syncs):
                 self.round_duration.observe(mean)
+
+    @property
+    def last_status(self) -> PeerStatus | None:
+        """The peer status last handed to :meth:`peer_status` (None before the first)."""
+        return self.peer.status
 
     def peer_status(self, status: PeerStatus) -> None:
         """The peer's counters, links and liveness as just read (``node.comm.status()``)."""
