@@ -342,6 +342,9 @@ def _evaluate(
     return Setting(codec, H, d, groups, util, step, wire, busy)
 
 
+_BUDGET_ROUNDS = 8  # rescalings of the needed bandwidth until a plan fits the link budget
+
+
 def _delays(H: int, cap: int | None) -> list[int]:
     """0, 1, 2, 4, ... below H, and H - 1, capped at ``cap``: small delays first (fresher weights)."""
     top = H - 1 if cap is None else min(cap, H - 1)
@@ -450,6 +453,22 @@ def recommend(
     H = grid[-1]
     d = H - 1 if max_delay is None else min(max_delay, H - 1)
     needed, what, tail = _unreached(costs, link, target, codecs, H, d)
+    if link_budget is not None and needed is not None:
+        # the budget may bind before utilization does: scale the frugal setting's bandwidth by how far its
+        # link time is over budget until the planner's own plan fits (a new bandwidth may change the plan)
+        name, ratio = min(codecs, key=lambda c: c[1])
+        for_budget = link.bandwidth_Bps
+        for _ in range(_BUDGET_ROUNDS):
+            lk = LinkModel(for_budget, link.rtt_s, link.world, ratio, link.per_hop_overhead_s, link.margin)
+            busy = _evaluate(costs, lk, name, H, d, round_cost_s).link_busy
+            evaluated += 1
+            if busy <= link_budget:
+                break
+            for_budget *= 1.01 * busy / link_budget
+        if for_budget > needed:
+            needed = for_budget
+            tail = f"{what} needs about {needed * 8 / 1e9:.3g} Gbit/s to keep the link within budget "
+            tail += f"({link.bandwidth_Bps * 8 / 1e9:.3g} now)"
     head = f"no setting in the grid reaches {target}"
     if link_budget is not None:
         head += f" with the link busy at most {link_budget:.0%} of the period"

@@ -136,3 +136,14 @@ def test_a_budget_no_setting_meets_is_said() -> None:
 def test_bad_link_budget_is_refused(budget: float) -> None:
     with pytest.raises(ValueError, match="link_budget"):
         recommend(LM, _link(20, 0.0, 2), 0.9, CODECS, link_budget=budget)
+
+
+def test_the_bandwidth_a_budget_needs_is_enough() -> None:
+    costs = uniform_costs(1e9, 24, 0.5)
+    link = LinkModel(1.25e8, 0.08, 4, margin=1.3)  # 1 Gbit/s: utilization is reachable, the 25% budget is not
+    rec = recommend(costs, link, 0.95, [("int8", 0.266)], periods=(100,), round_cost_s=0.08, link_budget=0.25)
+    assert rec.best is None and rec.needed_Bps is not None
+    assert "to keep the link within budget" in rec.message
+    faster = LinkModel(rec.needed_Bps, 0.08, 4, margin=1.3)
+    again = recommend(costs, faster, 0.95, [("int8", 0.266)], periods=(100,), round_cost_s=0.08, link_budget=0.25)
+    assert again.best is not None and again.best.link_busy <= 0.25
