@@ -70,7 +70,7 @@ class SyncConfig:
     # trainer seconds one layer-sync round costs besides its link time (launch, landing, the comm path's CPU
     # and GIL on the trainer's cores); the planner adds it per round and counts plans within one round's
     # cost as alike. 0.08: measured on bench lm on a 2-core host, where a round in every step cost 0.1 s
-    # per step and 2 rounds per period ~0.06 s per round (docs/BENCHMARKS.md, "Round cost"); 0 prices rounds
+    # per step and 2 rounds per period ~0.06 s per round (docs/PLANNING.md, "Round cost"); 0 prices rounds
     # by the link alone (the planner then staggers a group into every iteration wherever they hide)
     round_cost_s: float = 0.08
     # outer optimizer per layer group (Nesterov, as DiLoCo's); lr 1 + momentum 0 is plain averaging. None:
