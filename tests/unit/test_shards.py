@@ -1,0 +1,81 @@
+"""Shard arithmetic of a region of many ranks and each local rank's peer settings (pure, no network)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.sync.shards import rank_config, rank_node_id, shard_bounds, shard_length, shift_port
+
+
+@pytest.mark.parametrize(
+    ("numel", "ranks", "length"),
+    [(0, 1, 0), (0, 4, 0), (1, 1, 1), (1, 2, 1), (7, 2, 4), (8, 2, 4), (9, 4, 3), (10, 3, 4), (1000, 8, 125)],
+)
+def test_shard_length_is_ceil(numel: int, ranks: int, length: int) -> None:
+    assert shard_length(numel, ranks) == length
+
+
+@pytest.mark.parametrize("numel", [0, 1, 2, 3, 5, 16, 17, 1001])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_shards_cover_the_group_once_in_order(numel: int, ranks: int) -> None:
+    bounds = [shard_bounds(numel, ranks, k) for k in range(ranks)]
+    covered = [i for a, b in bounds for i in range(a, b)]
+    assert covered == list(range(numel))  # every element once, shard k before shard k + 1
+    length = shard_length(numel, ranks)
+    assert all(0 <= b - a <= length for a, b in bounds)  # no shard longer than its padded gather slot
+    assert all(b - a == length for a, b in bounds[:-1] if b < numel)  # only the tail is short
+
+
+@pytest.mark.parametrize(
+    ("numel", "ranks", "empty"), [(1, 2, [1]), (2, 4, [2, 3]), (5, 4, [3]), (9, 4, [3]), (8, 4, [])]
+)
+def test_ranks_past_a_small_group_own_nothing(numel: int, ranks: int, empty: list[int]) -> None:
+    assert [k for k in range(ranks) if shard_bounds(numel, ranks, k)[0] == shard_bounds(numel, ranks, k)[1]] == empty
+
+
+@pytest.mark.parametrize(("numel", "ranks", "rank"), [(4, 0, 0), (4, 2, 2), (4, 2, -1), (-1, 2, 0)])
+def test_bad_shard_arguments_are_refused(numel: int, ranks: int, rank: int) -> None:
+    with pytest.raises(ValueError):
+        shard_bounds(numel, ranks, rank)
+
+
+@pytest.mark.parametrize(
+    ("address", "offset", "want"),
+    [
+        ("127.0.0.1:5000", 0, "127.0.0.1:5000"),
+        ("127.0.0.1:5000", 3, "127.0.0.1:5003"),
+        ("127.0.0.1:0", 3, "127.0.0.1:0"),
+        ("[::1]:7000", 1, "[::1]:7001"),
+        ("eu.example.org:443", 2, "eu.example.org:445"),
+    ],
+)
+def test_shift_port(address: str, offset: int, want: str) -> None:
+    assert shift_port(address, offset) == want
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "host:http", "127.0.0.1:65535"])
+def test_shift_port_refuses_what_it_cannot_shift(address: str) -> None:
+    with pytest.raises(ValueError):
+        shift_port(address, 1)
+
+
+@pytest.mark.parametrize("local_rank", [0, 1, 3])
+def test_rank_config_rings_with_the_same_local_rank(local_rank: int) -> None:
+    ring = (PeerInfo("eu", "127.0.0.1:7000"), PeerInfo("us", "127.0.0.1:8000"))
+    base = PeerConfig(node_id="us", listen="127.0.0.1:8000", ring=ring, health_listen="127.0.0.1:9000")
+    cfg = rank_config(base, local_rank)
+    name = "{}" if local_rank == 0 else "{}." + str(local_rank)  # rank 0 keeps the region's id
+    assert cfg.node_id == rank_node_id("us", local_rank) == name.format("us")
+    assert cfg.listen == f"127.0.0.1:{8000 + local_rank}"
+    assert cfg.health_listen == f"127.0.0.1:{9000 + local_rank}"
+    assert cfg.ring == (
+        PeerInfo(name.format("eu"), f"127.0.0.1:{7000 + local_rank}"),
+        PeerInfo(name.format("us"), f"127.0.0.1:{8000 + local_rank}"),
+    )
+    assert cfg.transport == base.transport and cfg.codec == base.codec
+
+
+def test_rank_config_refuses_a_negative_rank() -> None:
+    with pytest.raises(ValueError):
+        rank_config(PeerConfig(node_id="a"), -1)
