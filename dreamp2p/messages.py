@@ -50,6 +50,18 @@ class Frame:
 
 
 @dataclass(frozen=True)
+class RoundEvidence:
+    """What a member measured of its own part in a round, sent on its commit vote (see `peer.straggler`).
+
+    Zeros mean "not measured" (a member that measured nothing, or an older one): it is not judged.
+    """
+
+    sent_bytes: int = 0  # bytes it sent in the round
+    link_Bps: float = 0.0  # its measured outbound link rate (goodput to its successor), bytes/s
+    part_s: float = 0.0  # seconds from opening the round to finishing its part
+
+
+@dataclass(frozen=True)
 class Vote:
     """A member's outcome of one round: committed (its part finished) or failed (nobody may apply it)."""
 
@@ -58,6 +70,7 @@ class Vote:
     round_id: int
     view_id: int
     commit: bool
+    evidence: RoundEvidence = RoundEvidence()
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,9 @@ class PeerStatus:
     contributions_refused: int = 0
     live: tuple[str, ...] = ()  # members counted alive now: the ring the next rounds run among
     view_id: int = 0
+    excluded: tuple[str, ...] = ()  # live members left out of the rounds as stragglers (see peer.straggler)
+    straggler_evictions: int = 0  # times a member was excluded as a straggler, as this node judged it
+    straggler_returns: int = 0  # times an excluded member took part again after its probation
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,14 @@ class TransportConfig:
     heartbeat_misses: int = 3
     dead_after_s: float = 15.0
     round_retries: int = 1  # a failed round is run again this many times (it failed on every member)
+    # stragglers (see dreamp2p.peer.straggler), off while straggler_margin is 0: a live member whose own
+    # measured link holds completed rounds past max(straggler_floor_s, straggler_margin x its bytes at the
+    # members' median link rate) for straggler_strikes rounds in a row sits out the next rounds for
+    # straggler_probation_s (doubled on each relapse, up to 8x), then takes part again
+    straggler_margin: float = 0.0
+    straggler_floor_s: float = 5.0
+    straggler_strikes: int = 2
+    straggler_probation_s: float = 30.0
 
     def __post_init__(self) -> None:
         _positive(
@@ -87,7 +95,12 @@ class TransportConfig:
             "probe_burst_bytes",
             "heartbeat_misses",
             "dead_after_s",
+            "straggler_floor_s",
+            "straggler_strikes",
+            "straggler_probation_s",
         )
+        if self.straggler_margin != 0 and self.straggler_margin < 1:
+            raise ValueError(f"transport.straggler_margin must be 0 (off) or >= 1, got {self.straggler_margin}")
         if self.round_retries < 0:
             raise ValueError(f"transport.round_retries must be >= 0, got {self.round_retries}")
         if self.heartbeat_s < 0:
