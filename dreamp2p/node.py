@@ -7,6 +7,12 @@ for batch in loader:
     sync.step(); sync.zero_grad()
 node.close()
 
+In a region of many ranks (a torchrun job: torch.distributed initialized with more than one rank, or a
+process group passed as ``region``), each local rank makes its own Node from the region's config: its
+peer gets its own node id and port and rings with the same local rank of the other regions, and the
+strategy averages one shard of each group per rank (`dreamp2p.sync.sharded`); wrap the model in
+DistributedDataParallel before ``attach``.
+
 A node joining a running cluster (a new member, or one restarted after a crash) passes ``joining=True``
 and ``attach(..., join=True)``: it takes the training state from the live members (`dreamp2p.state`),
 starts at their step, and only then takes part in rounds (see :meth:`Node.join`).
@@ -22,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.config.sync import SyncConfig
@@ -32,10 +40,13 @@ from dreamp2p.messages import PeerStatus
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.state.snapshot import unflatten_state
 from dreamp2p.sync.agreement import inner_momentum, is_adaptive, training_settings
-from dreamp2p.sync.base import Strategy, broadcast_state
+from dreamp2p.sync.base import Strategy, broadcast_state, state_tensors
+from dreamp2p.sync.collective import Collective
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.commproc import CommProcess, RemoteDonor
 from dreamp2p.sync.registry import strategy_class
+from dreamp2p.sync.sharded import ShardedCollective, region_group
+from dreamp2p.sync.shards import rank_config
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +56,35 @@ JOIN_LEAD_STEPS = 2
 JOIN_ATTEMPTS = 3
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DistributedDataParallel wrapper (the same layout as a one-rank job's)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 class Node:
     """``comm``: run the peer on a thread of this process ("thread") or in a child process ("process",
-    off the trainer's GIL); None takes ``config.comm``."""
+    off the trainer's GIL); None takes ``config.comm``. ``region``: this process is one local rank of a
+    region (see the module docstring): None detects it from torch.distributed, a process group names the
+    region's ranks, False runs as a region of one. Constructing it is collective over the region."""
 
     def __init__(
-        self, config: PeerConfig, model: nn.Module | None = None, joining: bool = False, comm: str | None = None
+        self,
+        config: PeerConfig,
+        model: nn.Module | None = None,
+        joining: bool = False,
+        comm: str | None = None,
+        region: dist.ProcessGroup | bool | None = None,
     ) -> None:
         if model is not None and not config.manifest_hash:
             # peers only average with peers that hold the same model layout
-            config = dataclasses.replace(config, manifest_hash=manifest_hash(model.state_dict().items()))
+            config = dataclasses.replace(config, manifest_hash=manifest_hash(unwrap(model).state_dict().items()))
         if comm is not None:
             config = dataclasses.replace(config, comm=comm)
+        group = region_group(region)
+        if group is not None:
+            if joining:
+                raise NotImplementedError("joining a running cluster is not supported yet for a region of many ranks")
+            config = rank_config(config, dist.get_rank(group))
         self.config = config
         self.comm: CommThread | CommProcess
         self.donor: StateDonor
@@ -67,6 +95,9 @@ class Node:
             self.comm = CommThread(config, ready=not joining)
             self.donor = StateDonor()
         self.comm.set_state_donor(self.donor)
+        # what strategies talk to: the peer itself, or (in a region) its shard rounds plus the region's gathers
+        self.region: ShardedCollective | None = ShardedCollective(self.comm, group) if group is not None else None
+        self.collective: Collective = self.region if self.region is not None else self.comm
         self._connected = False
         self.strategy: Strategy | None = None
 
@@ -107,13 +138,25 @@ class Node:
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
         cfg = self._outer_defaults(cfg, optimizer)
+        if self.region is not None and not isinstance(model, DistributedDataParallel):
+            raise ValueError(
+                "in a region of many ranks, wrap the model in torch.nn.parallel.DistributedDataParallel before "
+                "attach: the ranks average their gradients with it every step, the WAN rounds only between regions"
+            )
+        model = unwrap(model)  # the strategy moves the user's module; DDP's hooks stay on its parameters
         if not self._connected:
             self.connect(require_all=not join)
         timeout = self.config.transport.round_timeout_s
-        self.comm.agree(training_settings(cfg, model), self.config.transport.connect_timeout_s)
+        settings = training_settings(cfg, model)
+        if self.region is not None:
+            # regions whose rank counts differ would average shards of different sizes: refused at once
+            settings["region.ranks"] = str(self.region.ranks)
+        self.comm.agree(settings, self.config.transport.connect_timeout_s)
         if broadcast and not join:  # a node resuming from its checkpoint keeps its own parameters
-            broadcast_state(self.comm, model, timeout)
-        strat = strategy_class(cfg.strategy)(model, optimizer, self.comm, cfg, donor=self.donor)
+            if self.region is not None:
+                self.region.broadcast(state_tensors(model), timeout)
+            broadcast_state(self.collective, model, timeout)
+        strat = strategy_class(cfg.strategy)(model, optimizer, self.collective, cfg, donor=self.donor)
         self.strategy = strat
         if join:
             self.join(strat, timeout=timeout)
@@ -217,4 +260,8 @@ class Node:
             if self.strategy is not None:
                 self.strategy.close()
         finally:
-            self.comm.close()
+            try:
+                if self.region is not None:
+                    self.region.close()
+            finally:
+                self.comm.close()

@@ -286,11 +286,15 @@ def landed(elements: int) -> concurrent.futures.Future[RoundResult]:
     return done
 
 
+def state_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Everything a replica must share: trainable parameters, frozen ones, and buffers."""
+    tensors: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+    return tensors + frozen_parameters(model) + model_buffers(model)
+
+
 def broadcast_state(comm: Collective, model: nn.Module, timeout: float) -> None:
     """Make every replica hold rank 0's parameters, frozen ones included, and buffers (bit-identical)."""
-    tensors: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
-    tensors += frozen_parameters(model) + model_buffers(model)
-    broadcast_tensors(comm, tensors, timeout)
+    broadcast_tensors(comm, state_tensors(model), timeout)
 
 
 def broadcast_tensors(comm: Collective, tensors: list[torch.Tensor], timeout: float) -> None:

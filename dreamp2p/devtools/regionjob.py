@@ -1,0 +1,115 @@
+"""One local rank of a region in a test run: ``torchrun --nproc-per-node N -m dreamp2p.devtools.regionjob ...``.
+
+Trains the student of `dreamp2p.devtools.bench.training` with DDP inside the region (gloo) and a
+dreamp2p strategy between regions, then a quiet stretch at learning rate 0, and writes what the tests
+check (losses, parameter digests, WAN bytes) to ``<out>/<region>.<local rank>.json``. Each rank's batches
+depend on its global position (region index x ranks + local rank), so no two ranks see the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.devtools.bench.training import batch, student
+from dreamp2p.manifest import param_digest
+from dreamp2p.node import Node
+
+
+def free_port_block(n: int, start: int = 20000, stop: int = 60000) -> int:
+    """A loopback port p such that p .. p + n - 1 are free now (a region's ranks listen on them)."""
+    for base in range(start, stop, max(n, 1) * 7 + 1):
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free ports in {start}..{stop}")
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--region", required=True, help="this region's id (one of --ring)")
+    p.add_argument("--ring", required=True, help="id=host:port,... : every region and its local rank 0's address")
+    p.add_argument("--strategy", default="ssgd")
+    p.add_argument("--sync", default="{}", help="JSON of [sync] settings")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--quiet-steps", type=int, default=0)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--out", type=Path, required=True)
+    return p.parse_args(argv)
+
+
+def _steps(sync: Any, model: nn.Module, data_rank: int, steps: range, batch_size: int) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(data_rank, step, batch_size)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        sync.step()
+        sync.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    local, ranks = dist.get_rank(), dist.get_world_size()
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.region}.{local} %(name)s %(message)s")
+    ring = tuple(PeerInfo(*entry.split("=", 1)) for entry in args.ring.split(","))
+    ids = [p.node_id for p in ring]
+    me = ring[ids.index(args.region)]
+    data_rank = ids.index(args.region) * ranks + local
+    model = DistributedDataParallel(student(seed=data_rank))  # different inits: attach broadcasts region 0's
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    config = PeerConfig(node_id=me.node_id, cluster_id="regions", listen=me.address, ring=ring)
+    node = Node(config)
+    try:
+        sync = node.attach(model, opt, strategy=args.strategy, **json.loads(args.sync))
+        init_digest = param_digest(model)
+        losses = _steps(sync, model, data_rank, range(args.steps), args.batch_size)
+        trained_digest = param_digest(model)
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+        _steps(sync, model, data_rank, range(args.steps, args.steps + args.quiet_steps), args.batch_size)
+        sync.close()
+        result = {
+            "node_id": node.config.node_id,
+            "losses": losses,
+            "init_digest": init_digest,
+            "trained_digest": trained_digest,
+            "digest": param_digest(model),
+            "bytes_sent": sync.totals.bytes_sent,
+            "rounds_skipped": sync.rounds_skipped,
+            "plan_history": [list(h) for h in getattr(sync, "plan_history", [])],
+        }
+    finally:
+        node.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.region}.{local}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

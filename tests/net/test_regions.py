@@ -1,0 +1,121 @@
+"""Regions of many local ranks (torchrun jobs, gloo on loopback) averaging shards over the WAN ring (issue 11).
+
+Two regions of two ranks each: DDP inside each region, a dreamp2p strategy between them, where local rank k
+of each region rings with local rank k of the other and carries shard k of every group.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dreamp2p.devtools.localrun import child_env
+from dreamp2p.devtools.regionjob import free_port_block
+
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+REGIONS = ("a", "b")
+DREAMDDP_SYNC = {"period": 4, "warmup_steps": 3, "control_every": 4, "max_delay": 1}
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def launch(
+    out: Path, ranks: tuple[int, ...], strategy: str, sync: dict[str, Any], steps: int, quiet_steps: int
+) -> dict[str, tuple[int, str]]:
+    """One torchrun per region (``ranks[i]`` local ranks in region i); each region's exit code and log."""
+    out.mkdir(parents=True, exist_ok=True)
+    base = free_port_block(sum(ranks))
+    starts = [base + sum(ranks[:i]) for i in range(len(ranks))]
+    ring = ",".join(f"{r}=127.0.0.1:{p}" for r, p in zip(REGIONS, starts, strict=True))
+    env = {**child_env(), "OMP_NUM_THREADS": "1"}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs = {r: out / f"{r}.log" for r in REGIONS}
+    for region, n in zip(REGIONS, ranks, strict=True):
+        cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(n), "-m", "dreamp2p.devtools.regionjob"]
+        cmd += ["--region", region, "--ring", ring, "--strategy", strategy, "--sync", json.dumps(sync)]
+        cmd += ["--steps", str(steps), "--quiet-steps", str(quiet_steps), "--out", str(out)]
+        with logs[region].open("wb") as log:
+            procs[region] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300  # a hang guard, not a bound on speed
+    try:
+        return {
+            r: (p.wait(timeout=max(1.0, deadline - time.monotonic())), logs[r].read_text()) for r, p in procs.items()
+        }
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def run_regions(
+    out: Path, ranks: int, strategy: str, sync: dict[str, Any], steps: int, quiet_steps: int
+) -> dict[str, dict[str, Any]]:
+    """Two regions of ``ranks`` local ranks each, trained to the end; each rank's result by node id."""
+    for region, (code, log) in launch(out, (ranks, ranks), strategy, sync, steps, quiet_steps).items():
+        assert code == 0, f"region {region} exited {code}:\n{log[-4000:]}"
+    results = {}
+    for path in sorted(out.glob("*.json")):
+        r = json.loads(path.read_text())
+        results[r["node_id"]] = r
+    assert len(results) == len(REGIONS) * ranks, sorted(results)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_ssgd_regions_of_two_ranks_train_alike_and_halve_each_ranks_wan_bytes(tmp_path: Path) -> None:
+    steps = 40
+    sharded = run_regions(tmp_path / "2x2", 2, "ssgd", {}, steps, quiet_steps=2)
+    whole = run_regions(tmp_path / "2x1", 1, "ssgd", {}, steps, quiet_steps=2)
+    assert sorted(sharded) == ["a", "a.1", "b", "b.1"]  # each local rank its own peer and node id
+    assert sorted(whole) == ["a", "b"]  # a one-rank region takes the one-process path
+    for r in sharded.values():
+        assert r["rounds_skipped"] == 0
+        assert mean(r["losses"][-5:]) < 0.6 * mean(r["losses"][:5]), r["losses"]
+    # attach broadcast region a's rank 0; S-SGD keeps every rank of every region bit-identical
+    assert len({r["init_digest"] for r in sharded.values()}) == 1
+    assert len({r["trained_digest"] for r in sharded.values()}) == 1
+    assert len({r["digest"] for r in sharded.values()}) == 1
+    # each local rank carries half of the region's WAN traffic (the same rounds, half the elements)
+    one_rank = mean([r["bytes_sent"] for r in whole.values()])
+    assert one_rank > 0
+    for node, r in sharded.items():
+        assert abs(r["bytes_sent"] / one_rank - 0.5) <= 0.05, (node, r["bytes_sent"], one_rank)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_dreamddp_regions_of_two_ranks_end_bit_identical_after_a_quiet_period(tmp_path: Path) -> None:
+    sync = DREAMDDP_SYNC
+    results = run_regions(tmp_path, 2, "dreamddp", sync, 40, quiet_steps=sync["period"] + sync["max_delay"] + 1)
+    for r in results.values():
+        assert r["rounds_skipped"] == 0
+        assert mean(r["losses"][-5:]) < 0.6 * mean(r["losses"][:5]), r["losses"]
+    # the ranks of a region hold one replica (DDP plus identical gathers); the regions differ while training
+    for region in REGIONS:
+        assert results[region]["trained_digest"] == results[f"{region}.1"]["trained_digest"]
+    assert results["a"]["trained_digest"] != results["b"]["trained_digest"]
+    # every rank adopted the same plans at the same steps, and a full quiet period averaged every layer
+    assert len({json.dumps(r["plan_history"]) for r in results.values()}) == 1
+    assert len({r["digest"] for r in results.values()}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_regions_of_different_rank_counts_are_refused_at_start(tmp_path: Path) -> None:
+    exits = launch(tmp_path, (2, 1), "ssgd", {}, steps=5, quiet_steps=0)
+    for region, (code, log) in exits.items():
+        assert code != 0, f"region {region} trained with a region of another size:\n{log[-4000:]}"
+    # ring 0 (a, the region's rank 0, and b) refuses at attach, on both sides, naming the setting: 2 ranks
+    # on one side, none declared on the other
+    assert "region.ranks" in exits["a"][1] and "region.ranks" in exits["b"][1]
+    assert not list(tmp_path.glob("*.json"))  # no rank trained
