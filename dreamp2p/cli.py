@@ -116,7 +116,9 @@ def _node(args: argparse.Namespace) -> int:
             handler.setFormatter(JsonFormatter())
     stop = StopFlag()
     stop.install()
-    summary = run_node(cfg, resume=args.resume, stop=stop, stop_at_file=args.stop_at_file, join=args.join)
+    summary = run_node(
+        cfg, resume=args.resume, stop=stop, stop_at_file=args.stop_at_file, join=args.join, quiet_steps=args.quiet_steps
+    )
     print(json.dumps(summary))
     # The run is over and saved (checkpoint, metrics, summary): leave without interpreter teardown, so
     # that third-party daemon threads still alive then (gRPC's aio poller, torch's pools) cannot turn a
@@ -319,6 +321,13 @@ def _add_node_parser(sub: Any) -> None:
         type=Path,
         default=None,
         help="file that may hold a step number: stop cleanly after it (used to end multi-node runs)",
+    )
+    n.add_argument(
+        "--quiet-steps",
+        type=int_at_least(0),
+        default=0,
+        help="run the last N steps before the stop step at learning rate 0: only averaging moves the "
+        "parameters, so every member ends with the same ones (a check for tests and benchmarks)",
     )
     n.set_defaults(func=_node)
 

@@ -4,7 +4,9 @@ Lifecycle: load and validate the config, build the task and model, start the pee
 ring, attach the strategy (replicas start from rank 0's parameters, or from the newest checkpoint with
 ``--resume``), then train. Every step's numbers go to Prometheus and the run log; checkpoints are written
 every ``checkpoint.every_steps``. SIGTERM/SIGINT stop after the current step: rounds in flight are
-drained, a checkpoint is written, the peer shuts down, and the process exits 0.
+drained, a checkpoint is written, the peer shuts down, and the process exits 0. With ``--quiet-steps N``
+the last N steps before the stop step run at learning rate 0, so only averaging moves the parameters and
+every member ends with the same ones (what `dreamp2p bench chaos` checks by digest).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def run_node(
     stop: StopFlag | None = None,
     stop_at_file: Path | None = None,
     join: bool = False,
+    quiet_steps: int = 0,
 ) -> dict[str, Any]:
     """Train until ``task.steps``, a stop signal, or the step written in ``stop_at_file``; returns a summary.
 
@@ -70,6 +73,9 @@ def run_node(
 
     ``stop_at_file`` lets an operator end a multi-node run cleanly: every node stops after the same
     step, so no node waits for a round that a stopped node will never join.
+
+    ``quiet_steps``: the last steps before the stop step (``task.steps`` or the one in ``stop_at_file``)
+    run at learning rate 0; checkpoints keep the configured learning rate.
     """
     stop = stop or StopFlag()
     node_cfg = cfg.node
@@ -118,7 +124,7 @@ def run_node(
         )
         watcher.start()
         try:
-            return _train(cfg, task, model, sync, node, metrics, stop, stop_at_file)
+            return _train(cfg, task, model, sync, node, metrics, stop, stop_at_file, quiet_steps)
         finally:
             done.set()
     finally:
@@ -196,6 +202,20 @@ def _read_stop_at(path: Path | None) -> int | None:
         return None
 
 
+def _set_quiet(sync: Any, base_lrs: list[float], quiet: bool) -> None:
+    """Learning rate 0 in every parameter group during the quiet stretch, the configured one otherwise."""
+    for group, lr in zip(sync.optimizer.param_groups, base_lrs, strict=True):
+        group["lr"] = 0.0 if quiet else lr
+
+
+def _saved_state(sync: Any, base_lrs: list[float]) -> dict[str, Any]:
+    """The strategy's state to checkpoint, with the configured learning rates (never a quiet stretch's 0)."""
+    state = sync.state_dict()
+    for group, lr in zip(state.get("optimizer", {}).get("param_groups", []), base_lrs, strict=False):
+        group["lr"] = lr  # the optimizer's state_dict packs each group into a new dict: ours to change
+    return {"sync": state}
+
+
 def _publish_step(
     cfg: DaemonConfig,
     sync: Any,
@@ -245,16 +265,20 @@ def _train(
     metrics: NodeMetrics,
     stop: StopFlag,
     stop_at_file: Path | None = None,
+    quiet_steps: int = 0,
 ) -> dict[str, Any]:
     first_eval = None
     last_eval = None
     last_plan = -1
     t_last = time.perf_counter()
     final = cfg.task.steps
+    base_lrs = [float(g["lr"]) for g in sync.optimizer.param_groups]
     while sync.step_count < final and not stop.event.is_set():
         step = sync.step_count
         if step % 5 == 0 and (agreed := _read_stop_at(stop_at_file)) is not None:
             final = min(cfg.task.steps, max(agreed, step))
+        if quiet_steps:
+            _set_quiet(sync, base_lrs, step >= final - quiet_steps)
         try:
             loss = task.loss(model, task.batch(step))
             loss.backward()  # DreamDDP launches (and may wait on) syncs from gradient hooks
@@ -282,11 +306,11 @@ def _train(
             metrics.record(RecordKind.EVAL, step=step, eval_loss=last_eval)
         if (step + 1) % cfg.checkpoint.every_steps == 0:
             sync.close()  # land rounds in flight so the checkpoint is a consistent cut
-            path = save_checkpoint(cfg.checkpoint.dir, step + 1, {"sync": sync.state_dict()}, cfg.checkpoint.keep)
+            path = save_checkpoint(cfg.checkpoint.dir, step + 1, _saved_state(sync, base_lrs), cfg.checkpoint.keep)
             # the digest lets a resume be checked against what was saved (xxh3: cheap beside the write)
             metrics.record(RecordKind.CHECKPOINT, step=step + 1, path=str(path), digest=param_digest(model))
     _drain(sync, node, cfg.stop_grace_s)
-    path = save_checkpoint(cfg.checkpoint.dir, sync.step_count, {"sync": sync.state_dict()}, cfg.checkpoint.keep)
+    path = save_checkpoint(cfg.checkpoint.dir, sync.step_count, _saved_state(sync, base_lrs), cfg.checkpoint.keep)
     last_eval = task.evaluate(model)
     metrics.record(RecordKind.EVAL, step=sync.step_count - 1, eval_loss=last_eval)
     metrics.record(
