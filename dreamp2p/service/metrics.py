@@ -56,6 +56,8 @@ class RecordKind(enum.StrEnum):
     JOIN = "join"
     CHECKPOINT = "checkpoint"
     STOP = "stop"
+    # the peer's round counters and live view, with each status read (`bench chaos` reads them)
+    PEER = "peer"
 
 
 log = logging.getLogger(__name__)
@@ -209,8 +211,16 @@ class NodeMetrics:
         return self.peer.status
 
     def peer_status(self, status: PeerStatus) -> None:
-        """The peer's counters, links and liveness as just read (``node.comm.status()``)."""
+        """The peer's counters, links and liveness as just read (``node.comm.status()``): exported, and written
+        to the run log (a PEER record, and a LINK record per measured link)."""
         self.peer.update(status)
+        self.record(
+            RecordKind.PEER,
+            rounds_completed=status.rounds_completed,
+            rounds_failed=status.rounds_failed,
+            live=list(status.live or status.ring),
+            view_id=status.view_id,
+        )
         for s in status.links:
             if s.goodput_Bps > 0:
                 self.record(RecordKind.LINK, peer=s.peer, goodput_Bps=s.goodput_Bps, rtt_s=s.rtt_s)
