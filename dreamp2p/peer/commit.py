@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from dreamp2p.collective.ring import RoundAborted
-from dreamp2p.messages import Vote
+from dreamp2p.messages import RoundEvidence, Vote
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ MAX_VOTE_ROUNDS = 4096
 # How often a wait for commits re-checks liveness: a member can die without sending anything.
 LIVENESS_RECHECK_S = 0.5
 
-SendVote = Callable[[str, Key, int, bool], Coroutine[Any, Any, None] | None]
+SendVote = Callable[[str, Key, int, bool, RoundEvidence | None], Coroutine[Any, Any, None] | None]
 
 
 class CommitVotes:
@@ -37,6 +37,7 @@ class CommitVotes:
         self._is_alive = is_alive
         self._votes: dict[Key, dict[str, Vote]] = {}
         self._events: dict[Key, asyncio.Event] = {}
+        self._evidence: dict[Key, RoundEvidence] = {}  # what we measured of our part, sent on our votes
 
     def record(self, v: Vote) -> None:
         """Keep a member's vote and wake a wait on its round."""
@@ -48,6 +49,18 @@ class CommitVotes:
         if event is not None:
             event.set()
 
+    def attach(self, key: Key, evidence: RoundEvidence) -> None:
+        """What we measured of our part of round ``key``: our votes on it carry it (see `peer.straggler`)."""
+        self._evidence[key] = evidence
+
+    def evidence(self, key: Key) -> RoundEvidence:
+        """What we attached to round ``key`` (nothing measured if we attached nothing)."""
+        return self._evidence.get(key, RoundEvidence())
+
+    def votes(self, key: Key) -> dict[str, Vote]:
+        """The members' votes on round ``key`` received so far (a copy)."""
+        return dict(self._votes.get(key, {}))
+
     def failed_before(self, key: Key, members: Sequence[str]) -> str | None:
         """A member of ``members`` that already voted the round failed (before it opened here), if any."""
         for v in self._votes.get(key, {}).values():
@@ -58,7 +71,7 @@ class CommitVotes:
     def announce(self, key: Key, vid: int, others: Sequence[str], *, commit: bool) -> None:
         """Send our vote to every other member without waiting (failures surface through liveness)."""
         for node in others:
-            coro = self._send(node, key, vid, commit)
+            coro = self._send(node, key, vid, commit, self._evidence.get(key))
             if coro is not None:
                 asyncio.ensure_future(coro).add_done_callback(_quiet)
 
@@ -93,6 +106,7 @@ class CommitVotes:
     def forget(self, key: Key) -> None:
         self._votes.pop(key, None)
         self._events.pop(key, None)
+        self._evidence.pop(key, None)
 
 
 def _quiet(task: asyncio.Future[None]) -> None:

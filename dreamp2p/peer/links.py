@@ -18,7 +18,7 @@ from typing import Any
 
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import Hello, LinkSnapshot
+from dreamp2p.messages import Hello, LinkSnapshot, RoundEvidence
 from dreamp2p.peer.admission import Admission
 from dreamp2p.peer.probing import probe_forever, probe_once
 from dreamp2p.settings import settings_mismatch
@@ -142,12 +142,14 @@ class RingLinks:
                     )
                 await asyncio.sleep(0.1)
 
-    def send_vote(self, node: str, key: tuple[int, int], vid: int, commit: bool) -> Coroutine[Any, Any, None] | None:
+    def send_vote(
+        self, node: str, key: tuple[int, int], vid: int, commit: bool, evidence: RoundEvidence | None = None
+    ) -> Coroutine[Any, Any, None] | None:
         """Our vote on round ``key`` to ``node`` (None: no link to it; see `peer.commit`)."""
         link = self._links.get(node)
         if link is None:
             return None
-        return link.vote(key[0], key[1], vid, commit, self.config.transport.rpc_deadline_s)
+        return link.vote(key[0], key[1], vid, commit, self.config.transport.rpc_deadline_s, evidence)
 
     def note_received(self, sender: str, nbytes: int) -> None:
         """Count ``nbytes`` received from ``sender`` on its link's statistics (no link: nothing)."""

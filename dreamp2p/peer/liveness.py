@@ -4,7 +4,9 @@ The loop repeats one heartbeat round (`peer.heartbeat`) every ``heartbeat_s`` an
 leaves; a view change is handed to ``on_change`` (the peer fails the rounds that need a member that is
 gone). Callers that learned of a loss first take a member out at once (`mark_unreachable`); a member
 whose stream to us broke is echoed at once (`check`), so a dead one leaves the view without waiting for
-the next pass; a retry waits for one more pass over the members (`next_heartbeat`). Runs on the peer's
+the next pass; a retry waits for one more pass over the members (`next_heartbeat`). A live member
+judged a straggler (`peer.straggler`, from the evidence on a completed round's commit votes) is left out
+of the view until its probation ends; a straggler's own view is itself alone meanwhile. Runs on the peer's
 event loop only.
 """
 
@@ -18,8 +20,10 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
 from dreamp2p.config import TransportConfig
 from dreamp2p.errors import PeerError
+from dreamp2p.messages import RoundEvidence
 from dreamp2p.peer.heartbeat import beat_once
 from dreamp2p.peer.membership import Membership
+from dreamp2p.peer.straggler import StragglerPolicy, StragglerRule
 from dreamp2p.transport.client import Link
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,7 @@ class Liveness:
         self.node_id = node_id
         self.transport = transport
         self.membership: Membership | None = None
+        self.stragglers: StragglerPolicy | None = None
         # live members in ring order; replaced whole on every change, so other threads may read it
         self.view: tuple[str, ...] = ()
         self.view_changes = 0
@@ -54,11 +59,13 @@ class Liveness:
         """A new membership over ``members``, all alive but ``unreachable`` (they count as dead at once)."""
         t = self.transport
         self.membership = Membership(self.node_id, members, misses=t.heartbeat_misses, dead_after_s=t.dead_after_s)
+        rule = StragglerRule(t.straggler_margin, t.straggler_floor_s, t.straggler_strikes, t.straggler_probation_s)
+        self.stragglers = StragglerPolicy(rule, members)
         now = time.monotonic()
         self.membership.start(now)
         for node in unreachable:
             self.membership.missed(node, now, fatal=True)
-        self.view = self.membership.view()
+        self.view = self._compose()
 
     def start_heartbeats(self) -> None:
         """Start the heartbeat loop (once; not without a heartbeat interval)."""
@@ -91,7 +98,8 @@ class Liveness:
             await asyncio.sleep(t.heartbeat_s)
             assert self.membership is not None
             await beat_once(self._links(), self.membership, max(0.5, 2 * t.heartbeat_s), self._reintroduce)
-            self._set_view(self.membership.view())
+            self.refresh()
+            self._set_view(self._compose())
             self.heartbeat_rounds += 1
             done, self._beat = self._beat, asyncio.Event()
             done.set()
@@ -127,14 +135,37 @@ class Liveness:
             if err.grpc_code == "UNAVAILABLE" and self.membership is not None:
                 if self.membership.missed(node, time.monotonic(), fatal=True):
                     log.warning("%s refused a connection after its stream broke: the ring re-forms without it", node)
-                self._set_view(self.membership.view())
+                self._set_view(self._compose())
 
     def mark_unreachable(self, node: str) -> None:
         """Take ``node`` out of the view now, as a refused heartbeat would; a later answer brings it back."""
         if self.membership is None:
             raise RuntimeError("mark_unreachable before connect: there is no membership yet")
         self.membership.missed(node, time.monotonic(), fatal=True)
-        self._set_view(self.membership.view())
+        self._set_view(self._compose())
+
+    def judge(self, evidence: Mapping[str, RoundEvidence]) -> None:
+        """A round completed with ``evidence`` from each of its members: exclude a straggler it shows."""
+        if self.stragglers is not None and self.stragglers.observe(evidence, time.monotonic()):
+            self._set_view(self._compose())
+
+    def refresh(self) -> None:
+        """Let back in the stragglers whose probation ended (before a round opens, and on every heartbeat pass)."""
+        if self.stragglers is not None and self.stragglers.expire(time.monotonic()):
+            self._set_view(self._compose())
+
+    @property
+    def excluded(self) -> frozenset[str]:
+        """Live members left out of the rounds as stragglers now."""
+        return self.stragglers.excluded if self.stragglers is not None else frozenset()
+
+    def _compose(self) -> tuple[str, ...]:
+        """The view: live members in ring order without the stragglers; a straggler's own is itself alone."""
+        assert self.membership is not None
+        out = self.excluded
+        if self.node_id in out:
+            return (self.node_id,)
+        return tuple(m for m in self.membership.view() if m not in out)
 
     def _set_view(self, view: tuple[str, ...]) -> None:
         if view == self.view:

@@ -357,6 +357,7 @@ class Peer:
 
 def status_of(peer: Peer, uptime_s: float) -> PeerStatus:
     """The answer to a Status call: who we are, our links, our counters, the trainer's progress."""
+    stragglers = peer._live.stragglers  # who sits out the rounds as a straggler (see peer.straggler)
     return PeerStatus(
         node_id=peer.config.node_id,
         cluster_id=peer.config.cluster_id,
@@ -374,4 +375,7 @@ def status_of(peer: Peer, uptime_s: float) -> PeerStatus:
         contributions_refused=peer.contributions_refused,
         live=peer.view,
         view_id=view_id(peer.view) if peer.view else 0,
+        excluded=tuple(p.node_id for p in peer.ring if stragglers is not None and p.node_id in stragglers.excluded),
+        straggler_evictions=stragglers.evictions if stragglers is not None else 0,
+        straggler_returns=stragglers.returns if stragglers is not None else 0,
     )

@@ -29,7 +29,7 @@ from dreamp2p.collective.ring import RingRound, RoundAborted, RoundSpec
 from dreamp2p.compression import Codec, ZstdStage, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.errors import PeerError, RoundFailed, Status
-from dreamp2p.messages import DType, RingCodecPlan, RoundResult
+from dreamp2p.messages import DType, RingCodecPlan, RoundEvidence, RoundResult
 from dreamp2p.peer.commit import CommitVotes
 from dreamp2p.peer.guard import ContributionGuard
 from dreamp2p.peer.links import RingLinks
@@ -117,6 +117,7 @@ class RoundRunner:
         retries = self.config.transport.round_retries
         for attempt in range(retries + 1):
             gid = group_id if attempt == 0 else group_id | RETRY_GROUP_BIT
+            self._live.refresh()  # a straggler whose probation ended takes part from this round on
             view = self._live.view
             try:
                 return await self._allreduce_once(
@@ -264,7 +265,11 @@ class RoundRunner:
         key = rnd.spec.key
         try:
             await _run(rnd, stream, limit)
+            self._commits.attach(key, self._evidence(rnd, others, t0))
             await self._commits.agree(key, vid, others, limit - (time.perf_counter() - t0))
+            votes = self._commits.votes(key)
+            evidence = {n: votes[n].evidence for n in others if n in votes}
+            evidence[self.config.node_id] = self._commits.evidence(key)
         except (PeerError, TimeoutError, RoundAborted) as exc:
             rnd.fail(str(exc))
             self.failed += 1
@@ -280,6 +285,16 @@ class RoundRunner:
         finally:
             self._rounds.close(key)
             self._commits.forget(key)
+        # every member of the round holds the same evidence now (all-or-none), so judges it alike
+        self._live.judge(evidence)
+
+    def _evidence(self, rnd: RingRound, others: Sequence[str], t0: float) -> RoundEvidence:
+        """What we measured of our part of ``rnd``: bytes sent, our link's rate to our successor, seconds."""
+        rate = 0.0
+        if others:
+            stats = self._links.link(others[rnd.spec.rank % len(others)]).stats
+            rate = stats.goodput_Bps if stats.samples and math.isfinite(stats.goodput_Bps) else 0.0
+        return RoundEvidence(rnd.bytes_sent, rate, time.perf_counter() - t0)
 
 
 async def _run(rnd: RingRound, out: OutboundStream | None, timeout: float) -> None:

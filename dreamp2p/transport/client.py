@@ -20,7 +20,7 @@ from grpc import aio
 
 from dreamp2p.config import PeerInfo, TLSConfig, TransportConfig
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import Frame, Hello, PeerStatus
+from dreamp2p.messages import Frame, Hello, PeerStatus, RoundEvidence
 from dreamp2p.statemeta import StateManifest, StateRange
 from dreamp2p.transport import serde
 from dreamp2p.transport.auth import token_metadata
@@ -120,13 +120,16 @@ class Link:
             raise rpc_error(exc) from None
         return serde.status_from_proto(reply)
 
-    async def vote(self, group_id: int, round_id: int, view_id: int, commit: bool, timeout: float) -> None:
-        """Tell this member how our part of a round ended (all-or-none application, see Peer)."""
+    async def vote(
+        self, group_id: int, round_id: int, view_id: int, commit: bool, timeout: float, ev: RoundEvidence | None = None
+    ) -> None:
+        """Tell this member how our part of a round ended (all-or-none application, see Peer), with what we
+        measured of our part (``ev``, for straggler detection)."""
         if self.delay_s:  # the emulated link delays the vote like any other message
             await asyncio.sleep(self.delay_s)
         try:
             await self._stubs[0].Vote(
-                serde.vote_request(self.me, group_id, round_id, view_id, commit),
+                serde.vote_request(self.me, group_id, round_id, view_id, commit, ev),
                 timeout=max(0.05, timeout),
                 metadata=self._metadata,
             )

@@ -8,12 +8,23 @@ copy, in `transport.wireformat`.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import grpc
 
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import DType, Frame, Hello, LinkSnapshot, PeerStatus, Phase, TrainingInfo, Vote
+from dreamp2p.messages import (
+    DType,
+    Frame,
+    Hello,
+    LinkSnapshot,
+    PeerStatus,
+    Phase,
+    RoundEvidence,
+    TrainingInfo,
+    Vote,
+)
 from dreamp2p.statemeta import (
     MAX_RANGE_BYTES,
     MAX_SKELETON_BYTES,
@@ -267,6 +278,9 @@ def status_to_proto(s: PeerStatus) -> pb.StatusResponse:
         contributions_refused=s.contributions_refused,
         live=list(s.live),
         view_id=s.view_id,
+        excluded=list(s.excluded),
+        straggler_evictions=s.straggler_evictions,
+        straggler_returns=s.straggler_returns,
     )
 
 
@@ -301,6 +315,9 @@ def status_from_proto(m: pb.StatusResponse) -> PeerStatus:
         contributions_refused=m.contributions_refused,
         live=tuple(m.live),
         view_id=m.view_id,
+        excluded=tuple(m.excluded),
+        straggler_evictions=m.straggler_evictions,
+        straggler_returns=m.straggler_returns,
     )
 
 
@@ -312,8 +329,20 @@ def probe_response(nonce: int, received: int, reply_bytes: int) -> pb.ProbeRespo
     return pb.ProbeResponse(nonce=nonce, received_bytes=received, burst=bytes(reply_bytes))
 
 
-def vote_request(sender: str, group_id: int, round_id: int, view_id: int, commit: bool) -> pb.VoteRequest:
-    return pb.VoteRequest(sender=sender, group_id=group_id, round_id=round_id, view_id=view_id, commit=commit)
+def vote_request(
+    sender: str, group_id: int, round_id: int, view_id: int, commit: bool, evidence: RoundEvidence | None = None
+) -> pb.VoteRequest:
+    e = evidence or RoundEvidence()
+    return pb.VoteRequest(
+        sender=sender,
+        group_id=group_id,
+        round_id=round_id,
+        view_id=view_id,
+        commit=commit,
+        sent_bytes=e.sent_bytes,
+        link_bytes_per_s=e.link_Bps,
+        part_s=e.part_s,
+    )
 
 
 def vote_from_proto(m: pb.VoteRequest) -> Vote:
@@ -321,7 +350,13 @@ def vote_from_proto(m: pb.VoteRequest) -> Vote:
         raise PeerError(Status.BAD_FRAME, "vote without a sender")
     if m.round_id == 0:
         raise PeerError(Status.BAD_FRAME, "vote for round 0")
-    return Vote(m.sender, m.group_id, m.round_id, m.view_id, m.commit)
+    # a member's own measurements: anything not a finite, non-negative number counts as not measured
+    evidence = RoundEvidence(m.sent_bytes, _measured(m.link_bytes_per_s), _measured(m.part_s))
+    return Vote(m.sender, m.group_id, m.round_id, m.view_id, m.commit, evidence)
+
+
+def _measured(x: float) -> float:
+    return x if math.isfinite(x) and x >= 0 else 0.0
 
 
 def push_ack(frames: int, payload_bytes: int) -> pb.PushAck:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import DType, Frame, Phase
+from dreamp2p.messages import DType, Frame, PeerStatus, Phase, RoundEvidence
 from dreamp2p.transport import serde
 from dreamp2p.v1 import peer_pb2 as pb
 
@@ -126,3 +126,41 @@ def test_a_failed_call_carries_its_grpc_code_and_status_as_fields(
 
     err = rpc_error(aio.AioRpcError(code, aio.Metadata(), aio.Metadata(), details=details))
     assert err.grpc_code == code.name and err.status == status
+
+
+@pytest.mark.parametrize(
+    ("sent", "rate", "part", "expect"),
+    [
+        (1000, 2.5e6, 0.75, RoundEvidence(1000, 2.5e6, 0.75)),
+        (0, 0.0, 0.0, RoundEvidence()),
+        # a member's own measurements: anything not finite and non-negative counts as not measured
+        (10, float("nan"), float("inf"), RoundEvidence(10, 0.0, 0.0)),
+        (10, -1.0, -0.5, RoundEvidence(10, 0.0, 0.0)),
+    ],
+)
+def test_vote_carries_the_senders_evidence(sent: int, rate: float, part: float, expect: RoundEvidence) -> None:
+    req = serde.vote_request("p1", 3, 7, 42, True, RoundEvidence(sent, rate, part))
+    v = serde.vote_from_proto(pb.VoteRequest.FromString(req.SerializeToString()))
+    assert (v.sender, v.group_id, v.round_id, v.view_id, v.commit) == ("p1", 3, 7, 42, True)
+    assert v.evidence == expect
+
+
+def test_vote_without_evidence_and_status_straggler_fields_round_trip() -> None:
+    v = serde.vote_from_proto(serde.vote_request("p1", 0, 1, 0, False))
+    assert v.evidence == RoundEvidence()
+    st = PeerStatus(
+        node_id="p0",
+        cluster_id="c",
+        protocol_version=2,
+        ring=("p0", "p1", "p2"),
+        links=(),
+        rounds_completed=1,
+        rounds_failed=0,
+        frames_rejected=0,
+        live=("p0", "p1"),
+        excluded=("p2",),
+        straggler_evictions=3,
+        straggler_returns=2,
+    )
+    back = serde.status_from_proto(pb.StatusResponse.FromString(serde.status_to_proto(st).SerializeToString()))
+    assert (back.excluded, back.straggler_evictions, back.straggler_returns) == (("p2",), 3, 2)
