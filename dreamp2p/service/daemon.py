@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -29,7 +30,16 @@ from dreamp2p.manifest import manifest_hash, param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.checkpoint import agree_resume_step, checkpoint_step, list_checkpoints, load_step, save_checkpoint
 from dreamp2p.service.metrics import NodeMetrics, RecordKind
+from dreamp2p.service.region import (
+    data_parallel,
+    data_position,
+    rank_daemon_config,
+    rank_device,
+    start_region,
+    torchrun_place,
+)
 from dreamp2p.service.tasks import make_task
+from dreamp2p.sync.shards import rank_node_id
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +92,18 @@ def run_node(
     ring_ids = [p.node_id for p in node_cfg.ring] or [node_cfg.node_id]
     rank, world = ring_ids.index(node_cfg.node_id), len(ring_ids)
     device = _device(cfg.device)
+    place = torchrun_place(os.environ)
+    if place is not None:  # one local rank of a region (torchrun), see dreamp2p.service.region
+        cfg, device = rank_daemon_config(cfg, place, resume, join), rank_device(device, place)
+        start_region(device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    task = make_task(cfg.task, rank, world, device)
+    task = make_task(cfg.task, *data_position(rank, world, place), device)
     model = task.model()
     node_cfg = dataclasses.replace(node_cfg, manifest_hash=manifest_hash(model.state_dict().items()))
-    metrics = NodeMetrics(node_cfg.node_id, cfg.metrics.run_dir)
+    model = data_parallel(model, device) if place is not None else model
+    who = rank_node_id(node_cfg.node_id, place.rank) if place is not None else node_cfg.node_id
+    metrics = NodeMetrics(who, cfg.metrics.run_dir)
     metrics.record(
         RecordKind.START, device=device, params=sum(p.numel() for p in model.parameters()), resume=resume, join=join
     )
