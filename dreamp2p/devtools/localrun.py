@@ -78,14 +78,19 @@ def write_configs(
     threads: int = 1,
     token: str | None = "local-demo-token",
     device: str = "cpu",
+    hosts: list[str] | None = None,
+    log_every: int = 1,
 ) -> list[Path]:
-    """One TOML per node, all on 127.0.0.1, sharing a ring; returns their paths."""
+    """One TOML per node sharing a ring, on 127.0.0.1 or on ``hosts`` (an address per node); their paths.
+
+    With ``hosts`` (addresses inside network namespaces) clear text is allowed on the ring.
+    """
     if not 1 <= nodes <= len(NAMES):
         raise ValueError(f"nodes must be in 1..{len(NAMES)}, got {nodes}")
     run_dir.mkdir(parents=True, exist_ok=True)
     ports = free_ports(2 * nodes)
     names = NAMES[:nodes]
-    ring = [{"node_id": n, "address": f"127.0.0.1:{ports[i]}"} for i, n in enumerate(names)]
+    ring = [{"node_id": n, "address": f"{(hosts or ['127.0.0.1'] * nodes)[i]}:{ports[i]}"} for i, n in enumerate(names)]
     transport: dict[str, Any] = {"delay_s": delay_s, "probe_interval_s": 2.0, "round_timeout_s": 120.0}
     if rate_Bps:
         transport["rate_limit"] = rate_Bps
@@ -94,13 +99,19 @@ def write_configs(
         node: dict[str, Any] = {"node_id": name, "cluster_id": "local-demo", "listen": ring[i]["address"], "ring": ring}
         if token:
             node["token"] = token
+        if hosts:
+            node["allow_insecure"] = True
         tables = {
             "node": node,
             "node.transport": transport,
             "sync": sync,
             "task": task,
             "checkpoint": {"dir": str(run_dir / name / "checkpoints"), "every_steps": checkpoint_every, "keep": 2},
-            "metrics": {"run_dir": str(run_dir), **({"listen": f"127.0.0.1:{ports[nodes + i]}"} if metrics else {})},
+            "metrics": {
+                "run_dir": str(run_dir),
+                "log_every": log_every,
+                **({"listen": f"127.0.0.1:{ports[nodes + i]}"} if metrics else {}),
+            },
         }
         path = run_dir / f"{name}.toml"
         path.write_text(dump_toml(tables, {"device": device, "threads": threads}))
@@ -136,13 +147,30 @@ def node_log(config: Path, log_dir: Path | None = None) -> Path:
 
 
 def start_node(
-    config: Path, resume: bool = False, log_dir: Path | None = None, stop_at_file: Path | None = None
+    config: Path,
+    resume: bool = False,
+    log_dir: Path | None = None,
+    stop_at_file: Path | None = None,
+    *,
+    join: bool = False,
+    quiet_steps: int = 0,
+    netns: str | None = None,
 ) -> subprocess.Popen[bytes]:
+    """Start ``dreamp2p node`` on ``config`` (its flags as named), in network namespace ``netns`` if given.
+
+    ``ip netns exec`` replaces itself with the daemon, so the process returned is the daemon's either way.
+    """
     args = python_command("-m", "dreamp2p.cli", "node", "--config", str(config))
     if resume:
         args.append("--resume")
+    if join:
+        args.append("--join")
     if stop_at_file is not None:
         args += ["--stop-at-file", str(stop_at_file)]
+    if quiet_steps:
+        args += ["--quiet-steps", str(quiet_steps)]
+    if netns is not None:
+        args = ["ip", "netns", "exec", netns, *args]
     out = open(node_log(config, log_dir), "ab")  # noqa: SIM115 - handed to the child process
     try:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
