@@ -14,13 +14,15 @@ from collections.abc import Callable
 from typing import Any
 
 from dreamp2p.cli import check_delay
-from dreamp2p.cliargs import int_at_least, open_fraction
+from dreamp2p.cliargs import int_at_least, open_fraction, positive_float
 
 # Per-benchmark defaults of the flags the benchmarks share (None on the command line: not given).
 BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "strategies": {"steps": 150, "period": 10, "width": 512, "depth": 4, "rtt": "20ms", "rate": "100mbit"},
     "lm": {"steps": 200, "period": 20, "width": 256, "depth": 4, "rtt": "0ms", "rate": "20mbit"},
     "plancheck": {"steps": 100, "period": 20, "width": 256, "depth": 4, "rtt": "0ms", "rate": "20mbit"},
+    # steps: unused (the run is timed); width/depth: the daemons' LM dim and blocks
+    "chaos": {"steps": 1, "period": 5, "width": 64, "depth": 2, "rtt": "4ms", "rate": "50mbit"},
 }
 FALLBACK_DEFAULTS: dict[str, Any] = {
     "steps": 150,
@@ -38,6 +40,11 @@ def _bench_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         if getattr(args, key) is None:
             setattr(args, key, value)
     check_delay(parser, args)
+    if args.what == "chaos":
+        if not 0 <= args.down[0] <= args.down[1]:
+            parser.error(f"argument --down: need 0 <= MIN <= MAX, got {args.down[0]:g} {args.down[1]:g}")
+        if args.peers is not None and not args.max_down < args.peers <= 8:
+            parser.error(f"argument --peers: chaos needs more than --max-down ({args.max_down}) and at most 8")
 
 
 def _demo_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -165,6 +172,38 @@ def _bench_digits(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _bench_chaos(args: argparse.Namespace) -> dict[str, Any]:
+    from dreamp2p.devtools.bench.chaos import ChaosRun, bench_chaos
+    from dreamp2p.devtools.bench.chaosplan import ChaosTiming
+    from dreamp2p.devtools.localrun import NAMES
+
+    timing = ChaosTiming(
+        kill_every_s=args.kill_every,
+        down_min_s=args.down[0],
+        down_max_s=args.down[1],
+        max_down=args.max_down,
+        protected=frozenset({NAMES[0]}),
+    )
+    return bench_chaos(
+        ChaosRun(
+            minutes=args.minutes,
+            nodes=args.peers or 5,
+            timing=timing,
+            flaps=not args.no_flaps,
+            flap_every_s=args.flap_every,
+            flap_down_s=args.flap_down,
+            rate=args.rate,
+            rtt=args.rtt,
+            period=args.period,
+            max_delay=args.max_delay,
+            dim=args.width,
+            layers=args.depth,
+            seed=args.seed,
+            run_dir=args.run_dir,
+        )
+    )
+
+
 _BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "codec": _bench_codec,
     "transport": _bench_transport,
@@ -174,6 +213,7 @@ _BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "lm": _bench_lm,
     "plancheck": _bench_plancheck,
     "digits": _bench_digits,
+    "chaos": _bench_chaos,
 }
 
 
@@ -201,19 +241,24 @@ def _demo(args: argparse.Namespace) -> int:
 def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
     b.add_argument(
-        "what", choices=["codec", "transport", "allreduce", "strategies", "soak", "digits", "lm", "plancheck"]
+        "what",
+        choices=["codec", "transport", "allreduce", "strategies", "soak", "digits", "lm", "plancheck", "chaos"],
     )
     b.add_argument("--json", action="store_true", help="print only the JSON result line")
     b.add_argument("--mbytes", type=float, default=None, help="buffer size in MB (default 64)")
     b.add_argument("--repeats", type=int, default=3, help="measured repetitions (median)")
     b.add_argument("--codecs", nargs="+", default=None, help="codecs to measure (default: all)")
-    b.add_argument("--peers", type=int, default=None, help="peer processes (allreduce, soak: 4; digits: 3)")
+    b.add_argument(
+        "--peers", type=int, default=None, help="peer processes (allreduce, soak: 4; digits: 3; chaos: 5 daemons)"
+    )
     b.add_argument("--seconds", type=float, default=6.0, help="transport: measuring time")
     b.add_argument("--streams", type=int, default=2, help="parallel streams (TCP connections) per link")
     b.add_argument("--netns", action="store_true", help="transport: run across two tbf-shaped namespaces (root)")
     b.add_argument("--rate", default=None, help="link rate, e.g. 20mbit (transport --netns: 100mbit; lm: 20mbit)")
     b.add_argument("--regions", type=int_at_least(1), default=2, help="lm: regions (one process each)")
-    b.add_argument("--minutes", type=float, default=10.0, help="soak: how long to run")
+    b.add_argument(
+        "--minutes", type=float, default=10.0, help="soak: how long to run; chaos: each of its two timed phases"
+    )
     b.add_argument(
         "--strategies",
         nargs="+",
@@ -237,6 +282,7 @@ def add_bench_parser(sub: Any) -> None:
         "--device", default="cpu", choices=["cpu", "cuda"], help="strategies: where the trainers run (both peers)"
     )
     _add_plancheck_parser(b)
+    _add_chaos_parser(b)
     b.set_defaults(func=_bench, check=functools.partial(_bench_check, b))
 
 
@@ -252,6 +298,26 @@ def _add_plancheck_parser(b: argparse.ArgumentParser) -> None:
     g.add_argument("--target-cu", type=open_fraction, default=None, help="check plan --target-cu's recommendation")
     g.add_argument("--out", default=None, help="append each finished point to this JSON-lines file")
     g.add_argument("--reports", nargs="+", default=None, help="saved bench lm reports to compare instead of running")
+
+
+def _add_chaos_parser(b: argparse.ArgumentParser) -> None:
+    """`bench chaos`'s own flags: how often members die, for how long, and the link flaps."""
+    g = b.add_argument_group("chaos (node daemons killed, restarted with --join, link flaps as root)")
+    g.add_argument("--kill-every", type=positive_float, default=20.0, help="mean seconds between kills (20)")
+    g.add_argument(
+        "--down",
+        nargs=2,
+        type=float,
+        default=[2.0, 20.0],
+        metavar=("MIN", "MAX"),
+        help="a killed daemon restarts after a random MIN..MAX seconds (2 20)",
+    )
+    g.add_argument("--max-down", type=int_at_least(1), default=2, help="never more members down at once (2)")
+    g.add_argument("--flap-every", type=positive_float, default=180.0, help="seconds between link flaps (180)")
+    g.add_argument("--flap-down", type=positive_float, default=10.0, help="seconds each flap keeps the link down")
+    g.add_argument("--no-flaps", action="store_true", help="no link flaps even as root")
+    g.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
+    g.add_argument("--run-dir", default=None, help="keep the daemons' folder here (default: a temporary one)")
 
 
 def add_demo_parser(sub: Any) -> None:
