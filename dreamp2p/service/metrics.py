@@ -97,15 +97,31 @@ class PeerStatusCollector(Collector):
                 "Rounds this node took part in without its values (non-finite, or a norm jump)",
                 s.contributions_refused,
             ),
+            (
+                "dreamp2p_straggler_evictions",
+                "Times a live member was left out of the rounds as a straggler (see peer.straggler)",
+                s.straggler_evictions,
+            ),
+            (
+                "dreamp2p_straggler_returns",
+                "Times a member left out as a straggler took part in the rounds again after its probation",
+                s.straggler_returns,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield from _link_families(s.links)
         # before the first membership view the rounds run among the whole ring, so every member counts
         live = set(s.live) if s.live else set(s.ring)
         up = GaugeMetricFamily("dreamp2p_peer_up", "1 while the ring member is counted alive, else 0", labels=["peer"])
+        out = GaugeMetricFamily(
+            "dreamp2p_peer_excluded", "1 while the live member sits out the rounds as a straggler", labels=["peer"]
+        )
         for member in s.ring:
-            up.add_metric([member], 1.0 if member in live else 0.0)
+            # a straggler is alive but not in the rounds' view (its own view is itself alone)
+            up.add_metric([member], 1.0 if member in live or member in s.excluded else 0.0)
+            out.add_metric([member], 1.0 if member in s.excluded else 0.0)
         yield up
+        yield out
         yield GaugeMetricFamily("dreamp2p_live_members", "Ring members counted alive now", value=len(live))
 
 

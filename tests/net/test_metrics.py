@@ -6,6 +6,7 @@ what the daemon feeds it: each step's `StepStats` and the peer's `PeerStatus`.
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.request
 from collections.abc import Iterator
 
@@ -102,3 +103,21 @@ def test_before_the_first_view_every_ring_member_counts_as_up(metrics: NodeMetri
     metrics.peer_status(status(rounds=1))
     _, s = scrape(port)
     assert [s[f"dreamp2p_peer_up{{peer={p}}}"] for p in RING] == [1.0, 1.0, 1.0]
+
+
+def test_a_straggler_counts_as_up_and_excluded(metrics: NodeMetrics) -> None:
+    port = metrics.serve("127.0.0.1:0")
+    st = dataclasses.replace(
+        status(rounds=5, live=("eu-west", "ap-south")),
+        excluded=("us-east",),
+        straggler_evictions=2,
+        straggler_returns=1,
+    )
+    metrics.peer_status(st)
+    _, s = scrape(port)
+    assert s["dreamp2p_straggler_evictions_total"] == 2
+    assert s["dreamp2p_straggler_returns_total"] == 1
+    # alive (it answers heartbeats) but out of the rounds' view
+    assert [s[f"dreamp2p_peer_up{{peer={p}}}"] for p in RING] == [1.0, 1.0, 1.0]
+    assert [s[f"dreamp2p_peer_excluded{{peer={p}}}"] for p in RING] == [0.0, 1.0, 0.0]
+    assert s["dreamp2p_live_members"] == 2
