@@ -50,8 +50,18 @@ class TransportConfig:
     chunk_max_bytes: int = 4 << 20
     outbound_queue_bytes: int = 32 << 20
     # HTTP/2 streams one client connection may have open on this server at once (grpc.max_concurrent_streams);
-    # further streams wait in the client until one ends. The server runs at most 4x this many calls in all.
+    # further streams wait in the client until one ends.
     max_concurrent_streams: int = 64
+    # calls this server runs at once (see dreamp2p.transport.callcap): all callers together outside the
+    # members' reserved slots, one connection, one member across its connections, and the slots reserved
+    # for each admitted member's own connections; a call beyond a cap is refused at once with OVERSIZE.
+    # Status calls are not counted (they never wait).
+    max_calls: int = 256
+    max_calls_per_connection: int = 32
+    max_calls_per_member: int = 64
+    reserved_calls_per_member: int = 16
+    # a Push stream from a connection that never handshook must send its first frame within this time
+    first_frame_timeout_s: float = 5.0
     # payload bytes of received frames one sender may have waiting here for their round, across all of
     # its streams; a frame beyond it is refused with OVERSIZE. Must exceed max_message_bytes.
     max_buffered_bytes_per_peer: int = 256 << 20
@@ -90,6 +100,10 @@ class TransportConfig:
             "chunk_max_bytes",
             "outbound_queue_bytes",
             "max_concurrent_streams",
+            "max_calls",
+            "max_calls_per_connection",
+            "max_calls_per_member",
+            "first_frame_timeout_s",
             "max_buffered_bytes_per_peer",
             "probe_interval_s",
             "probe_burst_bytes",
@@ -101,6 +115,11 @@ class TransportConfig:
         )
         if self.straggler_margin != 0 and self.straggler_margin < 1:
             raise ValueError(f"transport.straggler_margin must be 0 (off) or >= 1, got {self.straggler_margin}")
+        if not 0 <= self.reserved_calls_per_member <= self.max_calls_per_member:
+            raise ValueError(
+                f"transport.reserved_calls_per_member must be in 0..max_calls_per_member "
+                f"({self.max_calls_per_member}), got {self.reserved_calls_per_member}"
+            )
         if self.round_retries < 0:
             raise ValueError(f"transport.round_retries must be >= 0, got {self.round_retries}")
         if self.heartbeat_s < 0:

@@ -1,6 +1,8 @@
 """Client side of one link: channels to a neighbour, chunk streams with backpressure, probes, stats.
 
-A :class:`Link` owns ``streams_per_link`` channels (separate TCP connections) to one peer. An
+A :class:`Link` owns ``streams_per_link`` channels (separate TCP connections) to one peer, and handshakes
+on each of them (the server counts frames and votes only from a connection that handshook under the id
+they claim, see `transport.callcap`). An
 :class:`OutboundStream` spreads a round's frames over them from one queue, paced by the optional
 token bucket (WAN emulation) and metered for goodput. Every call has a deadline.
 """
@@ -93,11 +95,12 @@ class Link:
         self.hello = hello
         deadline = time.monotonic() + timeout
         delay = 0.05
+        request = serde.hello_to_proto(hello)
         while True:
             left = deadline - time.monotonic()
             try:
                 reply = await self._stubs[0].Handshake(
-                    serde.hello_to_proto(hello),
+                    request,
                     timeout=max(0.1, min(self.cfg.rpc_deadline_s, left)),
                     metadata=self._metadata,
                     wait_for_ready=True,
@@ -109,7 +112,20 @@ class Link:
                     continue
                 raise rpc_error(exc) from None
             self.remote = serde.hello_from_reply(reply)
+            await self._introduce_rest(request, deadline)
             return self.remote
+
+    async def _introduce_rest(self, request: pb.HandshakeRequest, deadline: float) -> None:
+        """The same handshake on every other channel (each its own connection), the member being up now."""
+        timeout = max(0.1, min(self.cfg.rpc_deadline_s, deadline - time.monotonic()))
+        calls = [
+            stub.Handshake(request, timeout=timeout, metadata=self._metadata, wait_for_ready=True)
+            for stub in self._stubs[1:]
+        ]
+        try:
+            await asyncio.gather(*calls)
+        except aio.AioRpcError as exc:
+            raise rpc_error(exc) from None
 
     async def status(self) -> PeerStatus:
         try:
@@ -127,14 +143,20 @@ class Link:
         measured of our part (``ev``, for straggler detection)."""
         if self.delay_s:  # the emulated link delays the vote like any other message
             await asyncio.sleep(self.delay_s)
-        try:
-            await self._stubs[0].Vote(
-                serde.vote_request(self.me, group_id, round_id, view_id, commit, ev),
-                timeout=max(0.05, timeout),
-                metadata=self._metadata,
-            )
-        except aio.AioRpcError as exc:
-            raise rpc_error(exc) from None
+        deadline = time.monotonic() + timeout
+        request = serde.vote_request(self.me, group_id, round_id, view_id, commit, ev)
+        for again in (True, False):
+            try:
+                await self._stubs[0].Vote(
+                    request, timeout=max(0.05, deadline - time.monotonic()), metadata=self._metadata
+                )
+                return
+            except aio.AioRpcError as exc:
+                err = rpc_error(exc)
+            # our connection is new to the member (it reconnected under us): introduce it, then vote again
+            if not (again and err.status == Status.NEEDS_HANDSHAKE and self.hello is not None):
+                raise err
+            await self.handshake(self.hello, max(0.1, deadline - time.monotonic()))
 
     async def heartbeat(self, timeout: float) -> float:
         """A tiny echo with a short deadline (failure detection); returns and records the RTT.

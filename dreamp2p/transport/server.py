@@ -1,25 +1,28 @@
 """Thin gRPC servicer: decode requests with serde, call the peer, map PeerError to a gRPC status.
 
-No protocol logic lives here; see `dreamp2p.peer` for what each call means.
+No protocol logic lives here; see `dreamp2p.peer` for what each call means. Every call but Status first
+takes a slot from the call policy (`transport.callcap`: per connection, per member, members' reserved
+slots), and frames and votes count only from a connection that handshook under the id they claim.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import grpc
 from grpc import aio
 
-from dreamp2p.config import PeerConfig
+from dreamp2p.config import PeerConfig, TransportConfig
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import Frame, Hello, PeerStatus, Vote
 from dreamp2p.statemeta import STREAM_CHUNK_BYTES, StateManifest
 from dreamp2p.transport import serde
 from dreamp2p.transport.auth import TokenAuthInterceptor
 from dreamp2p.transport.budget import SenderBudget
+from dreamp2p.transport.callcap import CallLimits, CallSlots, ConnectionBindings, Ticket
 from dreamp2p.transport.identity import certificate_names, identity_refusal
 from dreamp2p.transport.options import server_credentials, server_options
 from dreamp2p.v1 import peer_pb2 as pb
@@ -81,6 +84,10 @@ class PeerServicer(pb_grpc.PeerServicer):
     def __init__(self, backend: PeerBackend, bind_identity: bool = False) -> None:
         self._b = backend
         self._budget = SenderBudget.for_backend(backend)  # bytes each sender has waiting in Push
+        transport = _transport_of(backend)
+        self.slots = CallSlots(CallLimits.of(transport))  # calls running, per connection and member
+        self.bindings = ConnectionBindings()  # which connections handshook as which member
+        self._first_frame_s = transport.first_frame_timeout_s
         # mutual TLS with binding: every node id a caller claims must be named by its certificate
         self._bind = bind_identity
 
@@ -92,6 +99,27 @@ class PeerServicer(pb_grpc.PeerServicer):
         if err is not None:
             await _abort(context, err)
 
+    async def _slot(self, context: aio.ServicerContext) -> Ticket:
+        """A slot for this call from the call policy, or the call is refused (OVERSIZE) before its handler runs."""
+        connection = context.peer()
+        try:
+            return self.slots.acquire(connection, self.bindings.member_of(connection))
+        except PeerError as err:
+            await _abort(context, err)
+            raise
+
+    def capped(self, handler: Callable[[Any, aio.ServicerContext], Awaitable[Any]]) -> Any:
+        """``handler`` (a unary call) run only with a slot from the call policy."""
+
+        async def run(request: Any, context: aio.ServicerContext) -> Any:
+            ticket = await self._slot(context)
+            try:
+                return await handler(request, context)
+            finally:
+                self.slots.release(ticket)
+
+        return run
+
     async def Handshake(self, request: pb.HandshakeRequest, context: aio.ServicerContext) -> pb.HandshakeResponse:
         await _refuse_undecodable(request, context)
         await self._refuse_impostor(context, request.node_id)
@@ -99,20 +127,50 @@ class PeerServicer(pb_grpc.PeerServicer):
             mine = self._b.admit(serde.hello_from_proto(request))
         except PeerError as err:
             await _abort(context, err)
+        self.bindings.bind(request.node_id, context.peer())  # its frames and votes count from here on
         return serde.hello_reply(mine)
 
     async def Push(self, request_iterator: AsyncIterator[bytes], context: aio.ServicerContext) -> pb.PushAck:
         """Frames arrive as raw serialized DataFrames (see `add_to_server`) and are parsed without copying."""
+        ticket = await self._slot(context)
+        try:
+            messages = request_iterator
+            if ticket.member is None:  # a stranger's stream must speak at once (a member's may wait for data)
+                messages = self._first_in_time(request_iterator, ticket.connection)
+            return await self._push(messages, context, ticket.connection)
+        finally:
+            self.slots.release(ticket)
+
+    async def _first_in_time(self, messages: AsyncIterator[bytes], connection: str) -> AsyncIterator[bytes]:
+        """``messages``, refused (NEEDS_HANDSHAKE) unless the first arrives within ``first_frame_timeout_s``."""
+        it = aiter(messages)
+        try:
+            first = await asyncio.wait_for(_next(it), self._first_frame_s)
+        except TimeoutError:
+            raise PeerError(
+                Status.NEEDS_HANDSHAKE,
+                f"connection {connection} has not handshaken and sent no frame within {self._first_frame_s:g} s "
+                "(transport.first_frame_timeout_s)",
+            ) from None
+        if first is None:
+            return
+        yield first
+        async for message in it:
+            yield message
+
+    async def _push(self, messages: AsyncIterator[bytes], context: aio.ServicerContext, connection: str) -> pb.PushAck:
         frames = 0
         nbytes = 0
         sender = ""
         keys: set[tuple[int, int]] = set()  # rounds this stream carried: only they fail if it breaks
         names = self._names(context)
         try:
-            async for message in request_iterator:
+            async for message in messages:
                 frame = serde.frame_from_wire(message, self._b.max_payload)
                 if (impostor := identity_refusal(names, frame.sender)) is not None:
                     raise impostor
+                if (unbound := self.bindings.refusal(frame.sender, connection, "a frame")) is not None:
+                    raise unbound
                 sender = frame.sender
                 # a frame ahead of its round waits in accept_frame: bounded per sender across its streams
                 with self._budget.holding(sender, len(frame.payload)):
@@ -144,6 +202,10 @@ class PeerServicer(pb_grpc.PeerServicer):
     async def Vote(self, request: pb.VoteRequest, context: aio.ServicerContext) -> pb.VoteReply:
         await _refuse_undecodable(request, context)
         await self._refuse_impostor(context, request.sender)
+        # a vote counts only from a connection that handshook as its sender: no forged "failed" votes
+        unbound = self.bindings.refusal(request.sender, context.peer(), "a vote")
+        if unbound is not None:
+            await _abort(context, unbound)
         try:
             self._b.vote(serde.vote_from_proto(request))
         except PeerError as err:
@@ -167,6 +229,14 @@ class PeerServicer(pb_grpc.PeerServicer):
 
     async def FetchState(self, request: pb.StateChunkRequest, context: aio.ServicerContext) -> AsyncIterator[bytes]:
         """Stream one byte range of one snapshot tensor as pre-serialized StateChunks (see `add_to_server`)."""
+        ticket = await self._slot(context)
+        try:
+            async for piece in self._fetch_state(request, context):
+                yield piece
+        finally:
+            self.slots.release(ticket)
+
+    async def _fetch_state(self, request: pb.StateChunkRequest, context: aio.ServicerContext) -> AsyncIterator[bytes]:
         await _refuse_undecodable(request, context)
         await self._refuse_impostor(context, request.sender)
         try:
@@ -193,6 +263,20 @@ class PeerServicer(pb_grpc.PeerServicer):
             # answered at once, so a joiner turns to the members that have a state instead of waiting
             raise PeerError(Status.JOINING, "joining itself: no training state to give yet")
         return b, donor
+
+
+def _transport_of(backend: object) -> TransportConfig:
+    """``backend.config.transport`` (a PeerConfig's, as `dreamp2p.peer.Peer` has), else the defaults."""
+    cfg = getattr(backend, "config", None)
+    return cfg.transport if isinstance(cfg, PeerConfig) else TransportConfig()
+
+
+async def _next(it: AsyncIterator[bytes]) -> bytes | None:
+    """The next message, None at the end (StopAsyncIteration does not cross a task boundary well)."""
+    try:
+        return await anext(it)
+    except StopAsyncIteration:
+        return None
 
 
 class _Undecodable:
@@ -223,10 +307,15 @@ async def _abort(context: aio.ServicerContext, err: PeerError) -> None:
 
 
 def add_to_server(servicer: PeerServicer, server: aio.Server) -> None:
-    """Register the Peer service like the generated helper; Push gets raw bytes, FetchState yields them."""
+    """Register the Peer service like the generated helper; Push gets raw bytes, FetchState yields them.
+
+    Every call but Status runs under the call policy (`PeerServicer.capped`; Push and FetchState take
+    their slot themselves): Status never waits, so an operator and the members can always ask it.
+    """
+    capped = servicer.capped
     handlers = {
         "Handshake": grpc.unary_unary_rpc_method_handler(
-            servicer.Handshake,
+            capped(servicer.Handshake),
             request_deserializer=_decoder(pb.HandshakeRequest),
             response_serializer=pb.HandshakeResponse.SerializeToString,
         ),
@@ -234,7 +323,7 @@ def add_to_server(servicer: PeerServicer, server: aio.Server) -> None:
             servicer.Push, request_deserializer=None, response_serializer=pb.PushAck.SerializeToString
         ),
         "Probe": grpc.unary_unary_rpc_method_handler(
-            servicer.Probe,
+            capped(servicer.Probe),
             request_deserializer=_decoder(pb.ProbeRequest),
             response_serializer=pb.ProbeResponse.SerializeToString,
         ),
@@ -244,12 +333,12 @@ def add_to_server(servicer: PeerServicer, server: aio.Server) -> None:
             response_serializer=pb.StatusResponse.SerializeToString,
         ),
         "Vote": grpc.unary_unary_rpc_method_handler(
-            servicer.Vote,
+            capped(servicer.Vote),
             request_deserializer=_decoder(pb.VoteRequest),
             response_serializer=pb.VoteReply.SerializeToString,
         ),
         "GetStateManifest": grpc.unary_unary_rpc_method_handler(
-            servicer.GetStateManifest,
+            capped(servicer.GetStateManifest),
             request_deserializer=_decoder(pb.StateManifestRequest),
             response_serializer=pb.StateManifest.SerializeToString,
         ),
@@ -267,7 +356,9 @@ def build_server(config: PeerConfig, backend: PeerBackend) -> tuple[aio.Server, 
     server = aio.server(
         options=server_options(config.transport),
         interceptors=interceptors,
-        maximum_concurrent_rpcs=config.transport.max_concurrent_streams * 4,
+        # no gRPC-wide cap: it would refuse a member's calls once strangers held every slot; the servicer's
+        # call policy caps calls per connection, per member and in all, and keeps slots for each member
+        maximum_concurrent_rpcs=None,
     )
     tls = config.tls
     add_to_server(PeerServicer(backend, bind_identity=tls is not None and tls.mutual and tls.bind_identity), server)
