@@ -14,10 +14,21 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from dreamp2p import __version__
-from dreamp2p.cliargs import address_with_port, int_at_least, nonneg_float, open_fraction, positive_float
+from dreamp2p.cliargs import (
+    address_with_port,
+    duration,
+    int_at_least,
+    link_rate,
+    nonneg_float,
+    open_fraction,
+    positive_float,
+)
+from dreamp2p.clistatus import add_status_parser
+from dreamp2p.config.codecs import CODEC_NAMES
+from dreamp2p.config.daemon import LOG_FORMATS
 from dreamp2p.errors import PeerError
 from dreamp2p.messages import PROTOCOL_VERSION
 
@@ -25,6 +36,9 @@ log = logging.getLogger(__name__)
 
 # exit status of a process killed by SIGPIPE (128 + 13), what `yes | head -1` reports for `yes`
 EXIT_BROKEN_PIPE = 141
+# the services a node's health listener answers for (transport.health, held equal by a test; not imported
+# here, so that the console script starts without loading gRPC)
+HEALTH_SERVICES = ("", "dreamp2p.v1.Peer")
 
 
 def check_delay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -64,56 +78,19 @@ def _plan_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         check_delay(parser, args)
 
 
-def _status(args: argparse.Namespace) -> int:
-    from dreamp2p.config import PeerInfo, TLSConfig, TransportConfig
-    from dreamp2p.transport.client import Link
-
-    tls = None
-    if args.ca or args.cert:
-        tls = TLSConfig(
-            cert_file=args.cert or "",
-            key_file=args.key or "",
-            ca_file=args.ca,
-            mutual=bool(args.cert),
-            server_name_override=args.server_name,
-        )
-
-    async def fetch() -> Any:
-        link = Link("status-cli", PeerInfo("?", args.address), TransportConfig(streams_per_link=1), tls, args.token)
-        try:
-            return await link.status()
-        finally:
-            await link.close()
-
-    st = asyncio.run(fetch())
-    print(f"node {st.node_id}  cluster {st.cluster_id}  protocol v{st.protocol_version}  up {st.uptime_s:.0f}s")
-    print(f"ring: {' -> '.join(st.ring) or '(none)'}")
-    print(f"rounds: {st.rounds_completed} completed, {st.rounds_failed} failed; frames rejected: {st.frames_rejected}")
-    if st.training is not None:
-        tr = st.training
-        print(f"training: {tr.strategy} at step {tr.step}; plan v{tr.plan_version} since step {tr.plan_effective_step}")
-        for line in tr.plan_summary.splitlines():
-            print(f"  {line}")
-    for link in st.links:
-        print(
-            f"  link -> {link.peer:<12} rtt {link.rtt_s * 1e3:7.2f} ms"
-            f"  goodput {link.goodput_Bps * 8 / 1e6:9.1f} Mbit/s"
-            f"  sent {link.bytes_sent / 1e6:9.1f} MB  recv {link.bytes_received / 1e6:9.1f} MB"
-            f"  chunk {link.chunk_bytes}"
-        )
-    return 0
-
-
 def _node(args: argparse.Namespace) -> int:
     from dreamp2p.config import DaemonConfig
-    from dreamp2p.service.daemon import JsonFormatter, StopFlag, run_node
+    from dreamp2p.service.daemon import StopFlag, run_node
+    from dreamp2p.service.logsetup import configure_logging
 
     cfg = DaemonConfig.from_toml(args.config)
+    # a node logs at INFO (progress lines, lifecycle events) unless -vv asks for DEBUG
+    log_format = args.log_format or ("json" if cfg.metrics.json_format else "text")
+    level = logging.DEBUG if args.verbose >= 2 else logging.INFO
+    configure_logging(level, log_format, cfg.node.node_id, cfg.node.cluster_id)
+    args.log_errors = True  # from here on an error goes to the node's log, with its traceback
     # a fatal signal (a native abort or crash) leaves every thread's Python stack in the node's log
     faulthandler.enable()
-    if cfg.metrics.json_logs:
-        for handler in logging.getLogger().handlers:
-            handler.setFormatter(JsonFormatter())
     stop = StopFlag()
     stop.install()
     summary = run_node(
@@ -123,10 +100,22 @@ def _node(args: argparse.Namespace) -> int:
     # The run is over and saved (checkpoint, metrics, summary): leave without interpreter teardown, so
     # that third-party daemon threads still alive then (gRPC's aio poller, torch's pools) cannot turn a
     # clean run into a crash at exit (CI once saw a node exit -6 at the end of a run; cause not found).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(0)
+    exit_now(0)
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    from dreamp2p.config import check_file
+
+    errors = check_file(args.file)
+    if args.json:
+        print(json.dumps({"file": str(args.file), "ok": not errors, "errors": errors}))
+    elif errors:
+        for error in errors:
+            print(f"{args.file}: {error}")
+        print(f"{args.file}: {len(errors)} error{'s' if len(errors) > 1 else ''}")
+    else:
+        print(f"{args.file}: ok")
+    return 1 if errors else 0
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -206,12 +195,11 @@ def _plan_target(args: argparse.Namespace) -> int:
 
     from dreamp2p.compression import get_codec
     from dreamp2p.config import parse_duration, parse_rate
+    from dreamp2p.config.sync import SyncConfig
     from dreamp2p.schedule.cost import LinkModel
     from dreamp2p.schedule.linkcodec import wire_ratio
     from dreamp2p.schedule.utilization import SEARCH_CODECS, SEARCH_PERIODS, recommend
     from dreamp2p.schedule.whatif import uniform_costs
-
-    from dreamp2p.config.sync import SyncConfig
 
     run = SyncConfig()  # a recommendation must keep the headroom a dreamddp run demands of its plans
     costs = uniform_costs(args.params, args.layers, args.step_time)
@@ -307,6 +295,12 @@ def _add_node_parser(sub: Any) -> None:
     n = sub.add_parser("node", help="run one region's daemon (trainer + peer) from a TOML config")
     n.add_argument("--config", required=True, help="path to the node's TOML file (see nodes/)")
     n.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=None,
+        help="log lines as text, or one JSON object per line (default: [metrics] log_format, text)",
+    )
+    n.add_argument(
         "--resume",
         action="store_true",
         help="continue from the newest checkpoint (or join the members if they trained on without this node)",
@@ -332,23 +326,24 @@ def _add_node_parser(sub: Any) -> None:
     n.set_defaults(func=_node)
 
 
-def _add_status_parser(sub: Any) -> None:
-    s = sub.add_parser("status", help="live status of a peer: ring, links, counters")
-    s.add_argument(
-        "address", type=address_with_port, help="HOST:PORT of the peer (a port is required: no default is assumed)"
-    )
-    s.add_argument("--token", default=None, help="shared cluster token, if the peer requires one")
-    s.add_argument("--ca", default=None, help="CA certificate (PEM) to verify a TLS peer")
-    s.add_argument("--cert", default=None, help="client certificate (PEM) for mutual TLS")
-    s.add_argument("--key", default=None, help="client key (PEM) for mutual TLS")
-    s.add_argument("--server-name", default=None, help="name in the peer's certificate, when dialing an IP")
-    s.set_defaults(func=_status)
+def _add_config_parser(sub: Any) -> None:
+    c = sub.add_parser("config", help="check a node's TOML file")
+    actions = c.add_subparsers(dest="action", required=True)
+    check = actions.add_parser("check", help="report every error of the file at once; exit 1 if there is one")
+    check.add_argument("file", type=Path, help="the node's TOML file")
+    check.add_argument("--json", action="store_true", help="print one JSON object: file, ok, errors")
+    check.set_defaults(func=_config_check)
 
 
 def _add_health_parser(sub: Any) -> None:
     h = sub.add_parser("health", help="ask a node's health listener (grpc.health.v1); exit 0 only when SERVING")
     h.add_argument("address", type=address_with_port, help="HOST:PORT of the node's health_listen")
-    h.add_argument("--service", default="", help="service name ('' = the whole node, or dreamp2p.v1.Peer)")
+    h.add_argument(
+        "--service",
+        choices=HEALTH_SERVICES,
+        default="",
+        help="service name ('' = the whole node, or dreamp2p.v1.Peer)",
+    )
     h.add_argument("--timeout", type=positive_float, default=5.0, help="seconds to wait for the answer")
     h.set_defaults(func=_health)
 
@@ -380,8 +375,8 @@ def _add_plan_parser(sub: Any) -> None:
         help="forward+backward seconds per step (required unless --table)",
     )
     pl.add_argument("--peers", type=int_at_least(1), default=2)
-    pl.add_argument("--link", default="1gbit", help="slowest link rate")
-    pl.add_argument("--rtt", default=None, help="largest RTT (80ms; --table: 0ms)")
+    pl.add_argument("--link", type=link_rate, default="1gbit", help="slowest link rate (1gbit, 20Mbit/s, 2.5MB/s)")
+    pl.add_argument("--rtt", type=duration, default=None, help="largest RTT (80ms; --table: 0ms)")
     pl.add_argument(
         "--period",
         type=int_at_least(1),
@@ -389,7 +384,11 @@ def _add_plan_parser(sub: Any) -> None:
         help="H: every layer is averaged once per H steps (10; --table: 100; --target-cu: searched)",
     )
     pl.add_argument(
-        "--codec", default=None, help="DreamDDP's plan codec, int8 (--target-cu: searched among fp32, bf16, int8)"
+        "--codec",
+        type=str.lower,
+        choices=CODEC_NAMES,
+        default=None,
+        help="DreamDDP's plan codec, int8 (--target-cu: searched among fp32, bf16, int8)",
     )
     pl.add_argument(
         "--max-delay",
@@ -423,11 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
 AddParser = Callable[[Any], None]
 _CORE_COMMANDS: dict[str, AddParser] = {
     "node": _add_node_parser,
-    "status": _add_status_parser,
+    "status": add_status_parser,
+    "config": _add_config_parser,
     "health": _add_health_parser,
     "plan": _add_plan_parser,
 }
-_ORDER = ("bench", "node", "status", "health", "plan", "demo")
+_ORDER = ("bench", "node", "status", "health", "config", "plan", "demo")
 # The developer subcommands (bench, demo) live in dreamp2p.devtools, above the console script in the
 # layering: they are found by this entry-point group (pyproject.toml), a name rather than an import.
 COMMAND_GROUP = "dreamp2p.commands"
@@ -457,6 +457,14 @@ class _Subcommands:
         return parser
 
 
+def exit_now(code: int) -> NoReturn:
+    """Flush and leave at once, without interpreter teardown (see `_node`): a node's way out, also on error."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -476,8 +484,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = int(args.func(args))
         except BrokenPipeError:
             raise  # stdout's reader went away (`dreamp2p plan | head`): not an error of the command
-        except (ValueError, RuntimeError, OSError, PeerError) as exc:
-            print(f"dreamp2p: error: {exc}", file=sys.stderr)
+        except Exception as exc:
+            if getattr(args, "log_errors", False):  # a node: its log (maybe JSON) carries the error and traceback
+                log.exception("stopped by an error: %s", exc, extra={"event": "error"})
+                exit_now(1)
+            elif isinstance(exc, ValueError | RuntimeError | OSError | PeerError):
+                print(f"dreamp2p: error: {exc}", file=sys.stderr)
+            else:
+                raise
             code = 1
         sys.stdout.flush()  # a closed pipe shows up here when the output was still buffered
         return code

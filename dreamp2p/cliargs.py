@@ -6,6 +6,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from dreamp2p.config.parse import parse_duration, parse_rate
+
 
 def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an integer >= ``low``."""
@@ -86,3 +88,23 @@ def address_with_port(text: str) -> str:
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"address {text!r}: port must be a number in 1..65535, got {port!r}")
     return addr
+
+
+def link_rate(text: str) -> str:
+    """An argparse type: a link rate as `dreamp2p.config.parse_rate` reads it (``20mbit``, ``20Mbit/s``,
+    ``2.5MB/s``, ``1gbit``); the text is kept as given, for the command to parse and to print."""
+    try:
+        parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def duration(text: str) -> str:
+    """An argparse type: a duration as `dreamp2p.config.parse_duration` reads it (``80ms``, ``30s``, ``5m``,
+    ``1h``); the text is kept as given."""
+    try:
+        parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

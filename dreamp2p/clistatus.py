@@ -66,7 +66,7 @@ def resolve_target(args: argparse.Namespace) -> Target:
 
 def status_json(st: PeerStatus, now: float) -> str:
     """One status as a JSON object on one line, with the time it was read (``t``, Unix seconds)."""
-    return json.dumps({"t": round(now, 3), **dataclasses.asdict(st)})
+    return json.dumps({"t": round(now, 3), **dataclasses.asdict(st)}, default=str)
 
 
 def status_text(st: PeerStatus) -> str:

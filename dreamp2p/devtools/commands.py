@@ -14,7 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from dreamp2p.cli import check_delay
-from dreamp2p.cliargs import int_at_least, open_fraction, positive_float
+from dreamp2p.cliargs import duration, int_at_least, link_rate, open_fraction, positive_float
+from dreamp2p.config.codecs import CODEC_NAMES, DENSE_CODECS
+from dreamp2p.config.sync import STRATEGIES
 
 # Per-benchmark defaults of the flags the benchmarks share (None on the command line: not given).
 BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -45,19 +47,6 @@ def _bench_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             parser.error(f"argument --down: need 0 <= MIN <= MAX, got {args.down[0]:g} {args.down[1]:g}")
         if args.peers is not None and not args.max_down < args.peers <= 8:
             parser.error(f"argument --peers: chaos needs more than --max-down ({args.max_down}) and at most 8")
-
-
-def _demo_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse a strategy or codec the daemons would refuse, before any of them starts."""
-    from dreamp2p.compression import codec_names, get_codec
-    from dreamp2p.config.sync import STRATEGIES
-
-    if args.strategy not in STRATEGIES:
-        parser.error(f"argument --strategy: invalid choice: {args.strategy!r} (choose from {', '.join(STRATEGIES)})")
-    # the demo's codec averages parameters, which a sparse codec (topk) would zero: [sync] refuses it
-    dense = [c for c in codec_names() if not get_codec(c).sparse]
-    if args.codec not in dense:
-        parser.error(f"argument --codec: invalid choice: {args.codec!r} (choose from {', '.join(dense)})")
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:
@@ -247,14 +236,23 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--json", action="store_true", help="print only the JSON result line")
     b.add_argument("--mbytes", type=float, default=None, help="buffer size in MB (default 64)")
     b.add_argument("--repeats", type=int, default=3, help="measured repetitions (median)")
-    b.add_argument("--codecs", nargs="+", default=None, help="codecs to measure (default: all)")
+    b.add_argument(
+        "--codecs",
+        nargs="+",
+        type=str.lower,
+        choices=CODEC_NAMES,
+        default=None,
+        help="codecs to measure (default: all)",
+    )
     b.add_argument(
         "--peers", type=int, default=None, help="peer processes (allreduce, soak: 4; digits: 3; chaos: 5 daemons)"
     )
     b.add_argument("--seconds", type=float, default=6.0, help="transport: measuring time")
     b.add_argument("--streams", type=int, default=2, help="parallel streams (TCP connections) per link")
     b.add_argument("--netns", action="store_true", help="transport: run across two tbf-shaped namespaces (root)")
-    b.add_argument("--rate", default=None, help="link rate, e.g. 20mbit (transport --netns: 100mbit; lm: 20mbit)")
+    b.add_argument(
+        "--rate", type=link_rate, default=None, help="link rate, e.g. 20mbit (transport --netns: 100mbit; lm: 20mbit)"
+    )
     b.add_argument("--regions", type=int_at_least(1), default=2, help="lm: regions (one process each)")
     b.add_argument(
         "--minutes", type=float, default=10.0, help="soak: how long to run; chaos: each of its two timed phases"
@@ -272,8 +270,12 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--width", type=int_at_least(1), default=None, help="model width (strategies: MLP 512, lm: 256)")
     b.add_argument("--depth", type=int_at_least(1), default=None, help="hidden layers / transformer blocks (4)")
     b.add_argument("--batch", type=int, default=4096, help="strategies: batch size per peer (4096: ~0.16 s CPU steps)")
-    b.add_argument("--link-rate", default=None, help="strategies: link rate (default: full sync = H/2 steps)")
-    b.add_argument("--rtt", default=None, help="emulated round-trip time per hop (strategies 20ms, lm 0ms)")
+    b.add_argument(
+        "--link-rate", type=link_rate, default=None, help="strategies: link rate (default: full sync = H/2 steps)"
+    )
+    b.add_argument(
+        "--rtt", type=duration, default=None, help="emulated round-trip time per hop (strategies 20ms, lm 0ms)"
+    )
     b.add_argument(
         "--max-delay", type=int_at_least(0), default=None, help="strategies: DreamDDP max landing delay d (H-1)"
     )
@@ -292,8 +294,10 @@ def _add_plancheck_parser(b: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--sizes", nargs="+", default=["small", "large"], choices=["small", "large", "tiny"], help="d256x4, d384x6"
     )
-    g.add_argument("--rates", nargs="+", default=["10mbit", "20mbit", "100mbit"], help="link rates of the grid")
-    g.add_argument("--rtts", nargs="+", default=["0ms", "80ms"], help="RTTs of the grid")
+    g.add_argument(
+        "--rates", nargs="+", type=link_rate, default=["10mbit", "20mbit", "100mbit"], help="link rates of the grid"
+    )
+    g.add_argument("--rtts", nargs="+", type=duration, default=["0ms", "80ms"], help="RTTs of the grid")
     g.add_argument("--region-counts", nargs="+", type=int_at_least(2), default=[2, 3], help="region counts of the grid")
     g.add_argument("--target-cu", type=open_fraction, default=None, help="check plan --target-cu's recommendation")
     g.add_argument("--out", default=None, help="append each finished point to this JSON-lines file")
@@ -323,13 +327,14 @@ def _add_chaos_parser(b: argparse.ArgumentParser) -> None:
 def add_demo_parser(sub: Any) -> None:
     d = sub.add_parser("demo", help="train across N local node daemons over emulated WAN links, then report")
     d.add_argument("--nodes", type=int, default=3)
-    d.add_argument("--link", default="20mbit", help="emulated link rate per hop")
-    d.add_argument("--rtt", default="80ms", help="emulated round-trip time per hop")
+    d.add_argument("--link", type=link_rate, default="20mbit", help="emulated link rate per hop")
+    d.add_argument("--rtt", type=duration, default="80ms", help="emulated round-trip time per hop")
     d.add_argument("--minutes", type=float, default=3.0, help="training time before a clean stop")
-    d.add_argument("--codec", default="int8")
-    d.add_argument("--strategy", default="dreamddp")
+    # the demo's codec averages parameters, which a sparse codec (topk) would zero: [sync] refuses it
+    d.add_argument("--codec", type=str.lower, choices=DENSE_CODECS, default="int8")
+    d.add_argument("--strategy", choices=STRATEGIES, default="dreamddp")
     d.add_argument("--out", default=None, help="run folder (default runs/demo-TIMESTAMP)")
     d.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the daemons train (auto: CUDA if any)"
     )
-    d.set_defaults(func=_demo, check=functools.partial(_demo_check, d))
+    d.set_defaults(func=_demo)

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import dreamp2p
-from dreamp2p.service.metrics import RecordKind
+from dreamp2p.service.jsonl import jsonl_parts
+from dreamp2p.service.metrics import METRICS_FILE, RecordKind
 
 log = logging.getLogger(__name__)
 
@@ -284,15 +285,18 @@ def wait_started(
 
 
 def read_records(run_dir: Path, node: str) -> list[dict[str, Any]]:
-    path = run_dir / node / "metrics.jsonl"
-    if not path.exists():
-        return []
+    """A node's run-log records, oldest first (the rotated parts of ``metrics.jsonl`` before it)."""
     out = []
-    for line in path.read_text().splitlines():
+    for path in jsonl_parts(run_dir / node / METRICS_FILE):
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being written right now
+            text = path.read_text()
+        except FileNotFoundError:
+            continue  # rotated away while we read
+        for line in text.splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line being written right now
     return out
 
 

@@ -12,7 +12,6 @@ every member ends with the same ones (what `dreamp2p bench chaos` checks by dige
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -30,6 +29,7 @@ from dreamp2p.manifest import manifest_hash, param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.checkpoint import agree_resume_step, checkpoint_step, list_checkpoints, load_step, save_checkpoint
 from dreamp2p.service.metrics import NodeMetrics, RecordKind
+from dreamp2p.service.progresslog import ProgressLog
 from dreamp2p.service.region import (
     data_parallel,
     data_position,
@@ -102,8 +102,9 @@ def run_node(
     model = task.model()
     node_cfg = dataclasses.replace(node_cfg, manifest_hash=manifest_hash(model.state_dict().items()))
     model = data_parallel(model, device) if place is not None else model
+    max_bytes = int(cfg.metrics.jsonl_max_mb * 1e6)
     who = rank_node_id(node_cfg.node_id, place.rank) if place is not None else node_cfg.node_id
-    metrics = NodeMetrics(who, cfg.metrics.run_dir)
+    metrics = NodeMetrics(who, cfg.metrics.run_dir, max_bytes, cfg.metrics.jsonl_files)
     metrics.record(
         RecordKind.START, device=device, params=sum(p.numel() for p in model.parameters()), resume=resume, join=join
     )
@@ -287,6 +288,7 @@ def _train(
     last_eval = None
     last_plan = -1
     t_last = time.perf_counter()
+    progress = ProgressLog(cfg.metrics.progress_every_s, sync, metrics)
     final = cfg.task.steps
     base_lrs = [float(g["lr"]) for g in sync.optimizer.param_groups]
     while sync.step_count < final and not stop.event.is_set():
@@ -315,6 +317,7 @@ def _train(
             raise RuntimeError(f"loss became {value} at step {step}")
         tokens_per_s = task.tokens_per_batch / dt if dt > 0 else 0.0
         last_plan = _publish_step(cfg, sync, node, metrics, step, value, tokens_per_s, stats, last_plan)
+        progress.step(step, final, value, tokens_per_s, stats.plan_version)
         if (step + 1) % cfg.task.eval_every == 0 or step == 0:
             last_eval = task.evaluate(model)
             first_eval = last_eval if first_eval is None else first_eval
@@ -346,16 +349,10 @@ def _drain(sync: Any, node: Node, grace: float) -> None:
 
     An aborted round changes nothing here: the checkpoint holds this node's parameters without it.
     """
+    log.info("draining rounds in flight at step %d", sync.step_count, extra={"event": "drain"})
     try:
         sync.close(timeout=grace)
     except RoundFailed as exc:
         log.warning("rounds in flight could not finish within %.0f s (%s); aborting them", grace, exc)
         node.comm.abort_rounds("node stopping")
         sync.abandon()
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return json.dumps(
-            {"t": record.created, "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
-        )

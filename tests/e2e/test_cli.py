@@ -41,9 +41,45 @@ def test_bench_codec_small(capsys: pytest.CaptureFixture[str]) -> None:
     assert codecs["int4"]["ratio"] > codecs["int8"]["ratio"] > 3
 
 
-def test_bad_arguments_give_clear_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--params", "1e8", "--layers", "4", "--step-time", "1", "--link", "fast"]) == 1
-    assert "cannot parse link rate 'fast'" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan", "--link", "fast"], "argument --link: cannot parse link rate 'fast'"),
+        (["plan", "--link", "20mb"], "argument --link: cannot parse link rate '20mb'"),
+        (["plan", "--rtt", "soon"], "argument --rtt: cannot parse duration 'soon'"),
+        (["bench", "lm", "--rate", "fast"], "argument --rate: cannot parse link rate"),
+        (["bench", "lm", "--rtt", "1d"], "argument --rtt: cannot parse duration '1d'"),
+        (["bench", "codec", "--codecs", "int3"], "argument --codecs: invalid choice: 'int3' (choose from 'fp32',"),
+        (["demo", "--link", "fast"], "argument --link: cannot parse link rate"),
+        (["node", "--config", "x.toml", "--log-format", "xml"], "argument --log-format: invalid choice: 'xml'"),
+    ],
+)
+def test_bad_values_are_usage_errors_before_anything_runs(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(
+            [
+                *args[:1],
+                *(["--params", "1e8", "--layers", "4", "--step-time", "1"] if args[0] == "plan" else []),
+                *args[1:],
+            ]
+        )
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["plan", "--link", "20Mbit/s", "--rtt", "0.1s"],
+        ["plan", "--link", "2.5MB/s", "--rtt", "1m"],
+        ["plan", "--link", "100kbit", "--rtt", "80ms"],
+    ],
+)
+def test_rates_and_durations_in_every_spelling(args: list[str]) -> None:
+    parsed = build_parser().parse_args([*args[:1], "--params", "1e8", "--layers", "4", "--step-time", "1", *args[1:]])
+    assert parsed.link == args[2] and parsed.rtt == args[4]  # checked, and kept as written for the report
 
 
 async def status_cli(*args: str) -> tuple[int, bytes, bytes]:
@@ -200,8 +236,9 @@ def test_python_dash_m_and_version() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["demo", "--strategy", "foo"], "argument --strategy: invalid choice: 'foo' (choose from none, ssgd,"),
-        (["demo", "--codec", "int3"], "argument --codec: invalid choice: 'int3' (choose from fp32,"),
+        (["demo", "--strategy", "foo"], "argument --strategy: invalid choice: 'foo' (choose from 'none', 'ssgd',"),
+        (["demo", "--codec", "int3"], "argument --codec: invalid choice: 'int3' (choose from 'fp32',"),
+        (["demo", "--codec", "topk"], "argument --codec: invalid choice: 'topk'"),  # sparse: zeroes parameters
     ],
 )
 def test_demo_refuses_bad_values_before_starting_anything(
@@ -219,3 +256,82 @@ def test_demo_refuses_bad_values_before_starting_anything(
 )
 def test_verbose_is_taken_before_or_after_the_subcommand(args: list[str], verbose: int) -> None:
     assert build_parser().parse_args(args).verbose == verbose
+
+
+def _node_file(path: Path, address: str, token: str | None) -> Path:
+    token_line = f'token = "{token}"\n' if token else ""
+    path.write_text(f'[node]\nnode_id = "eu-west"\nlisten = "{address}"\n{token_line}')
+    return path
+
+
+async def test_status_watch_json_with_the_token_from_the_node_config(tmp_path: Path) -> None:
+    peer = Peer(PeerConfig(node_id="eu-west", token="tok"))
+    await peer.start()
+    try:
+        await peer.connect([PeerInfo("eu-west", peer.address)])
+        config = _node_file(tmp_path / "eu-west.toml", peer.address, "tok")
+        # the address and the token both come from the file
+        code, out, err = await status_cli("--config", str(config), "--json", "--watch", "0.1", "--count", "3")
+        assert code == 0, err.decode()
+        lines = [json.loads(line) for line in out.decode().splitlines()]
+        assert len(lines) == 3
+        assert all(st["node_id"] == "eu-west" and st["ring"] == ["eu-west"] for st in lines)
+        assert lines[0]["t"] <= lines[1]["t"] <= lines[2]["t"] and "links" in lines[0]
+        # one answer, as text, to an address given on the command line with the file's token
+        code, out, err = await status_cli(peer.address, "--config", str(config))
+        assert code == 0 and "node eu-west" in out.decode(), err.decode()
+        # a file without the token: refused, the error said, the watch goes on and ends non-zero
+        code, out, err = await status_cli("--config", str(_node_file(tmp_path / "x.toml", peer.address, None)))
+        assert code == 1 and b"BAD_TOKEN" in err
+        args = ("--config", str(tmp_path / "x.toml"), "--json", "--watch", "0.1", "--count", "2")
+        code, out, err = await status_cli(*args)
+        assert code == 1 and out == b"" and err.count(b"dreamp2p status: BAD_TOKEN") == 2  # one per attempt
+    finally:
+        await peer.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [([], "give the peer's HOST:PORT, or --config FILE"), (["h:1", "--count", "2"], "--count needs --watch")],
+)
+def test_status_usage_errors(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["status", *args])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_config_check_reports_every_error_then_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[node]\nnode_id = "a"\n[sync]\nstratgy = "dreamddp"\nperiod = 0\n[task]\nsteps = 0\n')
+    assert main(["config", "check", str(bad)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and lines[-1] == f"{bad}: 3 errors"
+    assert "unknown key sync.stratgy (did you mean 'strategy'?)" in lines[0]
+    assert "sync.period must be >= 1" in lines[1] and "task.steps must be >= 1" in lines[2]
+    assert main(["config", "check", str(bad), "--json"]) == 1
+    result = last_json(capsys.readouterr().out)
+    assert result["ok"] is False and len(result["errors"]) == 3  # type: ignore[arg-type]
+    good = tmp_path / "good.toml"
+    good.write_text('[node]\nnode_id = "a"\n')
+    assert main(["config", "check", str(good)]) == 0
+    assert capsys.readouterr().out.strip() == f"{good}: ok"
+
+
+def test_health_service_choices_are_the_ones_the_listener_serves() -> None:
+    from dreamp2p.cli import HEALTH_SERVICES
+    from dreamp2p.transport.health import PEER_SERVICE
+
+    assert HEALTH_SERVICES == ("", PEER_SERVICE)
+
+
+def test_config_check_as_a_process_exits_non_zero(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[node\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "dreamp2p.cli", "config", "check", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1 and "not valid TOML" in out.stdout, out.stderr

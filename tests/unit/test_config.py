@@ -26,6 +26,10 @@ from dreamp2p.config import PeerConfig, TransportConfig, parse_duration, parse_r
         ("2.5MB/s", 2.5e6),
         ("10 kbyte/s", 1e4),
         ("1e3kbit", 125e3),
+        ("20mbit", 2.5e6),
+        ("20Mbit/s", 2.5e6),
+        ("100kbit", 12.5e3),
+        ("1Gbit/s", 125e6),
     ],
 )
 def test_parse_rate(text: str | float, bytes_per_s: float) -> None:
@@ -40,12 +44,28 @@ def test_parse_rate_rejects(text: str | float) -> None:
         parse_rate(text)
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("80ms", 0.08), ("1.5s", 1.5), ("200us", 2e-4), (3, 3.0)])
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("80ms", 0.08),
+        ("1.5s", 1.5),
+        ("200us", 2e-4),
+        (3, 3.0),
+        ("30s", 30.0),
+        ("5m", 300.0),  # minutes; "ms" is milliseconds
+        ("5min", 300.0),
+        ("1h", 3600.0),
+        ("0.5h", 1800.0),
+        (" 2 ms ", 2e-3),
+        ("1E3ms", 1.0),
+        ("0s", 0.0),
+    ],
+)
 def test_parse_duration(text: str | float, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("text", ["soon", "-1s", -2])
+@pytest.mark.parametrize("text", ["soon", "-1s", -2, "5", "1d", "m", "5 minutes", "1e999h", "nanms", "1.2.3s"])
 def test_parse_duration_rejects(text: str | float) -> None:
     with pytest.raises(ValueError):
         parse_duration(text)

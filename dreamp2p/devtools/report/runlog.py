@@ -1,9 +1,10 @@
 """The run folder's files, and reading the nodes' logs from it (`load_run`).
 
 A run directory holds one sub-directory per node, written by the node daemons: ``metrics.jsonl`` (one JSON
-record per line, by kind: see `dreamp2p.service.metrics.RecordKind`) and ``plan.json``. Malformed lines are
-skipped with one warning per file (a daemon may be appending a line while the report is read); see the
-package docstring (`dreamp2p.devtools.report`) for the record fields.
+record per line, by kind: see `dreamp2p.service.metrics.RecordKind`; with its rotated older parts
+``metrics.jsonl.1`` ... when a long run filled its budget, `dreamp2p.service.jsonl`) and ``plan.json``.
+Malformed lines are skipped with one warning per file (a daemon may be appending a line while the report is
+read); see the package docstring (`dreamp2p.devtools.report`) for the record fields.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dreamp2p.service.jsonl import jsonl_parts
 from dreamp2p.service.metrics import RecordKind
 
 log = logging.getLogger(__name__)
@@ -173,11 +175,11 @@ def load_run(run_dir: str | Path) -> dict[str, NodeLog]:
         if not metrics.is_file() and not plan.is_file():
             continue
         node = NodeLog()
-        if metrics.is_file():
+        for part in jsonl_parts(metrics):  # the rotated parts first (oldest), then metrics.jsonl itself
             try:
-                _read_metrics(metrics, node)
+                _read_metrics(part, node)
             except OSError as exc:
-                log.warning("%s: unreadable, node %s has no records (%s)", metrics, sub.name, exc)
+                log.warning("%s: unreadable, node %s has no records from it (%s)", part, sub.name, exc)
         if plan.is_file():
             node.plan = _read_plan(plan)
         logs[sub.name] = node
