@@ -3,13 +3,15 @@
 The servicer (`transport.server`) calls the `Peer`, which hands each call here. A frame is refused
 while the peer shuts down or joins (the gate), and from a sender whose handshake this process did not
 accept; anything admitted counts as a sign of life (`peer.liveness`), frames go to their round
-(`peer.rounds`) and votes to the commit (`peer.commit`). Runs on the peer's event loop only.
+(`peer.rounds`; one that would wait for its round is first checked by `collective.framecheck`) and
+votes to the commit (`peer.commit`). Runs on the peer's event loop only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from dreamp2p.collective.framecheck import check_early_frame
 from dreamp2p.compression import get_codec
 from dreamp2p.config import PeerConfig
 from dreamp2p.errors import PeerError, Status
@@ -33,6 +35,7 @@ class Inbound:
         rounds: RoundRegistry,
         commits: CommitVotes,
         gate: Callable[[], PeerError | None],
+        max_payload: int,
     ) -> None:
         self.config = config
         self.rejected = 0  # frames and calls the servicer refused
@@ -42,6 +45,7 @@ class Inbound:
         self._rounds = rounds
         self._commits = commits
         self._gate = gate  # why this peer takes no frames now (shutting down, joining), or None
+        self._max_payload = max_payload  # bytes of one frame's payload, before and after zstd
 
     def admit(self, hello: Hello, mine: Hello) -> Hello:
         """Accept a member's handshake (PeerError saying why not) and answer with ``mine``."""
@@ -61,11 +65,15 @@ class Inbound:
                 )
             raise PeerError(Status.UNKNOWN_PEER, f"sender {frame.sender!r} has not completed a handshake")
         self._live.heard(frame.sender)
-        rnd = await self._rounds.round_for(frame)
+        # a frame that would wait for its round is checked as far as it can be without the round's layout
+        rnd = await self._rounds.round_for(frame, self._check_early)
         # a frame from another view is refused (VIEW_MISMATCH) without touching the round: its sender's
         # round fails there and that sender's "failed" vote ends ours (a forged frame cannot)
         rnd.deliver(frame)
         self._links.note_received(frame.sender, len(frame.payload))
+
+    def _check_early(self, frame: Frame) -> None:
+        check_early_frame(frame, len(self._links.ring or self.config.ring), self._max_payload)
 
     def stream_broken(self, sender: str, keys: set[tuple[int, int]], reason: str) -> None:
         """``sender``'s stream of frames broke: its rounds on it fail, and we check at once that it lives."""

@@ -79,8 +79,8 @@ class Peer:
         self._commits = CommitVotes(config.node_id, self._links.send_vote, self._live.is_alive)
         self._engine = RoundRunner(config, self._links, self._live, self.rounds, self._commits, lambda: self._closing)
         parts = (self._admission, self._links, self._live, self.rounds, self._commits)
-        self._inbound = Inbound(config, *parts, self._refusal)
         self.max_payload = self._engine.max_payload
+        self._inbound = Inbound(config, *parts, self._refusal, self.max_payload)
         self._health = (
             HealthPublisher(config.node_id, config.health_listen, self.health) if config.health_listen else None
         )

@@ -24,6 +24,8 @@ Key = tuple[int, int]  # (group id, round id)
 MAX_ROUNDS_AHEAD = 1 << 16
 # How many rounds may be waited on before they open here (bounds memory a sender can make us hold).
 MAX_PENDING_ROUNDS = 256
+# Of those, how many one sender's frames may wait for at once, so no sender can use up the others' share.
+MAX_PENDING_ROUNDS_PER_SENDER = 32
 # Closed round ids remembered per group before the oldest are forgotten (older ids are stale anyway).
 MAX_CLOSED_IDS = 1024
 # Failed rounds whose reasons are kept for status and tests (the newest; older ones are dropped).
@@ -47,6 +49,7 @@ class RegistrySnapshot:
     next_round: dict[int, int]
     closed: dict[int, frozenset[int]]
     pending: int  # rounds frames are waiting for, plus frames waiting
+    frames_waiting: int = 0  # frames waiting for a round to open here
 
 
 class RoundRegistry:
@@ -58,6 +61,8 @@ class RoundRegistry:
         self._members: dict[Key, frozenset[str]] = {}
         self._waiters: dict[Key, asyncio.Future[RingRound]] = {}
         self._waiter_refs: dict[Key, int] = {}
+        self._sender_refs: dict[tuple[str, Key], int] = {}  # frames of one sender waiting for one round
+        self._sender_rounds: dict[str, int] = {}  # rounds each sender has frames waiting for
         self._next: dict[int, int] = {}
         self._closed: dict[int, set[int]] = {}
         # why our recent rounds failed, oldest first: a member that left, a failed vote, or the deadline
@@ -105,8 +110,11 @@ class RoundRegistry:
         """Record why round ``key`` failed here (see `failures`)."""
         self.failures.append(RoundFailure(key, reason, deadline))
 
-    async def round_for(self, frame: Frame) -> RingRound:
-        """The open round ``frame`` belongs to, waiting (bounded) for it to open; PeerError when it cannot."""
+    async def round_for(self, frame: Frame, check: Callable[[Frame], None] | None = None) -> RingRound:
+        """The open round ``frame`` belongs to, waiting (bounded) for it to open; PeerError when it cannot.
+
+        ``check`` vets a frame that would wait (see `collective.framecheck`): it raises to refuse it at once.
+        """
         key = (frame.group_id, frame.round_id)
         rnd = self._open.get(key)
         if rnd is not None:
@@ -123,23 +131,50 @@ class RoundRegistry:
             raise PeerError(
                 Status.BAD_FRAME, f"round {frame.round_id} is more than {MAX_ROUNDS_AHEAD} ahead of {newest}"
             )
+        if check is not None:
+            check(frame)
+        mine = (frame.sender, key)
+        if mine not in self._sender_refs and self._sender_rounds.get(frame.sender, 0) >= MAX_PENDING_ROUNDS_PER_SENDER:
+            raise PeerError(
+                Status.OVERSIZE,
+                f"sender {frame.sender!r} already has frames waiting for {MAX_PENDING_ROUNDS_PER_SENDER} rounds "
+                "that have not opened here",
+            )
         fut = self._waiters.get(key)
         if fut is None:
             if len(self._waiters) >= MAX_PENDING_ROUNDS:
                 raise PeerError(Status.OVERSIZE, "too many rounds pending")
             fut = self._waiters[key] = asyncio.get_running_loop().create_future()
         self._waiter_refs[key] = self._waiter_refs.get(key, 0) + 1
+        self._hold(mine, +1)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.round_timeout_s)
         except TimeoutError:
             raise PeerError(Status.TIMEOUT, f"round {key} did not open here in time") from None
         finally:
+            self._hold(mine, -1)
             # the last stream to give up on a round that never opened forgets it
             self._waiter_refs[key] -= 1
             if not self._waiter_refs[key]:
                 del self._waiter_refs[key]
                 if self._waiters.get(key) is fut:
                     del self._waiters[key]
+
+    def _hold(self, mine: tuple[str, Key], delta: int) -> None:
+        """Count one more (or one fewer) frame of a sender waiting for a round; track its rounds waited for."""
+        sender = mine[0]
+        refs = self._sender_refs.get(mine, 0) + delta
+        if refs:
+            if delta > 0 and refs == 1:
+                self._sender_rounds[sender] = self._sender_rounds.get(sender, 0) + 1
+            self._sender_refs[mine] = refs
+            return
+        del self._sender_refs[mine]
+        left = self._sender_rounds[sender] - 1
+        if left:
+            self._sender_rounds[sender] = left
+        else:
+            del self._sender_rounds[sender]
 
     def fail_open(self, reason: str, where: Callable[[Key, RingRound], bool] = lambda key, rnd: True) -> None:
         """Fail every open round for which ``where(key, round)`` holds (their tensors stay untouched)."""
@@ -168,4 +203,5 @@ class RoundRegistry:
             next_round=dict(self._next),
             closed={g: frozenset(ids) for g, ids in self._closed.items()},
             pending=len(self._waiters) + len(self._waiter_refs),
+            frames_waiting=sum(self._waiter_refs.values()),
         )

@@ -64,10 +64,11 @@ from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
 from dreamp2p import PROTOCOL_VERSION
+from dreamp2p.collective.framecheck import check_early_frame
 from dreamp2p.collective.partition import all_gather_recv, reduce_scatter_recv, split_segments
 from dreamp2p.compression import ZstdStage, codec_names, get_codec
 from dreamp2p.config import PeerConfig, TransportConfig
-from dreamp2p.errors import RoundFailed, Status
+from dreamp2p.errors import PeerError, RoundFailed, Status
 from dreamp2p.messages import Hello
 from dreamp2p.peer import MAX_PROBE_BYTES, MAX_ROUNDS_AHEAD, Peer
 from dreamp2p.peer.membership import view_id
@@ -869,8 +870,9 @@ def expected_hello(m: pb.HandshakeRequest) -> Status:
 def expected_frame(f: pb.DataFrame, s: PeerState, max_payload: int) -> Status | None:
     """The status p1 must refuse ``f`` with before it reaches a round; None when ``f`` reaches the open round.
 
-    Structure (serde), then the sender's admission, then the round: open, stale, too far ahead, or waited
-    for (TIMEOUT after p1's round_timeout_s).
+    Structure (serde), then the sender's admission, then the round: open, stale, too far ahead, refused by
+    the checks of a frame that would wait (`collective.framecheck`), or waited for (TIMEOUT after p1's
+    round_timeout_s).
     """
     if len(f.payload) > max_payload:
         return Status.OVERSIZE
@@ -889,6 +891,10 @@ def expected_frame(f: pb.DataFrame, s: PeerState, max_payload: int) -> Status | 
         return Status.STALE_ROUND
     if newest and f.round_id > newest + MAX_ROUNDS_AHEAD:
         return Status.BAD_FRAME
+    try:  # a frame that would wait is checked as far as it can be without its round (collective.framecheck)
+        check_early_frame(serde.frame_from_proto(f, max_payload), len(RING), max_payload)
+    except PeerError as err:
+        return err.status
     return Status.TIMEOUT
 
 

@@ -22,6 +22,7 @@ from conftest import make_certs
 from grpc import aio
 
 from dreamp2p import PROTOCOL_VERSION
+from dreamp2p.collective.ring import checksum
 from dreamp2p.compression import codec_names, get_codec
 from dreamp2p.config import DaemonConfig, PeerConfig, PeerInfo, TLSConfig, TransportConfig, is_loopback_address
 from dreamp2p.errors import PeerError, Status
@@ -185,8 +186,12 @@ def hello(node_id: str) -> pb.HandshakeRequest:
 
 
 def waiting_frame(sender: str, group: int, payload_bytes: int = 256) -> pb.DataFrame:
-    """A well-formed frame for round 1 of ``group``, a round the receiver never opens (so it waits)."""
+    """A well-formed frame for round 1 of ``group``, a round the receiver never opens (so it waits).
+
+    Its checksum is right: a frame that would wait is checked first (`dreamp2p.collective.framecheck`).
+    """
     elements = payload_bytes // 4
+    payload = bytes(payload_bytes)
     return pb.DataFrame(
         round_id=1,
         group_id=group,
@@ -196,7 +201,8 @@ def waiting_frame(sender: str, group: int, payload_bytes: int = 256) -> pb.DataF
         codec=get_codec("fp32").wire_id,
         dtype=pb.DTYPE_FP32,
         element_count=2 * elements,
-        payload=bytes(payload_bytes),
+        payload=payload,
+        checksum=checksum(payload),
         sender=sender,
     )
 
