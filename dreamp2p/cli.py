@@ -26,6 +26,7 @@ from dreamp2p.cliargs import (
     open_fraction,
     positive_float,
 )
+from dreamp2p.cliconfig import add_config_parser
 from dreamp2p.clistatus import add_status_parser
 from dreamp2p.config.codecs import CODEC_NAMES
 from dreamp2p.config.daemon import LOG_FORMATS
@@ -101,21 +102,6 @@ def _node(args: argparse.Namespace) -> int:
     # that third-party daemon threads still alive then (gRPC's aio poller, torch's pools) cannot turn a
     # clean run into a crash at exit (CI once saw a node exit -6 at the end of a run; cause not found).
     exit_now(0)
-
-
-def _config_check(args: argparse.Namespace) -> int:
-    from dreamp2p.config import check_file
-
-    errors = check_file(args.file)
-    if args.json:
-        print(json.dumps({"file": str(args.file), "ok": not errors, "errors": errors}))
-    elif errors:
-        for error in errors:
-            print(f"{args.file}: {error}")
-        print(f"{args.file}: {len(errors)} error{'s' if len(errors) > 1 else ''}")
-    else:
-        print(f"{args.file}: ok")
-    return 1 if errors else 0
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -326,15 +312,6 @@ def _add_node_parser(sub: Any) -> None:
     n.set_defaults(func=_node)
 
 
-def _add_config_parser(sub: Any) -> None:
-    c = sub.add_parser("config", help="check a node's TOML file")
-    actions = c.add_subparsers(dest="action", required=True)
-    check = actions.add_parser("check", help="report every error of the file at once; exit 1 if there is one")
-    check.add_argument("file", type=Path, help="the node's TOML file")
-    check.add_argument("--json", action="store_true", help="print one JSON object: file, ok, errors")
-    check.set_defaults(func=_config_check)
-
-
 def _add_health_parser(sub: Any) -> None:
     h = sub.add_parser("health", help="ask a node's health listener (grpc.health.v1); exit 0 only when SERVING")
     h.add_argument("address", type=address_with_port, help="HOST:PORT of the node's health_listen")
@@ -423,7 +400,7 @@ AddParser = Callable[[Any], None]
 _CORE_COMMANDS: dict[str, AddParser] = {
     "node": _add_node_parser,
     "status": add_status_parser,
-    "config": _add_config_parser,
+    "config": add_config_parser,
     "health": _add_health_parser,
     "plan": _add_plan_parser,
 }
