@@ -238,15 +238,18 @@ def _run_phases(run: ChaosRun, cluster: Cluster, tail: RecordTail, flapper: Flap
     seconds = run.minutes * 60
     _watch(cluster, tail, time.time() + min(30.0, 0.1 * seconds), ph)  # past warm-up and the first plan
     t0 = time.time()
+    log.info("fault-free phase: %.1f min", run.minutes)
     _watch(cluster, tail, t0 + seconds, ph)
     ph.baseline = (t0, time.time())
     if ph.crashes:
         raise RuntimeError(f"daemon(s) {', '.join(ph.crashes)} exited in the fault-free phase; see {cluster.run_dir}")
     schedule = KillSchedule(run.timing, list(cluster.configs), random.Random(run.seed), time.time())
     t1 = time.time()
+    log.info("chaos phase: %.1f min", run.minutes)
     _watch(cluster, tail, t1 + seconds, ph, schedule, flapper)
     ph.chaos = (t1, time.time())
     flapper.end()
+    log.info("chaos over after %d kills: waiting for every member to be back", len(ph.kills))
     try:
         _heal(run, cluster, tail, schedule, ph)
     except TimeoutError as exc:
@@ -328,6 +331,7 @@ def _quiet_stop(run: ChaosRun, cluster: Cluster, tail: RecordTail, ph: Phases) -
     final = max(tail.last_step.values()) + run.quiet_steps + 20
     cluster.stop_file.write_text(str(final))
     ph.final_step = final
+    log.info("healed: every member stops after step %d, the last %d at learning rate 0", final, run.quiet_steps)
     deadline = time.time() + run.stop_timeout_s
     for member, p in cluster.procs.items():
         try:
