@@ -37,6 +37,10 @@ class SenderBudget:
         """Bytes ``sender`` has waiting now."""
         return self._held.get(sender, 0)
 
+    def held_by_sender(self) -> dict[str, int]:
+        """Bytes each sender has waiting now, as a copy; a sender holding nothing is absent."""
+        return dict(self._held)
+
     def reserve(self, sender: str, nbytes: int) -> None:
         """Count ``nbytes`` more for ``sender``, or raise OVERSIZE (counting nothing) if that passes the limit."""
         if nbytes < 0:
