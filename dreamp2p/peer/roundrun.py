@@ -35,13 +35,10 @@ from dreamp2p.peer.guard import ContributionGuard
 from dreamp2p.peer.links import RingLinks
 from dreamp2p.peer.liveness import Liveness
 from dreamp2p.peer.membership import view_id
-from dreamp2p.peer.rounds import RoundRegistry
+from dreamp2p.peer.rounds import RETRY_GROUP_BIT, RoundRegistry
 from dreamp2p.transport.client import OutboundStream
 
 log = logging.getLogger(__name__)
-
-# A failed round is retried under its group id with this bit set (same round id), see allreduce().
-RETRY_GROUP_BIT = 1 << 31
 
 
 class RoundRunner:

@@ -30,6 +30,8 @@ MAX_PENDING_ROUNDS_PER_SENDER = 32
 MAX_CLOSED_IDS = 1024
 # Failed rounds whose reasons are kept for status and tests (the newest; older ones are dropped).
 MAX_FAILURE_RECORDS = 64
+# A failed round is retried under its group id with this bit set (same round id), see RoundRunner.allreduce.
+RETRY_GROUP_BIT = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,8 @@ class RoundRegistry:
             or (frame.round_id <= newest)
         ):
             raise PeerError(Status.STALE_ROUND, f"round {frame.round_id} of group {frame.group_id} is not open here")
+        if self._never_retried(frame.group_id, frame.round_id):
+            raise PeerError(Status.STALE_ROUND, f"round {frame.round_id} was not retried here: it did not fail here")
         if newest and frame.round_id > newest + MAX_ROUNDS_AHEAD:
             raise PeerError(
                 Status.BAD_FRAME, f"round {frame.round_id} is more than {MAX_ROUNDS_AHEAD} ahead of {newest}"
@@ -175,6 +179,15 @@ class RoundRegistry:
             self._sender_rounds[sender] = left
         else:
             del self._sender_rounds[sender]
+
+    def _never_retried(self, group_id: int, round_id: int) -> bool:
+        """Whether a frame of a retry round is for a round we will never retry: its first run is over here
+        and did not fail (we applied or passed it, e.g. while the sender was out of our view and its round
+        ids drifted from ours), so the frame would only wait here until the deadline."""
+        base = (group_id & ~RETRY_GROUP_BIT, round_id)
+        if not group_id & RETRY_GROUP_BIT or base in self._open or round_id > self._next.get(base[0], 0):
+            return False
+        return all(f.key != base for f in self.failures)
 
     def fail_open(self, reason: str, where: Callable[[Key, RingRound], bool] = lambda key, rnd: True) -> None:
         """Fail every open round for which ``where(key, round)`` holds (their tensors stay untouched)."""

@@ -6,7 +6,9 @@ while ``round_timeout_s`` is 120 s, so no round runs out of time and only exclus
 fast. After two such rounds every member excludes p2 (the same verdict from the same commit-vote
 evidence); p0 and p1 keep stepping between themselves; once p0 counted enough rounds without p2 it writes
 the control file that lifts p2's slowdown; after its probation p2 takes part again and keeps up. Bounds
-are round counts.
+are round counts. p2's steps drift from the others' while it runs its rounds alone, so its first rounds back
+fail until the round ids meet again; their retries (round_retries 1, the default) must fail at once too
+(`RoundRegistry` refuses frames of a retry that a member will never run), not wait out the 120 s.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ BACK = 5  # rounds with all three after p2's eviction (so after its return)
 def test_a_slowed_member_is_excluded_the_others_step_and_it_returns(tmp_path: Path) -> None:
     transport = {
         "round_timeout_s": 120.0,
-        "round_retries": 0,
         "heartbeat_s": 0.5,
         "probe_interval_s": 1.0,
         "probe_burst_bytes": 32 << 10,
