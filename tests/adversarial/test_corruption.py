@@ -1,5 +1,8 @@
-"""Bytes corrupted on the wire (issue 5): the receiver refuses the frame by its checksum, nothing is applied,
-and the round is retried and lands with exact results. A TCP relay on loopback flips one byte in flight.
+"""Payload integrity on the wire (issue 5): bytes corrupted in flight are refused by the frame's checksum,
+nothing of them is applied, and the round is retried and lands with exact results.
+
+A TCP relay on loopback flips one byte in flight, between two real peers. A frame whose checksum field
+itself is wrong, sent by hand, is one of test_bad_input.py's single calls (CHECKSUM_MISMATCH).
 """
 
 from __future__ import annotations
@@ -8,8 +11,9 @@ import asyncio
 import contextlib
 
 import torch
+from conftest import ring_configs
 
-from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig
+from dreamp2p.config import PeerInfo, TransportConfig
 from dreamp2p.peer import Peer
 
 
@@ -62,7 +66,7 @@ class FlippingRelay:
 
 async def test_corrupted_bytes_are_refused_and_the_round_is_retried() -> None:
     t = TransportConfig(heartbeat_s=0.2, round_timeout_s=20.0, round_retries=1, streams_per_link=1)
-    p0, p1 = Peer(PeerConfig(node_id="p0", transport=t)), Peer(PeerConfig(node_id="p1", transport=t))
+    p0, p1 = (Peer(c) for c in ring_configs(2, transport=t))
     for p in (p0, p1):
         await p.start()
     relay = FlippingRelay(p1.port, at=1_500_000)  # deep inside the first large reduce-scatter frame

@@ -1,7 +1,11 @@
-"""Hypothesis fuzzing of every RPC of a live peer: malformed input never crashes it or changes its state.
+"""Hypothesis-generated messages against every RPC of a live peer: none crashes it or changes its state.
 
 Issue acceptance: "hypothesis-driven malformed messages against every RPC of a live server (>= 2,000 cases
-in the suite): no crash, no state change, precise status codes."
+in the suite): no crash, no state change, precise status codes." This file holds the randomized cases only:
+generated handshakes, probes, status calls, Push streams (random, raw and mutated frames) and calls to
+methods the peer does not have. Fixed inputs that must always run are ``@example`` cases of these tests
+(a body that is not a protobuf message, an unknown method with and without the token); every other fixed
+case, with the exact detail its refusal names, is in test_bad_input.py.
 
 Setup. One token-protected ring ``[p0, p1]`` runs for the whole module on its own asyncio loop in a
 background thread (as :class:`dreamp2p.sync.comm.CommThread` runs a peer), so the ``@given`` functions stay
@@ -30,14 +34,14 @@ Every example checks, against snapshots of p1 taken on its loop before and after
   became non-finite").
 
 After each test function the victim is ended and a real all-reduce between p0 and p1 must produce the
-exact mean. Two more tests cover the rest of the surface: calls to methods the peer does not have
-(fuzzed), and messages above the size limits (fixed cases: 64 MiB is too much to generate).
+exact mean. One more test covers the rest of the surface: calls to methods the peer does not have.
+Messages above the size limits are fixed cases (64 MiB is too much to generate): test_bad_input.py.
 
-Budget: ``QUOTA`` sums to 2,700 generated examples (asserted at import), plus 5 explicit ones per codec for
-the deepest refusals; the last test checks that the bodies ran at least that often. Examples are
-derandomized, with a seed per test. p1's ``round_timeout_s`` is 0.1 s, so a frame for a round that is not
-open yet (answered DEADLINE_EXCEEDED TIMEOUT) costs at most 0.1 s; the strategies keep such frames rare.
-The module takes about 30 s.
+Budget: ``QUOTA`` sums to 2,700 generated examples (asserted at import), plus explicit ones: 5 per codec for
+the deepest refusals, and the fixed cases named above; the last test checks that the bodies ran at least
+that often. Examples are derandomized, with a seed per test. p1's ``round_timeout_s`` is 0.1 s, so a frame
+for a round that is not open yet (answered DEADLINE_EXCEEDED TIMEOUT) costs at most 0.1 s; the strategies
+keep such frames rare. The module takes about 30 s.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ import zstandard
 from conftest import start_ring
 from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
+from rawpeer import CLUSTER, MANIFEST, TOKEN, hello_request
 
 from dreamp2p import PROTOCOL_VERSION
 from dreamp2p.collective.framecheck import check_early_frame
@@ -79,11 +84,8 @@ from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 
-TOKEN = "fuzz-s3cret"
 GOOD_AUTH = f"Bearer {TOKEN}"
 GOOD_MD: tuple[tuple[str, str], ...] = (("authorization", GOOD_AUTH),)
-CLUSTER = "fuzz-rpc"
-MANIFEST = bytes(range(32))
 RING = ("p0", "p1")
 # Group of the victim rounds; the real all-reduces use group 0.
 VICTIM_GROUP = 3
@@ -101,6 +103,8 @@ VICTIM_TIMEOUT = 300.0
 # Deadline of every attacker call: a hang fails the test (its details carry no application status).
 CALL_TIMEOUT = 10.0
 FLT_MAX = 3.4028234663852886e38
+# Not a protobuf message: an endless varint where the first field's key should be.
+GARBAGE = b"\xff" * 16
 FP32_ID = get_codec("fp32").wire_id
 ALL_CODEC_IDS = [get_codec(name).wire_id for name in codec_names()]
 
@@ -706,20 +710,6 @@ def zstd_variant(raw: bytes, itemsize: int, variant: str) -> bytes:
     return zstandard.ZstdCompressor(write_content_size=True).compress(raw)  # not byte-shuffled
 
 
-def hello_request(**fields: Any) -> pb.HandshakeRequest:
-    """A handshake p1 accepts (as node p0), with ``fields`` overriding single values."""
-    base: dict[str, Any] = {
-        "cluster_id": CLUSTER,
-        "protocol_version": PROTOCOL_VERSION,
-        "node_id": "p0",
-        "manifest_hash": MANIFEST,
-        "codecs": ALL_CODEC_IDS,
-        "advertise_address": "127.0.0.1:1",
-    }
-    base.update(fields)
-    return pb.HandshakeRequest(**base)
-
-
 def raw_codec_bytes(codec: str, length: int) -> bytes:
     return bytes(get_codec(codec).encode(torch.linspace(-2.0, 2.0, length, dtype=torch.float32)).numpy())
 
@@ -994,6 +984,7 @@ def test_fuzz_handshake(cluster: Cluster) -> None:
 
     @settings(FUZZ, max_examples=QUOTA["handshake"])
     @seed(zlib.crc32(b"handshake"))
+    @example(body=GARBAGE, auth=(GOOD_AUTH,))
     @given(body=bodies, auth=AUTH)
     def run(body: bytes, auth: tuple[str, ...]) -> None:
         EXAMPLES["handshake"] += 1
@@ -1053,6 +1044,7 @@ def test_fuzz_probe(cluster: Cluster) -> None:
 
     @settings(FUZZ, max_examples=QUOTA["probe"])
     @seed(zlib.crc32(b"probe"))
+    @example(body=GARBAGE, auth=(GOOD_AUTH,))
     @given(body=st.one_of(probes, RAW_BODY), auth=AUTH)
     def run(body: bytes, auth: tuple[str, ...]) -> None:
         EXAMPLES["probe"] += 1
@@ -1093,6 +1085,7 @@ def test_fuzz_status(cluster: Cluster) -> None:
 
     @settings(FUZZ, max_examples=QUOTA["status"])
     @seed(zlib.crc32(b"status"))
+    @example(body=GARBAGE, auth=(GOOD_AUTH,))
     @given(body=st.one_of(st.just(b""), RAW_BODY), auth=AUTH)
     def run(body: bytes, auth: tuple[str, ...]) -> None:
         EXAMPLES["status"] += 1
@@ -1198,6 +1191,8 @@ def test_fuzz_unknown_method(cluster: Cluster) -> None:
 
     @settings(FUZZ, max_examples=QUOTA["unknown_method"])
     @seed(zlib.crc32(b"unknown_method"))
+    @example(service="dreamp2p.v1.Peer", name="Steal", body=b"", auth=(GOOD_AUTH,))  # UNIMPLEMENTED
+    @example(service="dreamp2p.v1.Peer", name="Steal", body=b"", auth=())  # UNAUTHENTICATED BAD_TOKEN
     @given(service=services, name=names, body=RAW_BODY, auth=AUTH)
     def run(service: str, name: str, body: bytes, auth: tuple[str, ...]) -> None:
         EXAMPLES["unknown_method"] += 1
@@ -1217,38 +1212,6 @@ def test_fuzz_unknown_method(cluster: Cluster) -> None:
         same_admissions(before, after)
 
     run()
-    cluster.finish()
-
-
-def test_messages_above_the_size_limit(cluster: Cluster) -> None:
-    """Above max_message_bytes gRPC itself refuses any call (RESOURCE_EXHAUSTED, no application status);
-    a Push payload above the peer's own limit is RESOURCE_EXHAUSTED OVERSIZE. Nothing changes either way."""
-    limit = cluster.p1.config.transport.max_message_bytes
-    victim = cluster.ensure_victim("fp32")
-    frame = valid_frame(victim, "rs", zstd=False)
-    for size, app_level in ((cluster.p1.max_payload + 1, True), (limit + 1, False)):
-        frame.payload = bytes(size)
-        frame.checksum = checksum(frame.payload)
-        before = cluster.state()
-        code, details, _ = cluster.push([frame.SerializeToString()], (GOOD_AUTH,))
-        after = cluster.state()
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
-        if app_level:
-            assert details.startswith(f"{Status.OVERSIZE.name}: payload of {size} bytes exceeds limit"), details
-        else:
-            assert "larger than max" in details, details
-        common_invariants(cluster, before, after, rejected=int(app_level), push=True)
-        assert before.victim is not None and after.victim is not None
-        assert after.victim.same_as(before.victim)
-    big = bytes(limit + 1)
-    for method, auth in (("Handshake", (GOOD_AUTH,)), ("Probe", (GOOD_AUTH,)), ("Status", ()), ("Probe", ())):
-        before = cluster.state()
-        code, details, _ = cluster.unary(method, big, auth)
-        after = cluster.state()
-        # checked by gRPC before the token: a caller without it learns the size limit, nothing else
-        assert (code, "larger than max" in details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, True), (method, details)
-        common_invariants(cluster, before, after, rejected=0)
-        same_admissions(before, after)
     cluster.finish()
 
 
