@@ -18,12 +18,15 @@ from typing import Any
 
 import pytest
 
-from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.config import STRATEGIES, PeerConfig, PeerInfo
 from dreamp2p.peer import Peer
 
 ROOT = Path(__file__).resolve().parents[1]
 MAKE_CERTS = ROOT / "deploy" / "tls" / "make-certs.sh"
 KINDS = ("unit", "net", "adversarial", "e2e")
+# Every strategy that averages something: the registry's names (dreamp2p.config.STRATEGIES) but "none". Tests
+# that mean "every strategy" parametrize over this, so a strategy added to the registry is tested at once.
+SYNC_STRATEGIES = tuple(s for s in STRATEGIES if s != "none")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import SYNC_STRATEGIES
 
 from dreamp2p.config import DaemonConfig
 from dreamp2p.devtools.localrun import last_step, read_records, start_node, wait_exits, wait_progress, write_configs
@@ -119,7 +120,7 @@ def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("strategy", ["dreamddp", "ssgd", "localsgd", "diloco", "streaming", "co2"])
+@pytest.mark.parametrize("strategy", SYNC_STRATEGIES)
 def test_whole_cluster_stopped_steps_apart_resumes_together(tmp_path: Path, strategy: str) -> None:
     """Nodes stopped at different steps restart together: the newest saved state wins.
 

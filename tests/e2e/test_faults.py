@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import SYNC_STRATEGIES
 
 from dreamp2p.devtools.faults import kill_and_rejoin
 
@@ -17,12 +18,9 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-STRATEGIES = ["dreamddp", "ssgd", "localsgd", "diloco", "streaming", "co2"]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", SYNC_STRATEGIES)
 def test_kill_one_of_four_survivors_continue_and_it_rejoins(strategy: str) -> None:
     rep = kill_and_rejoin(n=4, victim=3, kill_at=30, progress=25, after_join=40, strategy=strategy, timeout=300)
     # survivors went on without the dead peer: kill_and_rejoin raises if they had not made `progress`

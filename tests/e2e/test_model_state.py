@@ -11,6 +11,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from conftest import SYNC_STRATEGIES
 
 from dreamp2p.devtools.launch import run_local
 
@@ -21,7 +22,7 @@ SYNC = {"period": 4, "warmup_steps": 2, "control_every": 4}
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp"])
+@pytest.mark.parametrize("strategy", SYNC_STRATEGIES)
 def test_parameters_frozen_parameters_and_buffers_agree(strategy: str) -> None:
     results = run_local(3, STATE_JOB, {"strategy": strategy, "sync": SYNC}, node_job=True, timeout=200)
     assert len({r["before"] for r in results}) == 3  # each rank started from its own init, buffers too

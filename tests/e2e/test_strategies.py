@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import SYNC_STRATEGIES
 
 from dreamp2p.devtools.bench.training import reference_ssgd
 from dreamp2p.devtools.launch import run_local
@@ -25,7 +26,7 @@ def mean(xs: list[float]) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp"])
+@pytest.mark.parametrize("strategy", SYNC_STRATEGIES)
 def test_strategy_trains_with_falling_loss(strategy: str) -> None:
     results = train(3, strategy, steps=80, sync=SMALL_SYNC)
     # attach() starts every replica from rank 0's parameters
