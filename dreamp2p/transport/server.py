@@ -105,7 +105,8 @@ class PeerServicer(pb_grpc.PeerServicer):
         try:
             return self.slots.acquire(connection, self.bindings.member_of(connection))
         except PeerError as err:
-            await _abort(context, err)
+            # at debug: a caller holding calls would otherwise write a log line per refusal (the count is kept)
+            await _abort(context, err, logging.DEBUG)
             raise
 
     def capped(self, handler: Callable[[Any, aio.ServicerContext], Awaitable[Any]]) -> Any:
@@ -301,8 +302,8 @@ async def _refuse_undecodable(request: Any, context: aio.ServicerContext) -> Non
         await _abort(context, PeerError(Status.BAD_FRAME, request.reason))
 
 
-async def _abort(context: aio.ServicerContext, err: PeerError) -> None:
-    log.info("refusing call: %s", err)
+async def _abort(context: aio.ServicerContext, err: PeerError, level: int = logging.INFO) -> None:
+    log.log(level, "refusing call: %s", err)
     await context.abort(serde.GRPC_CODE[err.status], serde.error_details(err))
 
 
