@@ -23,7 +23,7 @@ from dreamp2p.errors import PeerError
 from dreamp2p.messages import RoundEvidence
 from dreamp2p.peer.heartbeat import beat_once
 from dreamp2p.peer.membership import Membership
-from dreamp2p.peer.straggler import StragglerPolicy, StragglerRule
+from dreamp2p.peer.straggler import StragglerPolicy, rule_of
 from dreamp2p.transport.client import Link
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,7 @@ class Liveness:
         """A new membership over ``members``, all alive but ``unreachable`` (they count as dead at once)."""
         t = self.transport
         self.membership = Membership(self.node_id, members, misses=t.heartbeat_misses, dead_after_s=t.dead_after_s)
-        rule = StragglerRule(t.straggler_margin, t.straggler_floor_s, t.straggler_strikes, t.straggler_probation_s)
-        self.stragglers = StragglerPolicy(rule, members)
+        self.stragglers = StragglerPolicy(rule_of(t), members)
         now = time.monotonic()
         self.membership.start(now)
         for node in unreachable:

@@ -47,6 +47,7 @@ from dreamp2p.peer.liveness import Liveness
 from dreamp2p.peer.membership import Membership, view_id
 from dreamp2p.peer.roundrun import RETRY_GROUP_BIT, RoundRunner
 from dreamp2p.peer.rounds import RoundRegistry
+from dreamp2p.peer.straggler import rule_of, shared_settings
 from dreamp2p.transport.client import Link
 from dreamp2p.transport.server import build_server
 
@@ -154,6 +155,7 @@ class Peer:
         compare too, so both sides of a disagreement fail with the differing settings named. A member
         that has not declared yet (it has not attached its model) is asked again until ``timeout``.
         """
+        settings = {**settings, **shared_settings(rule_of(self.config.transport))}  # stragglers: judged alike
         self._settings = tuple(sorted(settings.items()))
         await self._links.agree(settings, self.view, self.hello, timeout)
 

@@ -28,6 +28,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dreamp2p.config import TransportConfig
 from dreamp2p.messages import RoundEvidence
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,22 @@ class StragglerRule:
     @property
     def enabled(self) -> bool:
         return self.margin > 0
+
+
+def rule_of(t: TransportConfig) -> StragglerRule:
+    """The rule a peer's ``[node.transport]`` straggler knobs set."""
+    return StragglerRule(t.straggler_margin, t.straggler_floor_s, t.straggler_strikes, t.straggler_probation_s)
+
+
+def shared_settings(rule: StragglerRule) -> dict[str, str]:
+    """The rule as a training setting every member must share (`dreamp2p.settings`): members that judged
+    by other rules would exclude at different rounds, and their views would differ. None while it is off."""
+    if not rule.enabled:
+        return {}
+    return {
+        "transport.stragglers": f"margin {rule.margin:g}, floor {rule.floor_s:g} s, "
+        f"strikes {rule.strikes}, probation {rule.probation_s:g} s"
+    }
 
 
 @dataclass

@@ -13,7 +13,8 @@ import asyncio
 import torch
 from conftest import ring_configs, start_ring
 
-from dreamp2p.config import TransportConfig
+from dreamp2p.config import PeerConfig, TransportConfig
+from dreamp2p.errors import PeerError, Status
 from dreamp2p.peer import Peer
 
 NUMEL = 32 << 10
@@ -66,5 +67,18 @@ async def test_a_slow_member_leaves_every_view_at_the_same_round_and_returns_aft
         data = await _round(peers, 4)
         assert all(torch.all(d == 1.0) for d in data)  # the mean of all three again
         assert all(p.status().excluded == () for p in peers)
+    finally:
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_members_with_other_straggler_rules_refuse_each_other() -> None:
+    # members that judged by other rules would exclude at other rounds: their views would differ
+    t0 = TransportConfig(heartbeat_s=0.2, straggler_margin=3.0)
+    t1 = TransportConfig(heartbeat_s=0.2, straggler_margin=4.0)
+    peers = await start_ring([PeerConfig(node_id="p0", transport=t0), PeerConfig(node_id="p1", transport=t1)])
+    try:
+        results = await asyncio.gather(*(p.agree({"strategy": "ssgd"}, 5.0) for p in peers), return_exceptions=True)
+        assert all(isinstance(r, PeerError) and r.status == Status.CONFIG_MISMATCH for r in results), results
+        assert all("transport.stragglers" in str(r) and "margin 3" in str(r) and "margin 4" in str(r) for r in results)
     finally:
         await asyncio.gather(*(p.close() for p in peers))

@@ -9,7 +9,15 @@ import pytest
 
 from dreamp2p.config import TransportConfig
 from dreamp2p.messages import RoundEvidence
-from dreamp2p.peer.straggler import StragglerPolicy, StragglerRule, deadline_s, expected_s, late_members
+from dreamp2p.peer.straggler import (
+    StragglerPolicy,
+    StragglerRule,
+    deadline_s,
+    expected_s,
+    late_members,
+    rule_of,
+    shared_settings,
+)
 
 MB = 1_000_000
 FAST = 100e6  # bytes/s
@@ -176,3 +184,21 @@ def test_straggler_knobs_are_checked(knobs: dict[str, float], error: str | None)
     else:
         with pytest.raises(ValueError, match=re.escape(error)):
             TransportConfig(**knobs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("knobs", "settings"),
+    [
+        ({}, {}),  # off: nothing to agree on
+        (
+            {"straggler_margin": 3.0},
+            {"transport.stragglers": "margin 3, floor 5 s, strikes 2, probation 30 s"},
+        ),
+        (
+            {"straggler_margin": 2.5, "straggler_floor_s": 1.5, "straggler_strikes": 3, "straggler_probation_s": 60},
+            {"transport.stragglers": "margin 2.5, floor 1.5 s, strikes 3, probation 60 s"},
+        ),
+    ],
+)
+def test_the_rule_is_a_shared_setting(knobs: dict[str, float], settings: dict[str, str]) -> None:
+    assert shared_settings(rule_of(TransportConfig(**knobs))) == settings  # type: ignore[arg-type]
