@@ -214,6 +214,10 @@ class Peer:
         """Whether ``sender`` completed a handshake with this process (gate for every non-handshake call)."""
         return self._admission.is_admitted(sender)
 
+    def failed_vote(self, key: tuple[int, int], members: Sequence[str]) -> str | None:
+        """A member of ``members`` whose vote that round ``key`` failed is recorded here, if any (read only)."""
+        return self._commits.failed_before(key, members)
+
     def _refusal(self) -> PeerError | None:
         """Why this peer takes no frames now: shutting down, or joining (see ``ready``)."""
         if self._closing:

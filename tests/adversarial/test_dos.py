@@ -313,7 +313,7 @@ async def test_votes_and_frames_count_only_from_the_connection_that_handshook() 
                 r"handshaken as it",
                 err.details() or "",
             ), err.details()
-            assert peer._commits.failed_before((GROUP, 3), ["p0"]) is None  # nothing was recorded
+            assert peer.failed_vote((GROUP, 3), ["p0"]) is None  # nothing was recorded
             with pytest.raises(aio.AioRpcError) as info:
                 await push(other, [data_frame("p0", 7)])
             assert (info.value.details() or "").startswith("NEEDS_HANDSHAKE: a frame claims node id 'p0'")
@@ -321,7 +321,7 @@ async def test_votes_and_frames_count_only_from_the_connection_that_handshook() 
             # from its own connection the same vote counts
             reply = await vote(own, "p0", 3)
             assert reply.status == pb.STATUS_OK
-            assert peer._commits.failed_before((GROUP, 3), ["p0"]) == "p0"
+            assert peer.failed_vote((GROUP, 3), ["p0"]) == "p0"
         finally:
             await asyncio.gather(own.close(grace=None), other.close(grace=None))
 
