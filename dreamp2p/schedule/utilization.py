@@ -345,6 +345,24 @@ def _evaluate(
 _BUDGET_ROUNDS = 8  # rescalings of the needed bandwidth until a plan fits the link budget
 
 
+def _bandwidth_for_budget(
+    costs: Sequence[LayerCost], link: LinkModel, codec: str, H: int, d: int, round_cost_s: float, budget: float
+) -> tuple[float, int]:
+    """Bandwidth at which the planner's plan for this setting keeps the link within ``budget``, and the
+    planner runs it took. The budget may bind before utilization does: the bandwidth is scaled by how far
+    the link time is over budget until the plan fits (a new bandwidth may change the plan)."""
+    bw = link.bandwidth_Bps
+    runs = 0
+    for _ in range(_BUDGET_ROUNDS):
+        lk = LinkModel(bw, link.rtt_s, link.world, link.codec_ratio, link.per_hop_overhead_s, link.margin)
+        busy = _evaluate(costs, lk, codec, H, d, round_cost_s).link_busy
+        runs += 1
+        if busy <= budget:
+            break
+        bw *= 1.01 * busy / budget
+    return bw, runs
+
+
 def _delays(H: int, cap: int | None) -> list[int]:
     """0, 1, 2, 4, ... below H, and H - 1, capped at ``cap``: small delays first (fresher weights)."""
     top = H - 1 if cap is None else min(cap, H - 1)
@@ -385,6 +403,27 @@ def _unreached(
     return needed, what, f"{what} needs about {needed * 8 / 1e9:.3g} Gbit/s (closed-form estimate; {now:.3g} now)"
 
 
+def _check_search(
+    costs: Sequence[LayerCost],
+    target: float,
+    codecs: Sequence[tuple[str, float]],
+    periods: Sequence[int],
+    max_delay: int | None,
+    link_budget: float | None,
+) -> None:
+    _check_target(target)
+    if not codecs:
+        raise ValueError("no candidate codecs")
+    if link_budget is not None and not 0.0 < link_budget <= 1.0:
+        raise ValueError(f"link_budget must be in (0, 1], got {link_budget!r}")
+    if not math.fsum(c.fwd_s + c.bwd_s for c in costs) > 0:  # utilization is undefined without compute
+        raise ValueError("the layer costs must have some compute time")
+    for H in periods:
+        _positive_int("period", H)
+    if max_delay is not None and (isinstance(max_delay, bool) or not isinstance(max_delay, int) or max_delay < 0):
+        raise ValueError(f"max_delay must be an int >= 0, got {max_delay!r}")
+
+
 def recommend(
     costs: Sequence[LayerCost],
     link: LinkModel,
@@ -411,18 +450,8 @@ def recommend(
     (a heuristic: the planner with a larger delay bound is never worse than with none, though not provably
     better than with every smaller bound).
     """
-    _check_target(target)
-    if not codecs:
-        raise ValueError("no candidate codecs")
-    if link_budget is not None and not 0.0 < link_budget <= 1.0:
-        raise ValueError(f"link_budget must be in (0, 1], got {link_budget!r}")
+    _check_search(costs, target, codecs, periods, max_delay, link_budget)
     budget = math.inf if link_budget is None else link_budget
-    if not math.fsum(c.fwd_s + c.bwd_s for c in costs) > 0:  # utilization is undefined without compute
-        raise ValueError("the layer costs must have some compute time")
-    for H in periods:
-        _positive_int("period", H)
-    if max_delay is not None and (isinstance(max_delay, bool) or not isinstance(max_delay, int) or max_delay < 0):
-        raise ValueError(f"max_delay must be an int >= 0, got {max_delay!r}")
     grid = sorted(set(periods))
     evaluated, closest, bound = 0, None, 0.0
     for name, ratio in codecs:
@@ -454,17 +483,10 @@ def recommend(
     d = H - 1 if max_delay is None else min(max_delay, H - 1)
     needed, what, tail = _unreached(costs, link, target, codecs, H, d)
     if link_budget is not None and needed is not None:
-        # the budget may bind before utilization does: scale the frugal setting's bandwidth by how far its
-        # link time is over budget until the planner's own plan fits (a new bandwidth may change the plan)
         name, ratio = min(codecs, key=lambda c: c[1])
-        for_budget = link.bandwidth_Bps
-        for _ in range(_BUDGET_ROUNDS):
-            lk = LinkModel(for_budget, link.rtt_s, link.world, ratio, link.per_hop_overhead_s, link.margin)
-            busy = _evaluate(costs, lk, name, H, d, round_cost_s).link_busy
-            evaluated += 1
-            if busy <= link_budget:
-                break
-            for_budget *= 1.01 * busy / link_budget
+        lk = LinkModel(link.bandwidth_Bps, link.rtt_s, link.world, ratio, link.per_hop_overhead_s, link.margin)
+        for_budget, runs = _bandwidth_for_budget(costs, lk, name, H, d, round_cost_s, link_budget)
+        evaluated += runs
         if for_budget > needed:
             needed = for_budget
             tail = f"{what} needs about {needed * 8 / 1e9:.3g} Gbit/s to keep the link within budget "
