@@ -68,7 +68,7 @@ class TransportConfig:
     zstd: bool = False
     zstd_level: int = 1
     rate_limit: float | None = None  # emulated link rate in bytes/s (token bucket at the sender)
-    delay_s: float = 0.0  # emulated one-way delay per hop (netem is absent here; see client.OutboundStream)
+    delay_s: float = 0.0  # emulated one-way delay per hop (netem is absent here; see transport.outbound.OutboundStream)
     probe_interval_s: float = 5.0
     probe_burst_bytes: int = 256 << 10
     # failure detection: a member that misses this many heartbeats in a row (or is silent for

@@ -36,7 +36,7 @@ from dreamp2p.peer.links import RingLinks
 from dreamp2p.peer.liveness import Liveness
 from dreamp2p.peer.membership import view_id
 from dreamp2p.peer.rounds import RETRY_GROUP_BIT, RoundRegistry
-from dreamp2p.transport.client import OutboundStream
+from dreamp2p.transport.outbound import OutboundStream
 
 log = logging.getLogger(__name__)
 

@@ -78,7 +78,7 @@ from dreamp2p.messages import Hello
 from dreamp2p.peer import MAX_PROBE_BYTES, MAX_ROUNDS_AHEAD, Peer
 from dreamp2p.peer.membership import view_id
 from dreamp2p.transport import serde
-from dreamp2p.transport.client import OutboundStream
+from dreamp2p.transport.outbound import OutboundStream
 from dreamp2p.v1 import peer_pb2 as pb
 from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
 

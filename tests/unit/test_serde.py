@@ -122,7 +122,7 @@ def test_a_failed_call_carries_its_grpc_code_and_status_as_fields(
 ) -> None:
     from grpc import aio
 
-    from dreamp2p.transport.client import rpc_error
+    from dreamp2p.transport.rpcerror import rpc_error
 
     err = rpc_error(aio.AioRpcError(code, aio.Metadata(), aio.Metadata(), details=details))
     assert err.grpc_code == code.name and err.status == status
