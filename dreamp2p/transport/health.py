@@ -3,7 +3,8 @@
 Probes (kubelet's gRPC probe, grpcurl, load balancers) can send neither the cluster token nor a client
 certificate, so the health service does not share the Peer service's port: it listens on an address of
 its own (``[node] health_listen``, loopback or pod-local) and tells only whether the node is serving.
-The peer decides the status; this module only serves it.
+It also serves gRPC server reflection, listing the Peer service and the health service by name, so
+grpcurl can find them without the proto file. The peer decides the status; this module only serves it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ import logging
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from dreamp2p.v1 import peer_pb2  # its descriptors in the default pool: reflection describes the Peer service
 
 log = logging.getLogger(__name__)
 
-PEER_SERVICE = "dreamp2p.v1.Peer"  # the status applies to the whole node ("") and to the Peer service
+# the status applies to the whole node ("") and to the Peer service
+PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# what reflection lists: names only (the Peer service itself is not served here)
+REFLECTED_SERVICES = (PEER_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -35,6 +43,7 @@ class HealthListener:
         """Bind and start with an initial status; returns the bound port."""
         server = aio.server(maximum_concurrent_rpcs=64)
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+        reflection.enable_server_reflection(REFLECTED_SERVICES, server)
         self.port = server.add_insecure_port(self._listen)
         if self.port == 0:
             raise OSError(f"could not bind the health listener {self._listen}")

@@ -98,3 +98,24 @@ async def test_health_cli_exit_code_says_serving() -> None:
         assert (proc.returncode, out.decode().strip()) == (1, "NOT_SERVING")
     finally:
         await peer.close(grace=0.1)
+
+
+async def test_reflection_lists_the_peer_and_health_services_without_a_token() -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    (peer,) = await start_ring(ring_configs(1, token="secret", health_listen="127.0.0.1:0"))
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{peer.health_port}") as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            ask = [
+                reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol=PEER_SERVICE),
+            ]
+            replies = [r async for r in stub.ServerReflectionInfo(iter(ask), timeout=10)]
+        listed = {s.name for s in replies[0].list_services_response.service}
+        assert {"dreamp2p.v1.Peer", "grpc.health.v1.Health"} <= listed
+        # the Peer service's descriptor comes back too (grpcurl describe), not an error
+        assert replies[1].WhichOneof("message_response") == "file_descriptor_response"
+        assert replies[1].file_descriptor_response.file_descriptor_proto
+    finally:
+        await peer.close(grace=0.1)
