@@ -1,7 +1,7 @@
 """The shipped node configs load, and their TLS files are exactly what deploy/tls/make-certs.sh writes.
 
 Configs: nodes/*.toml, deploy/nodes-compose/*.toml (the files deploy/compose.yaml mounts), the node.toml in
-deploy/k8s/statefulset.yaml's ConfigMap and the example in deploy/README.md, each through
+the kustomize base's and overlays' node.toml files (deploy/k8s/) and the example in deploy/README.md, each through
 :meth:`DaemonConfig.from_dict` (what ``dreamp2p node --config`` runs). A node's certificate is made for the
 host it is dialled by (the host of ``advertise``), so its ``[node.tls]`` files must be the ones the script
 writes for that host, under the script's names: no renaming step between the two.
@@ -22,21 +22,8 @@ from dreamp2p.config import DaemonConfig
 ROOT = Path(__file__).resolve().parents[2]
 MAKE_CERTS = ROOT / "deploy" / "tls" / "make-certs.sh"
 COMPOSE = ROOT / "deploy" / "compose.yaml"
-K8S = ROOT / "deploy" / "k8s" / "statefulset.yaml"
+K8S = ROOT / "deploy" / "k8s"
 README = ROOT / "deploy" / "README.md"
-
-
-def _k8s_node_toml(text: str) -> str:
-    """The ``node.toml: |`` block scalar of the ConfigMap, dedented (no YAML library needed)."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.strip() == "node.toml: |") + 1
-    indent = len(lines[start]) - len(lines[start].lstrip())
-    block = []
-    for line in lines[start:]:
-        if line.strip() and len(line) - len(line.lstrip()) < indent:
-            break
-        block.append(line[indent:])
-    return "\n".join(block) + "\n"
 
 
 def _readme_toml(text: str) -> list[str]:
@@ -54,7 +41,9 @@ def shipped_configs() -> dict[str, str]:
         out[str(path.relative_to(ROOT))] = path.read_text()
     extra = set((ROOT / "deploy" / "nodes-compose").glob("*.toml")) - {ROOT / "deploy" / r for r in mounted}
     assert not extra, f"not mounted by deploy/compose.yaml: {sorted(map(str, extra))}"
-    out["deploy/k8s/statefulset.yaml (ConfigMap node.toml)"] = _k8s_node_toml(K8S.read_text())
+    k8s = sorted(K8S.rglob("node.toml"))
+    assert len(k8s) >= 2, "deploy/k8s has no node.toml for its base and region overlays"
+    out.update({str(p.relative_to(ROOT)): p.read_text() for p in k8s})
     blocks = _readme_toml(README.read_text())
     assert blocks, "deploy/README.md has no toml example"
     for i, block in enumerate(blocks):
@@ -128,4 +117,4 @@ def test_shipped_configs_load_and_name_the_tls_files_make_certs_writes(
                 timeout=30,
             ).stdout
             assert host in subject, f"{where}: {tls.cert_file} is not {host}'s certificate ({subject.strip()})"
-    assert with_tls >= 3, "expected the nodes/ configs, the k8s ConfigMap and the README example to use TLS"
+    assert with_tls >= 3, "expected the nodes/ configs, the k8s node.toml files and the README example to use TLS"
