@@ -46,6 +46,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy dreamp2p
+	BIN=$(BIN) .ci/lint-deploy
 
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/dreamp2p/v1/peer.proto
