@@ -38,6 +38,7 @@ from dreamp2p.service.region import (
     start_region,
     torchrun_place,
 )
+from dreamp2p.service.sdnotify import Notifier
 from dreamp2p.service.tasks import make_task
 from dreamp2p.sync.shards import rank_node_id
 
@@ -291,6 +292,8 @@ def _train(
     progress = ProgressLog(cfg.metrics.progress_every_s, sync, metrics)
     final = cfg.task.steps
     base_lrs = [float(g["lr"]) for g in sync.optimizer.param_groups]
+    notifier = Notifier()  # systemd Type=notify: ready once attached, watchdog pings from the steps
+    notifier.ready(f"training from step {sync.step_count}")
     while sync.step_count < final and not stop.event.is_set():
         step = sync.step_count
         if step % 5 == 0 and (agreed := _read_stop_at(stop_at_file)) is not None:
@@ -317,6 +320,7 @@ def _train(
             raise RuntimeError(f"loss became {value} at step {step}")
         tokens_per_s = task.tokens_per_batch / dt if dt > 0 else 0.0
         last_plan = _publish_step(cfg, sync, node, metrics, step, value, tokens_per_s, stats, last_plan)
+        notifier.watchdog()
         progress.step(step, final, value, tokens_per_s, stats.plan_version)
         if (step + 1) % cfg.task.eval_every == 0 or step == 0:
             last_eval = task.evaluate(model)
@@ -328,6 +332,7 @@ def _train(
             path = save_checkpoint(cfg.checkpoint.dir, step + 1, _saved_state(sync, base_lrs), cfg.checkpoint.keep)
             # the digest lets a resume be checked against what was saved (xxh3: cheap beside the write)
             metrics.record(RecordKind.CHECKPOINT, step=step + 1, path=str(path), digest=param_digest(model))
+    notifier.stopping(f"draining at step {sync.step_count}")
     _drain(sync, node, cfg.stop_grace_s)
     path = save_checkpoint(cfg.checkpoint.dir, sync.step_count, _saved_state(sync, base_lrs), cfg.checkpoint.keep)
     last_eval = task.evaluate(model)
