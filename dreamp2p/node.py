@@ -255,6 +255,10 @@ class Node:
         """Stop taking part in rounds until :meth:`join` is done (a resuming node that must join instead)."""
         self.comm.stand_aside()
 
+    def begin_drain(self) -> None:
+        """The node is stopping: its health turns NOT_SERVING while rounds in flight still land."""
+        self.comm.begin_drain()
+
     def close(self) -> None:
         try:
             if self.strategy is not None:

@@ -21,11 +21,14 @@ HEALTH_INTERVAL_S = 0.5
 Health = tuple[bool, str]  # serving, and why not
 
 
-def health_of(closing: bool, ready: bool, idle_s: float | None, stall_s: float) -> Health:
-    """Serving or not, and why: shutting down, joining, or a trainer idle (no step published) for
-    ``idle_s`` > ``stall_s`` seconds (``idle_s`` None: no trainer has published yet, so none stalled)."""
+def health_of(closing: bool, ready: bool, idle_s: float | None, stall_s: float, draining: bool = False) -> Health:
+    """Serving or not, and why: shutting down, draining (stopping after the current step), joining, or a
+    trainer idle (no step published) for ``idle_s`` > ``stall_s`` seconds (``idle_s`` None: no trainer has
+    published yet, so none stalled)."""
     if closing:
         return False, "shutting down"
+    if draining:
+        return False, "draining: stopping after the rounds in flight"
     if not ready:
         return False, "joining: no training state yet"
     if idle_s is not None and idle_s > stall_s:

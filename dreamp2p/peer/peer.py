@@ -87,6 +87,7 @@ class Peer:
         )
         self._started = time.monotonic()
         self._closing = False
+        self.draining = False  # the daemon is stopping: rounds in flight still land, probes see NOT_SERVING
         self._progress_at = time.monotonic()  # when the trainer last published a step
         # set by the trainer's thread; replaced whole (never mutated), so readers see a consistent value
         self.training: TrainingInfo | None = None
@@ -116,7 +117,7 @@ class Peer:
     def health(self, now: float | None = None) -> tuple[bool, str]:
         """Whether this node is serving, and why not: joining, shutting down, or its trainer stalled."""
         idle = None if self.training is None else (time.monotonic() if now is None else now) - self._progress_at
-        return health_of(self._closing, self.ready, idle, self.config.health_stall_s)
+        return health_of(self._closing, self.ready, idle, self.config.health_stall_s, self.draining)
 
     @property
     def address(self) -> str:
@@ -246,6 +247,10 @@ class Peer:
         """Take part in rounds again, from ``round_id`` on (a joiner that now holds the cluster's state)."""
         self.rounds.min_round_id = round_id
         self.ready = True
+
+    def begin_drain(self) -> None:
+        """The node is stopping after its rounds in flight: health turns NOT_SERVING (rounds still run)."""
+        self.draining = True
 
     def stand_aside(self) -> None:
         """Take part in no round until ``ready`` again (a node that turns out to be joining): refuse new frames

@@ -333,6 +333,7 @@ def _train(
             # the digest lets a resume be checked against what was saved (xxh3: cheap beside the write)
             metrics.record(RecordKind.CHECKPOINT, step=step + 1, path=str(path), digest=param_digest(model))
     notifier.stopping(f"draining at step {sync.step_count}")
+    node.begin_drain()  # probes see NOT_SERVING while rounds in flight land
     _drain(sync, node, cfg.stop_grace_s)
     path = save_checkpoint(cfg.checkpoint.dir, sync.step_count, _saved_state(sync, base_lrs), cfg.checkpoint.keep)
     last_eval = task.evaluate(model)

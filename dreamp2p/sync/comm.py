@@ -154,6 +154,10 @@ class CommThread:
         """Take part in rounds from ``round_id`` on (see Peer.admit_from)."""
         self.on_loop(self.peer.admit_from, round_id)
 
+    def begin_drain(self) -> None:
+        """Health NOT_SERVING from now on: the node is stopping (see Peer.begin_drain)."""
+        self.on_loop(self.peer.begin_drain)
+
     def stand_aside(self) -> None:
         """Take part in no round until :meth:`admit_from` (see Peer.stand_aside)."""
         self.on_loop(self.peer.stand_aside)

@@ -154,6 +154,7 @@ class _Child:
             "set_resume_steps": peer.set_resume_steps,
             "admit_from": peer.admit_from,
             "stand_aside": peer.stand_aside,
+            "begin_drain": peer.begin_drain,
             "status": peer.status,
             "abort_rounds": peer.abort_rounds,
             "set_rate_limit": peer.set_rate_limit,

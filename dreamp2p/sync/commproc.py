@@ -202,6 +202,9 @@ class CommProcess:
     def admit_from(self, round_id: int) -> None:
         self._call("admit_from", round_id)
 
+    def begin_drain(self) -> None:
+        self._call("begin_drain")
+
     def stand_aside(self) -> None:
         self._call("stand_aside")
 

@@ -85,6 +85,7 @@ CALL_OPS = frozenset(
         "set_resume_steps",
         "admit_from",
         "stand_aside",
+        "begin_drain",
         "member_status",
         "fetch_state",
         "status",

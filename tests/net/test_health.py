@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dreamp2p.config import PeerConfig
 from dreamp2p.messages import TrainingInfo
 from dreamp2p.peer import Peer
+from dreamp2p.peer.health import health_of
 from dreamp2p.transport.health import PEER_SERVICE, check_health
 from dreamp2p.v1 import peer_pb2 as pb
 from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
@@ -117,5 +118,31 @@ async def test_reflection_lists_the_peer_and_health_services_without_a_token() -
         # the Peer service's descriptor comes back too (grpcurl describe), not an error
         assert replies[1].WhichOneof("message_response") == "file_descriptor_response"
         assert replies[1].file_descriptor_response.file_descriptor_proto
+    finally:
+        await peer.close(grace=0.1)
+
+
+@pytest.mark.parametrize(
+    ("closing", "draining", "ready", "idle", "want"),
+    [
+        (False, False, True, None, (True, "serving")),
+        (False, False, True, 5.0, (True, "serving")),
+        (False, True, True, None, (False, "draining: stopping after the rounds in flight")),
+        (True, True, True, None, (False, "shutting down")),
+        (False, False, False, None, (False, "joining: no training state yet")),
+        (False, False, True, 11.0, (False, "trainer stalled: no step published for 11 s")),
+    ],
+)
+def test_health_of(closing: bool, draining: bool, ready: bool, idle: float | None, want: tuple[bool, str]) -> None:
+    assert health_of(closing, ready, idle, 10.0, draining) == want
+
+
+async def test_draining_turns_not_serving_while_rounds_still_run() -> None:
+    (peer,) = await start_ring(ring_configs(1, health_listen="127.0.0.1:0"))
+    try:
+        assert await check_health(f"127.0.0.1:{peer.health_port}") == "SERVING"
+        peer.begin_drain()
+        await eventually(peer, "NOT_SERVING")
+        assert peer.health()[1].startswith("draining")
     finally:
         await peer.close(grace=0.1)
