@@ -184,7 +184,7 @@ def _plan_target(args: argparse.Namespace) -> int:
     from dreamp2p.config.sync import SyncConfig
     from dreamp2p.schedule.cost import LinkModel
     from dreamp2p.schedule.linkcodec import wire_ratio
-    from dreamp2p.schedule.utilization import SEARCH_CODECS, SEARCH_PERIODS, recommend
+    from dreamp2p.schedule.recommend import SEARCH_CODECS, SEARCH_PERIODS, recommend
     from dreamp2p.schedule.whatif import uniform_costs
 
     run = SyncConfig()  # a recommendation must keep the headroom a dreamddp run demands of its plans

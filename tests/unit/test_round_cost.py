@@ -11,7 +11,7 @@ from dreamp2p.config.sync import SyncConfig
 from dreamp2p.schedule.cost import LinkModel
 from dreamp2p.schedule.dreamddp import plan_dreamddp, predict, rounds_per_step
 from dreamp2p.schedule.plan import total_exposed
-from dreamp2p.schedule.utilization import recommend
+from dreamp2p.schedule.recommend import recommend
 from dreamp2p.schedule.whatif import uniform_costs
 
 # bench lm's byte-level GPT: 3.32M parameters in 16 layers, a 0.28 s step, int8 plans with the runtime's margin

@@ -13,6 +13,7 @@ import pytest
 
 from dreamp2p.schedule.cost import LinkModel
 from dreamp2p.schedule.dreamddp import predict
+from dreamp2p.schedule.recommend import recommend
 from dreamp2p.schedule.utilization import (
     PAPER_TARGETS,
     PAPER_WORKLOADS,
@@ -26,7 +27,6 @@ from dreamp2p.schedule.utilization import (
     ceiling,
     needed_bandwidth,
     paper_methods,
-    recommend,
     utilization,
 )
 from dreamp2p.schedule.whatif import uniform_costs

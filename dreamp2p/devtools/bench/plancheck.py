@@ -31,7 +31,7 @@ from dreamp2p.devtools.bench.lm import bench_lm
 from dreamp2p.devtools.bench.lmwork import make_model, run_ceiling
 from dreamp2p.schedule.cost import LinkModel
 from dreamp2p.schedule.linkcodec import wire_ratio
-from dreamp2p.schedule.utilization import SEARCH_CODECS, SEARCH_PERIODS, recommend
+from dreamp2p.schedule.recommend import SEARCH_CODECS, SEARCH_PERIODS, recommend
 from dreamp2p.schedule.whatif import uniform_costs
 from dreamp2p.sync.layers import discover_layers
 
