@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import shutil
 import subprocess
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +104,12 @@ async def ring3() -> AsyncIterator[list[Peer]]:
     """Three default peers on loopback, connected into one ring."""
     async with running_ring(ring_configs(3), grace=2.0) as peers:
         yield peers
+
+
+async def poll_until(check: Callable[[], bool], interval: float = 0.01) -> None:
+    """Wait until ``check()`` holds, looking every ``interval`` s. No time limit of its own: a loaded host
+    is slow, not wrong, so the test's pytest timeout is the hang guard (no wall-clock bound in tests)."""
+    while True:
+        if check():
+            return
+        await asyncio.sleep(interval)

@@ -37,7 +37,7 @@ import grpc
 import pytest
 import torch
 import xxhash
-from conftest import ring_configs, running_ring
+from conftest import poll_until, ring_configs, running_ring
 from grpc import aio
 from rawpeer import CALL_TIMEOUT, CLUSTER, GOOD_MD, MANIFEST, SERVICE, TOKEN, hello_request, refused, running_peer
 
@@ -231,10 +231,7 @@ async def open_victim_round(
     pristine = tensor.clone()
     key = (VICTIM_GROUP, peer.rounds.snapshot().next_round.get(VICTIM_GROUP, 0) + 1)
     task = asyncio.create_task(peer.allreduce([tensor], group_id=VICTIM_GROUP, codec=codec, timeout=timeout))
-    for _ in range(200):
-        if peer.rounds.get(key) is not None or task.done():
-            break
-        await asyncio.sleep(0.005)
+    await poll_until(lambda: peer.rounds.get(key) is not None or task.done(), 0.005)
     assert peer.rounds.get(key) is not None, f"victim round {key} did not open"
     return Victim(key, tensor, pristine, task)
 

@@ -63,7 +63,7 @@ import pytest
 import torch
 import xxhash
 import zstandard
-from conftest import start_ring
+from conftest import poll_until, start_ring
 from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 from rawpeer import CLUSTER, MANIFEST, TOKEN, hello_request
@@ -611,10 +611,7 @@ def _snapshot(p1: Peer, victim_key: tuple[int, int] | None) -> PeerState:
 async def _open_victim(p1: Peer, codec: str, tensor: torch.Tensor) -> Victim:
     key = (VICTIM_GROUP, p1.rounds.snapshot().next_round.get(VICTIM_GROUP, 0) + 1)
     task = asyncio.ensure_future(p1.allreduce([tensor], group_id=VICTIM_GROUP, codec=codec, timeout=VICTIM_TIMEOUT))
-    for _ in range(400):
-        if p1.rounds.get(key) is not None or task.done():
-            break
-        await asyncio.sleep(0.005)
+    await poll_until(lambda: p1.rounds.get(key) is not None or task.done(), 0.005)
     victim_round = p1.rounds.get(key)
     assert victim_round is not None, f"victim round {key} did not open"
     stream = victim_round.out
@@ -646,10 +643,7 @@ async def _abandon(p0: Peer, v: Victim) -> str:
     else:
         raise AssertionError(f"victim round {v.key} completed")
     stream, v.stream = v.stream, None
-    for _ in range(200):
-        if stream is None or stream.calls_done():
-            break
-        await asyncio.sleep(0.005)
+    await poll_until(lambda: stream is None or stream.calls_done(), 0.005)
     assert stream is None or stream.calls_done(), f"p1's Push of victim round {v.key} to p0 did not end"
     return outcome
 

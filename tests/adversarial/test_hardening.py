@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 
 import grpc
 import pytest
+from conftest import poll_until
 from grpc import aio
 from rawpeer import CALL_TIMEOUT, GOOD_MD, hello_request, push, refused, running_peer, waiting_frame
 
@@ -49,12 +50,9 @@ class InFlight:
 
         peer.accept_frame = counting  # type: ignore[method-assign]
 
-    async def reach(self, n: int, timeout: float = 5.0) -> None:
-        for _ in range(int(timeout / 0.01)):
-            if self.now >= n:
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"{self.now} frames in flight, expected {n}")
+    async def reach(self, n: int) -> None:
+        """Until ``n`` frames are in flight (no time limit of its own: see `poll_until`)."""
+        await poll_until(lambda: self.now >= n)
 
 
 # ----------------------------------------------------------------------------------------- limits
