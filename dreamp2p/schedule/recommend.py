@@ -21,9 +21,9 @@ from dreamp2p.schedule.utilization import (
     Method,
     Network,
     Workload,
-    _check_target,
-    _positive_int,
     ceiling,
+    check_positive_int,
+    check_target,
     needed_bandwidth,
 )
 
@@ -139,7 +139,7 @@ def _check_search(
     max_delay: int | None,
     link_budget: float | None,
 ) -> None:
-    _check_target(target)
+    check_target(target)
     if not codecs:
         raise ValueError("no candidate codecs")
     if link_budget is not None and not 0.0 < link_budget <= 1.0:
@@ -147,7 +147,7 @@ def _check_search(
     if not math.fsum(c.fwd_s + c.bwd_s for c in costs) > 0:  # utilization is undefined without compute
         raise ValueError("the layer costs must have some compute time")
     for H in periods:
-        _positive_int("period", H)
+        check_positive_int("period", H)
     if max_delay is not None and (isinstance(max_delay, bool) or not isinstance(max_delay, int) or max_delay < 0):
         raise ValueError(f"max_delay must be an int >= 0, got {max_delay!r}")
 

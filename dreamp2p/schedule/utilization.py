@@ -66,12 +66,12 @@ def _real(name: str, value: float, low: float, high: float = math.inf, open_low:
         raise ValueError(f"{name} must be a finite number in {bound}, got {value!r}")
 
 
-def _positive_int(name: str, value: int) -> None:
+def check_positive_int(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def _check_target(target: float) -> None:
+def check_target(target: float) -> None:
     ok = isinstance(target, int | float) and not isinstance(target, bool) and 0.0 < target < 1.0
     if not ok:
         raise ValueError(f"target utilization must be a number in (0, 1), got {target!r}")
@@ -89,7 +89,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         _real("params", self.params, 0.0)
-        _positive_int("layers", self.layers)
+        check_positive_int("layers", self.layers)
         _real("step_time_s", self.step_time_s, 0.0)
         _real("backward_fraction", self.backward_fraction, 0.0, 1.0)
 
@@ -106,7 +106,7 @@ class Network:
     rtt_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive_int("peers", self.peers)
+        check_positive_int("peers", self.peers)
         _real("rtt_s", self.rtt_s, 0.0, open_low=False)
 
     def link(self, bandwidth_Bps: float, ratio: float) -> LinkModel:
@@ -129,8 +129,8 @@ class Method:
         if self.kind not in KINDS:
             raise ValueError(f"unknown method kind {self.kind!r}; expected one of {list(KINDS)}")
         _real("ratio", self.ratio, 0.0, 4.0)
-        _positive_int("period", self.period)
-        _positive_int("fragment_layers", self.fragment_layers)
+        check_positive_int("period", self.period)
+        check_positive_int("fragment_layers", self.fragment_layers)
         if isinstance(self.overlap, bool) or not isinstance(self.overlap, int) or self.overlap < 0:
             raise ValueError(f"overlap must be an int >= 0, got {self.overlap!r}")
         if self.kind == "dreamddp" and self.overlap >= self.period:
@@ -208,7 +208,7 @@ def needed_bandwidth(method: Method, work: Workload, net: Network, target: float
 
     Bisection in log space on a monotone function; the returned value satisfies the target when fed back.
     """
-    _check_target(target)
+    check_target(target)
     if ceiling(method, work, net) < target:
         return None
     lo, hi = _LOW_BPS, _LOW_BPS
@@ -286,7 +286,7 @@ def bandwidth_table(
     methods = paper_methods() if methods is None else methods
     net = Network() if net is None else net
     for t in targets:
-        _check_target(t)
+        check_target(t)
     rows = []
     for work in workloads:
         for m in methods:
