@@ -13,6 +13,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -80,7 +81,9 @@ def _child(
             result = asyncio.run(_child_main(rank, conn, config, job, args))
         conn.send(("ok", result))
     except BaseException as exc:  # report every failure to the parent, then exit non-zero
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        # the last frames say where: a bare CancelledError or KeyError names nothing by itself
+        where = "".join(traceback.format_exception(exc)[-8:]).rstrip()
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{where}"))
         raise
     finally:
         conn.close()

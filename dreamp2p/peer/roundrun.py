@@ -268,14 +268,16 @@ class RoundRunner:
             evidence = {n: votes[n].evidence for n in others if n in votes}
             evidence[self.config.node_id] = self._commits.evidence(key)
         except (PeerError, TimeoutError, RoundAborted) as exc:
-            rnd.fail(str(exc))
-            self.failed += 1
-            deadline = isinstance(exc, TimeoutError) or (isinstance(exc, PeerError) and exc.status == Status.TIMEOUT)
-            self._rounds.note_failure(key, str(exc) or type(exc).__name__, deadline=deadline)
-            self._commits.announce(key, vid, others, commit=False)
-            if isinstance(exc, PeerError) and exc.status == Status.VIEW_MISMATCH:
-                log.info("round %s: members disagree about who is alive (%s); skipped", key, exc.detail)
-            raise RoundFailed(key, str(exc) or type(exc).__name__) from None
+            raise self._failed(rnd, vid, others, exc) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                rnd.fail("cancelled")
+                raise
+            # a part of the round was cancelled beneath it, not our caller: a failed round like any other,
+            # so the trainer skips it on every member instead of meeting a bare CancelledError
+            log.warning("round %s: a part of it was cancelled beneath it", key, exc_info=True)
+            raise self._failed(rnd, vid, others, RoundAborted("a part of the round was cancelled")) from None
         except BaseException:
             rnd.fail("cancelled")
             raise
@@ -284,6 +286,18 @@ class RoundRunner:
             self._commits.forget(key)
         # every member of the round holds the same evidence now (all-or-none), so judges it alike
         self._live.judge(evidence)
+
+    def _failed(self, rnd: RingRound, vid: int, others: Sequence[str], exc: Exception) -> RoundFailed:
+        """Give up ``rnd`` here and tell ``others`` (all-or-none: they drop it too); the error to raise."""
+        key = rnd.spec.key
+        rnd.fail(str(exc))
+        self.failed += 1
+        deadline = isinstance(exc, TimeoutError) or (isinstance(exc, PeerError) and exc.status == Status.TIMEOUT)
+        self._rounds.note_failure(key, str(exc) or type(exc).__name__, deadline=deadline)
+        self._commits.announce(key, vid, others, commit=False)
+        if isinstance(exc, PeerError) and exc.status == Status.VIEW_MISMATCH:
+            log.info("round %s: members disagree about who is alive (%s); skipped", key, exc.detail)
+        return RoundFailed(key, str(exc) or type(exc).__name__)
 
     def _evidence(self, rnd: RingRound, others: Sequence[str], t0: float) -> RoundEvidence:
         """What we measured of our part of ``rnd``: bytes sent, our link's rate to our successor, seconds."""
@@ -344,6 +358,8 @@ async def _close(out: OutboundStream, failed: asyncio.Future[None], timeout: flo
     try:
         done, _ = await asyncio.wait({closing, failed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if closing in done:
+            if closing.cancelled():  # not by our caller (that cancels us inside wait): the stream cannot finish
+                raise RoundAborted("our stream to the successor was cancelled")
             closing.result()
         elif failed in done and not failed.cancelled():
             failed.result()  # raises the stream's failure (an abort names its reason)

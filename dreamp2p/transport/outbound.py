@@ -110,10 +110,15 @@ class OutboundStream:
             raise err from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            ours = self._failure is not None or gen != self._generation
-            if ours and task is not None and not task.cancelling():
+            if task is None or task.cancelling():
+                raise  # our own task is being cancelled: that propagates
+            if self._failure is not None or gen != self._generation:
                 return None  # we cancelled the call ourselves (abort or replay)
-            raise
+            # gRPC cancelled the call beneath us (it does when writing a request fails): the stream is
+            # broken, which fails the round like any other stream failure, never as a bare cancellation
+            err = PeerError(Status.UNSPECIFIED, f"the stream to {self._link.dest.node_id} was cancelled locally")
+            self._fail(err)
+            raise err from None
 
     async def _replay(self, err: PeerError) -> None:
         """The successor went away mid-round (a restart): resend this round's frames on new streams.
