@@ -51,6 +51,7 @@ class Inbound:
         """Accept a member's handshake (PeerError saying why not) and answer with ``mine``."""
         members = {p.node_id for p in (self._links.ring or self.config.ring)}
         self._admission.admit(hello, mine, members, get_codec(self.config.codec).wire_id, self.config.codec)
+        self._live.welcome(hello.node_id)  # a restarted member is back in the view within a round trip
         return mine
 
     async def accept_frame(self, frame: Frame) -> None:

@@ -4,7 +4,9 @@ The loop repeats one heartbeat round (`peer.heartbeat`) every ``heartbeat_s`` an
 leaves; a view change is handed to ``on_change`` (the peer fails the rounds that need a member that is
 gone). Callers that learned of a loss first take a member out at once (`mark_unreachable`); a member
 whose stream to us broke is echoed at once (`check`), so a dead one leaves the view without waiting for
-the next pass; a retry waits for one more pass over the members (`next_heartbeat`). A live member
+the next pass; a member that introduces itself while counted dead (a restarted process) is echoed at
+once too (`welcome`), so it is back in the view within a round trip; a retry waits for one more pass
+over the members (`next_heartbeat`). A live member
 judged a straggler (`peer.straggler`, from the evidence on a completed round's commit votes) is left out
 of the view until its probation ends; a straggler's own view is itself alone meanwhile. Runs on the peer's
 event loop only.
@@ -135,6 +137,37 @@ class Liveness:
                 if self.membership.missed(node, time.monotonic(), fatal=True):
                     log.warning("%s refused a connection after its stream broke: the ring re-forms without it", node)
                 self._set_view(self._compose())
+
+    def welcome(self, node: str) -> None:
+        """``node`` introduced itself (a handshake): if we count it dead, echo it now, not at the next pass.
+
+        A restarted member handshakes every other member first thing; echoing it at once lets it back
+        into the view within a round trip instead of up to a heartbeat pass later, which is most of a
+        rejoining member's wait to be admitted. As in the loop, only our own echo getting through
+        revives it (its handshake shows it runs, not that we reach it). Only with heartbeats on, one
+        out-of-turn echo per member at a time.
+        """
+        link = self._links().get(node)
+        membership = self.membership
+        if self._heart is None or membership is None or link is None or membership.is_alive(node):
+            return
+        if node in self._checks:
+            return
+        task = asyncio.create_task(self._welcome(node, link), name=f"welcome-{node}")
+        self._checks[node] = task
+        task.add_done_callback(lambda _: self._checks.pop(node, None))
+
+    async def _welcome(self, node: str, link: Link) -> None:
+        try:
+            await link.heartbeat(max(0.5, 2 * self.transport.heartbeat_s))
+        except PeerError:
+            return  # not reachable from here yet: the heartbeat loop keeps trying
+        if self.membership is not None and self.membership.heard(node, time.monotonic()):
+            log.warning("%s introduced itself and answers: it rejoins the ring", node)
+            # a restarted process admits nobody yet: introduce ourselves before our frames come
+            with contextlib.suppress(PeerError):
+                await self._reintroduce(link)
+            self._set_view(self._compose())
 
     def mark_unreachable(self, node: str) -> None:
         """Take ``node`` out of the view now, as a refused heartbeat would; a later answer brings it back."""

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from conftest import ring_configs, start_ring
+from conftest import poll_until, ring_configs, start_ring
 
 from dreamp2p.collective.ring import RoundAborted
 from dreamp2p.config import TransportConfig
@@ -206,3 +206,23 @@ async def test_a_round_whose_member_died_is_retried_among_the_survivors() -> Non
     finally:
         await asyncio.gather(*(p.close() for p in peers[:2]))
         tasks[2].cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_a_member_counted_dead_is_back_in_the_view_as_soon_as_it_introduces_itself() -> None:
+    # heartbeats so rare that no pass runs during the test: only the handshake can bring p2 back
+    peers = await _ring(3, heartbeat_s=600.0)
+    try:
+        p0, _, p2 = peers
+        p0.mark_unreachable("p2")
+        assert p0.view == ("p0", "p1")
+        # what a restarted process does first: introduce itself to every member (here: to p0)
+        await p2.link("p0").handshake(p2.hello(), 10.0)
+        await poll_until(lambda: p0.view == ("p0", "p1", "p2"))  # p0 echoes p2 at once
+        assert p0.heartbeat_rounds == 0
+        # and the ring works with it again
+        data = [[torch.full((1001,), float(r))] for r in range(3)]
+        await asyncio.gather(*(p.allreduce(d, round_id=3) for p, d in zip(peers, data, strict=True)))
+        assert all(torch.all(d[0] == 1.0) for d in data)
+    finally:
+        await asyncio.gather(*(p.close() for p in peers))
