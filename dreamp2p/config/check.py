@@ -31,6 +31,7 @@ from dreamp2p.config.parse import _coerce, unknown_key_message
 from dreamp2p.config.peer import PeerConfig, PeerInfo, TLSConfig, TransportConfig
 from dreamp2p.config.sync import REMOVED_KEYS, SyncConfig
 from dreamp2p.config.task import TaskConfig
+from dreamp2p.config.train import TrainConfig, check_train
 
 # keys of [node] that the loader turns into something else before building PeerConfig
 _NODE_EXTRA = ("token_env",)
@@ -69,18 +70,34 @@ def check_daemon_config(data: Mapping[str, Any]) -> list[str]:
     tables: tuple[tuple[str, type[Any]], ...] = (
         ("sync", SyncConfig),
         ("task", TaskConfig),
+        ("train", TrainConfig),
         ("checkpoint", CheckpointConfig),
         ("metrics", MetricsConfig),
     )
+    clean: dict[str, Any] = {}
     for name, cls in tables:
-        errors += table_errors(cls, sync if name == "sync" else data.get(name, {}), name)
+        found = table_errors(cls, sync if name == "sync" else data.get(name, {}), name)
+        errors += found
+        if not found:
+            clean[name] = _build_quietly(cls, sync if name == "sync" else data.get(name, {}))
     for key in ("device", "threads", "stop_grace_s"):
         if key in data:
             try:
                 check_top_level(key, data[key])
             except ValueError as exc:
                 errors.append(str(exc))
-    return errors
+    return errors + _across_tables(clean, data.get("device", "auto"))
+
+
+def _across_tables(clean: Mapping[str, Any], device: Any) -> list[str]:
+    """The checks that read two tables (``[train]`` against ``[task]`` and ``device``), once both are clean."""
+    if "train" not in clean or "task" not in clean:
+        return []
+    try:
+        check_train(clean["train"], clean["task"].lr, clean["task"].steps, device)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 def node_errors(node: Any) -> list[str]:

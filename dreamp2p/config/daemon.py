@@ -1,5 +1,5 @@
 """The node daemon's file (``dreamp2p node --config``): its tables ``[node]``, ``[sync]``, ``[task]``,
-``[checkpoint]``, ``[metrics]`` and top-level keys, loaded into one frozen :class:`DaemonConfig`.
+``[train]``, ``[checkpoint]``, ``[metrics]`` and top-level keys, loaded into one frozen :class:`DaemonConfig`.
 
 What runs a node from it is :mod:`dreamp2p.service.daemon`.
 """
@@ -17,6 +17,7 @@ from dreamp2p.config.parse import _build, did_you_mean
 from dreamp2p.config.peer import PeerConfig
 from dreamp2p.config.sync import SyncConfig
 from dreamp2p.config.task import TaskConfig
+from dreamp2p.config.train import TrainConfig, check_train
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class MetricsConfig:
 
 
 # the top-level keys and tables of a node daemon's file
-DAEMON_KEYS = ("node", "sync", "task", "checkpoint", "metrics", "device", "threads", "stop_grace_s")
+DAEMON_KEYS = ("node", "sync", "task", "train", "checkpoint", "metrics", "device", "threads", "stop_grace_s")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -80,11 +81,15 @@ class DaemonConfig:
     node: PeerConfig
     sync: SyncConfig = field(default_factory=SyncConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     device: str = "auto"  # "auto" (cuda when available), "cpu" or "cuda"
     threads: int = 0  # torch CPU threads for training; 0 keeps torch's default
     stop_grace_s: float = 20.0  # on SIGTERM, how long rounds in flight may take to finish before abort
+
+    def __post_init__(self) -> None:
+        check_train(self.train, self.task.lr, self.task.steps, self.device)
 
     @staticmethod
     def from_toml(path: str | Path) -> DaemonConfig:
@@ -111,6 +116,7 @@ class DaemonConfig:
             node=PeerConfig.from_dict(data["node"]),
             sync=_build(SyncConfig, data.get("sync", {}), "sync"),
             task=_build(TaskConfig, data.get("task", {}), "task"),
+            train=_build(TrainConfig, data.get("train", {}), "train"),
             checkpoint=ckpt,
             metrics=_build(MetricsConfig, data.get("metrics", {}), "metrics"),
             device=device,

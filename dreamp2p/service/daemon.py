@@ -6,7 +6,9 @@ ring, attach the strategy (replicas start from rank 0's parameters, or from the 
 every ``checkpoint.every_steps``. SIGTERM/SIGINT stop after the current step: rounds in flight are
 drained, a checkpoint is written, the peer shuts down, and the process exits 0. With ``--quiet-steps N``
 the last N steps before the stop step run at learning rate 0, so only averaging moves the parameters and
-every member ends with the same ones (what `dreamp2p bench chaos` checks by digest).
+every member ends with the same ones (what `dreamp2p bench chaos` checks by digest). How a step is computed
+(the task or the user's recipe: optimizer, LR scheduler, data; ``[train]``'s accumulation, clipping and AMP)
+is :mod:`dreamp2p.service.recipe`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dreamp2p.node import Node
 from dreamp2p.service.checkpoint import agree_resume_step, checkpoint_step, list_checkpoints, load_step, save_checkpoint
 from dreamp2p.service.metrics import NodeMetrics, RecordKind
 from dreamp2p.service.progresslog import ProgressLog
+from dreamp2p.service.recipe import Training, make_training
 from dreamp2p.service.region import (
     data_parallel,
     data_position,
@@ -39,7 +42,6 @@ from dreamp2p.service.region import (
     torchrun_place,
 )
 from dreamp2p.service.sdnotify import Notifier
-from dreamp2p.service.tasks import make_task
 from dreamp2p.sync.shards import rank_node_id
 
 log = logging.getLogger(__name__)
@@ -99,10 +101,10 @@ def run_node(
         start_region(device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    task = make_task(cfg.task, *data_position(rank, world, place), device)
-    model = task.model()
+    training = make_training(cfg, *data_position(rank, world, place), device)
+    model = training.model
     node_cfg = dataclasses.replace(node_cfg, manifest_hash=manifest_hash(model.state_dict().items()))
-    model = data_parallel(model, device) if place is not None else model
+    model = training.model = data_parallel(model, device) if place is not None else model
     max_bytes = int(cfg.metrics.jsonl_max_mb * 1e6)
     who = rank_node_id(node_cfg.node_id, place.rank) if place is not None else node_cfg.node_id
     metrics = NodeMetrics(who, cfg.metrics.run_dir, max_bytes, cfg.metrics.jsonl_files)
@@ -112,7 +114,7 @@ def run_node(
     if cfg.metrics.listen:
         port = metrics.serve(cfg.metrics.listen)
         log.info("metrics on %s (port %d)", cfg.metrics.listen, port)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.task.lr)
+    opt = training.optimizer
     if join and resume:
         raise ValueError("--join and --resume exclude each other: a joining node takes the live members' state")
     node = Node(node_cfg, joining=join)
@@ -136,13 +138,14 @@ def run_node(
             sync.load_state_dict(state["sync"])
             log.info("resumed from %s at step %d", path, sync.step_count)
             metrics.record(RecordKind.RESUME, step=sync.step_count, path=str(path), digest=param_digest(model))
+        training.restore(sync.step_count, restored[1] if restored is not None else None)
         done = threading.Event()
         watcher = threading.Thread(
             target=_abort_when_stuck, args=(stop, done, cfg.stop_grace_s, node), name="stop-watcher", daemon=True
         )
         watcher.start()
         try:
-            return _train(cfg, task, model, sync, node, metrics, stop, stop_at_file, quiet_steps)
+            return _train(cfg, training, model, sync, node, metrics, stop, stop_at_file, quiet_steps)
         finally:
             done.set()
     finally:
@@ -220,18 +223,12 @@ def _read_stop_at(path: Path | None) -> int | None:
         return None
 
 
-def _set_quiet(sync: Any, base_lrs: list[float], quiet: bool) -> None:
-    """Learning rate 0 in every parameter group during the quiet stretch, the configured one otherwise."""
-    for group, lr in zip(sync.optimizer.param_groups, base_lrs, strict=True):
-        group["lr"] = 0.0 if quiet else lr
+def _saved_state(sync: Any, training: Training) -> dict[str, Any]:
+    """What a checkpoint holds: the strategy's state, the scheduler's and the GradScaler's.
 
-
-def _saved_state(sync: Any, base_lrs: list[float]) -> dict[str, Any]:
-    """The strategy's state to checkpoint, with the configured learning rates (never a quiet stretch's 0)."""
-    state = sync.state_dict()
-    for group, lr in zip(state.get("optimizer", {}).get("param_groups", []), base_lrs, strict=False):
-        group["lr"] = lr  # the optimizer's state_dict packs each group into a new dict: ours to change
-    return {"sync": state}
+    Between two steps the learning rates are the scheduled ones (a quiet stretch sets 0 only inside a step).
+    """
+    return {"sync": sync.state_dict(), **training.state()}
 
 
 def _publish_step(
@@ -244,6 +241,7 @@ def _publish_step(
     tokens_per_s: float,
     stats: Any,
     last_plan: int,
+    lr: float = 0.0,
 ) -> int:
     """A finished step's gauges and records, the peer status and a changed plan; the plan version now seen."""
     metrics.step.set(step + 1)
@@ -263,6 +261,7 @@ def _publish_step(
             hidden_fraction=stats.hidden_fraction,
             bytes_sent=stats.bytes_sent,
             plan_version=stats.plan_version,
+            lr=lr,
         )
     if step % 10 == 0:
         metrics.peer_status(node.comm.status())
@@ -276,7 +275,7 @@ def _publish_step(
 
 def _train(
     cfg: DaemonConfig,
-    task: Any,
+    training: Training,
     model: Any,
     sync: Any,
     node: Node,
@@ -291,19 +290,14 @@ def _train(
     t_last = time.perf_counter()
     progress = ProgressLog(cfg.metrics.progress_every_s, sync, metrics)
     final = cfg.task.steps
-    base_lrs = [float(g["lr"]) for g in sync.optimizer.param_groups]
     notifier = Notifier()  # systemd Type=notify: ready once attached, watchdog pings from the steps
     notifier.ready(f"training from step {sync.step_count}")
     while sync.step_count < final and not stop.event.is_set():
         step = sync.step_count
         if step % 5 == 0 and (agreed := _read_stop_at(stop_at_file)) is not None:
             final = min(cfg.task.steps, max(agreed, step))
-        if quiet_steps:
-            _set_quiet(sync, base_lrs, step >= final - quiet_steps)
         try:
-            loss = task.loss(model, task.batch(step))
-            loss.backward()  # DreamDDP launches (and may wait on) syncs from gradient hooks
-            stats = sync.step()
+            done = training.step(sync, step, quiet=bool(quiet_steps) and step >= final - quiet_steps)
         except (RoundFailed, RuntimeError) as exc:
             if not stop.event.is_set():
                 raise
@@ -315,29 +309,28 @@ def _train(
         sync.zero_grad()
         now = time.perf_counter()
         dt, t_last = now - t_last, now
-        value = loss.item()
+        value, stats = done.loss, done.stats
         if not math.isfinite(value):
             raise RuntimeError(f"loss became {value} at step {step}")
-        tokens_per_s = task.tokens_per_batch / dt if dt > 0 else 0.0
-        last_plan = _publish_step(cfg, sync, node, metrics, step, value, tokens_per_s, stats, last_plan)
+        tokens_per_s = training.tokens_per_step / dt if dt > 0 else 0.0
+        last_plan = _publish_step(cfg, sync, node, metrics, step, value, tokens_per_s, stats, last_plan, done.lr)
         notifier.watchdog()
         progress.step(step, final, value, tokens_per_s, stats.plan_version)
-        if (step + 1) % cfg.task.eval_every == 0 or step == 0:
-            last_eval = task.evaluate(model)
+        if ((step + 1) % cfg.task.eval_every == 0 or step == 0) and (last_eval := training.evaluate()) is not None:
             first_eval = last_eval if first_eval is None else first_eval
             metrics.eval_loss.set(last_eval)
             metrics.record(RecordKind.EVAL, step=step, eval_loss=last_eval)
         if (step + 1) % cfg.checkpoint.every_steps == 0:
             sync.close()  # land rounds in flight so the checkpoint is a consistent cut
-            path = save_checkpoint(cfg.checkpoint.dir, step + 1, _saved_state(sync, base_lrs), cfg.checkpoint.keep)
+            path = save_checkpoint(cfg.checkpoint.dir, step + 1, _saved_state(sync, training), cfg.checkpoint.keep)
             # the digest lets a resume be checked against what was saved (xxh3: cheap beside the write)
             metrics.record(RecordKind.CHECKPOINT, step=step + 1, path=str(path), digest=param_digest(model))
     notifier.stopping(f"draining at step {sync.step_count}")
     node.begin_drain()  # probes see NOT_SERVING while rounds in flight land
     _drain(sync, node, cfg.stop_grace_s)
-    path = save_checkpoint(cfg.checkpoint.dir, sync.step_count, _saved_state(sync, base_lrs), cfg.checkpoint.keep)
-    last_eval = task.evaluate(model)
-    metrics.record(RecordKind.EVAL, step=sync.step_count - 1, eval_loss=last_eval)
+    path = save_checkpoint(cfg.checkpoint.dir, sync.step_count, _saved_state(sync, training), cfg.checkpoint.keep)
+    if (last_eval := training.evaluate()) is not None:
+        metrics.record(RecordKind.EVAL, step=sync.step_count - 1, eval_loss=last_eval)
     metrics.record(
         RecordKind.STOP, step=sync.step_count, signal=stop.signal, checkpoint=str(path), digest=param_digest(model)
     )

@@ -4,7 +4,9 @@ The default task needs no download: a small causal transformer learns to predict
 the Python standard library's own source files, which exist wherever Python does. Files are dealt to
 nodes round-robin (disjoint shards); every 20th file is held out for evaluation. A batch is a pure
 function of (seed, rank, step), so the data position is the step and a resumed node continues exactly.
-Users plug in their own task with ``entry = "package.module:function"`` returning a :class:`Task`.
+Users plug in their own task with ``entry = "package.module:function"`` (called as
+``function(task_config, rank, world, device)``) returning a :class:`Task`, or a
+:class:`dreamp2p.service.recipe.Recipe` with their own model, optimizer, LR scheduler and data.
 """
 
 from __future__ import annotations
@@ -146,6 +148,7 @@ class BytesLM:
 
 
 def make_task(cfg: TaskConfig, rank: int, world: int, device: str = "cpu") -> Task:
+    """The embedded task, or what ``cfg.entry`` returns (a Task, or a Recipe: see dreamp2p.service.recipe)."""
     if cfg.entry:
         module, _, name = cfg.entry.partition(":")
         if not module or not name:
