@@ -16,6 +16,7 @@ import abc
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from dreamp2p.sync.buffers import BufferSync, frozen_parameters, model_buffers
 from dreamp2p.sync.collective import Collective
 from dreamp2p.sync.groups import GROUP_FLUSH, GROUP_INIT
 from dreamp2p.sync.layers import FlatGroup, Layer, discover_layers
+from dreamp2p.sync.optim import OptimizerFacade
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +82,14 @@ class Totals:
         return 1.0 if self.comm_s <= 0 else max(0.0, 1.0 - self.exposed_s / self.comm_s)
 
 
-class Strategy(abc.ABC):
-    """Base of every synchronization strategy; subclasses implement :meth:`_step`."""
+class Strategy(OptimizerFacade, abc.ABC):
+    """Base of every synchronization strategy; subclasses implement :meth:`_step`.
+
+    It is also a ``torch.optim.Optimizer`` over the user's optimizer (`dreamp2p.sync.optim`): LR schedulers
+    and ``GradScaler`` take the strategy where they take an optimizer. Subclasses update the weights from
+    local gradients with :meth:`_inner_step` (skipped on a ``GradScaler`` overflow), never
+    ``self.optimizer.step()`` directly.
+    """
 
     name = "base"
     # when buffers are synced: every step (ssgd, like DDP) or at the end of each period; a blocking
@@ -118,9 +126,18 @@ class Strategy(abc.ABC):
 
     # ------------------------------------------------------------------ user API
 
-    def step(self) -> StepStats:
-        """Apply this step's local update and whatever synchronization the strategy schedules now."""
+    def step(self, closure: Callable[[], Any] | None = None) -> StepStats:  # type: ignore[override]
+        """Apply this step's local update and whatever synchronization the strategy schedules now.
+
+        Called once per optimizer step, after every backward pass of the step (gradient accumulation:
+        several ``backward()`` calls, then one ``step()``). ``closure`` (as for any optimizer) is called
+        once first, with gradients enabled. Returns the step's statistics, not a loss.
+        """
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
         t0 = time.perf_counter()
+        self._take_amp()  # unscale the gradients when GradScaler.step called us; note an overflow
         self._stats = StepStats(self.step_count, compute_s=t0 - self._last_end)
         self._land_buffers()  # launched at the end of an earlier period (not inline)
         due = self._bufsync is not None and (self.buffers_every_step or (self.step_count + 1) % self.cfg.period == 0)
@@ -220,19 +237,19 @@ class Strategy(abc.ABC):
 
     # ------------------------------------------------------------------ for subclasses
 
-    def _setup(self) -> None:  # noqa: B027 - strategies without state of their own need nothing
+    def _setup(self) -> None:  # strategies without state of their own need nothing
         """Build strategy state once the base attributes exist (instead of overriding __init__)."""
 
-    def _finish(self, timeout: float | None) -> None:  # noqa: B027 - nothing in flight by default
+    def _finish(self, timeout: float | None) -> None:  # nothing in flight by default
         """Land the strategy's own rounds still in flight (see :meth:`close`)."""
 
-    def _drop(self) -> None:  # noqa: B027 - nothing in flight by default
+    def _drop(self) -> None:  # nothing in flight by default
         """Forget the strategy's own rounds in flight (see :meth:`abandon`)."""
 
     @abc.abstractmethod
     def _step(self) -> None: ...
 
-    def _rearm(self) -> None:  # noqa: B027 - strategies without per-step schedule state need nothing
+    def _rearm(self) -> None:  # strategies without per-step schedule state need nothing
         """Prepare the schedule of ``step_count`` again after it changed from outside."""
 
     def _extra_state(self) -> dict[str, Any]:

@@ -47,7 +47,7 @@ class NoSync(Strategy):
     syncs_buffers = False
 
     def _step(self) -> None:
-        self.optimizer.step()
+        self._inner_step()
 
 
 class SSGD(Strategy):
@@ -73,6 +73,8 @@ class SSGD(Strategy):
                 else:
                     p.grad.copy_(avg)
                 offset += n
+        # the mean of every member's gradients, so never skipped on one member's AMP overflow: that member's
+        # non-finite gradients were refused by the contribution guard and every member applies the same mean
         self.optimizer.step()
 
 
@@ -83,7 +85,7 @@ class LocalSGD(Strategy):
         self._group = FlatGroup(self.params, pin=self.pin)
 
     def _step(self) -> None:
-        self.optimizer.step()
+        self._inner_step()
         if (self.step_count + 1) % self.cfg.period == 0:
             self._group.snapshot()
             fut = self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round())
@@ -102,7 +104,7 @@ class DiLoCo(Strategy):
         self._outer = _outer_sgd(self._shadow, self.cfg)
 
     def _step(self) -> None:
-        self.optimizer.step()
+        self._inner_step()
         if (self.step_count + 1) % self.cfg.period:
             return
         local = torch.empty_like(self._global)
@@ -153,7 +155,7 @@ class StreamingDiLoCo(Strategy):
         self._inflight: dict[int, tuple[int, concurrent.futures.Future[RoundResult]]] = {}
 
     def _step(self) -> None:
-        self.optimizer.step()
+        self._inner_step()
         t = self.step_count
         for p, (land, fut) in sorted(self._inflight.items()):
             if land <= t:  # earlier only for a joiner, which starts a few steps after its state's step
@@ -259,7 +261,7 @@ class CO2(Strategy):
         self.last_penalty = 1.0
 
     def _step(self) -> None:
-        self.optimizer.step()
+        self._inner_step()
         if (self.step_count + 1) % self.cfg.period:
             return
         self._land()

@@ -263,7 +263,7 @@ class DreamDDP(Strategy):
         for inf in [f for f in self._inflight if f.land_step <= t]:
             self._inflight.remove(inf)
             self._land(inf)  # a failed round failed on every member: the layers keep their local values
-        self.optimizer.step()
+        self._inner_step()
         self._stats.plan_version = self.plan.version
         if self.profiler.active:
             if t == 0:

@@ -5,7 +5,8 @@ and for anyone who writes a strategy. Each member runs on its own thread, as a n
 a round completes when every member has contributed to the same (group id, round id), with the mean
 computed once, in member order, and passed through the round's codec once, so every member gets
 bit-identical values as from the real ring. Rounds are all-or-none like the real ones: ``fail``
-makes chosen rounds raise RoundFailed on every member. Nothing here is for production traffic.
+makes chosen rounds raise RoundFailed on every member. Non-finite contributions are left out of the mean
+as the peer's contribution guard does (a round with none left fails everywhere). Nothing here is for production traffic.
 """
 
 from __future__ import annotations
@@ -100,14 +101,18 @@ class InProcessHub:
         self, key: tuple[int, int], round_: dict[int, _Contribution], codec: str, failed: bool, feedback: bool
     ) -> None:
         contributions = [round_[r] for r in sorted(round_)]
-        if failed:
+        # the peer's contribution guard: non-finite values are refused at their source and the mean is
+        # over the others; a round where every contribution was refused fails on every member
+        finite = [c for c in contributions if bool(torch.isfinite(c.values).all())]
+        if failed or not finite:
+            why = "injected by the in-process hub" if failed else "every contribution was refused as non-finite"
             for c in contributions:
-                c.future.set_exception(RoundFailed(key, "injected by the in-process hub"))
+                c.future.set_exception(RoundFailed(key, why))
             return
         total = torch.zeros_like(contributions[0].values)
-        for c in contributions:
+        for c in finite:
             total += c.values
-        mean = total / len(contributions)
+        mean = total / len(finite)
         cod = get_codec(codec)
         if not cod.lossless:
             carried = self._residuals.get(key[0]) if feedback else None
@@ -119,7 +124,7 @@ class InProcessHub:
         wire = cod.encoded_nbytes(mean.numel()) * 2 * (world - 1) // max(world, 1)
         for c in contributions:
             c.out.copy_(mean)
-            c.future.set_result(RoundResult(key[0], key[1], 0.0, wire, wire, mean.numel(), codec, 0, world))
+            c.future.set_result(RoundResult(key[0], key[1], 0.0, wire, wire, mean.numel(), codec, 0, len(finite)))
 
 
 class InProcessCollective:
