@@ -57,8 +57,21 @@ JOIN_ATTEMPTS = 3
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DistributedDataParallel wrapper (the same layout as a one-rank job's)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    """The user's module inside DistributedDataParallel and ``torch.compile`` wrappers.
+
+    Both keep the module's parameters and layout (a one-rank job's); ``torch.compile`` only adds an
+    ``_orig_mod.`` prefix to every state_dict key, which must not reach the model manifest or checkpoints.
+    Compiled or not, the user calls the wrapper as before; the strategy holds the module inside.
+    """
+    while True:
+        # torch._dynamo.eval_frame.OptimizedModule, known by name: importing dynamo is slow
+        orig = getattr(model, "_orig_mod", None) if type(model).__name__ == "OptimizedModule" else None
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(orig, nn.Module):
+            model = orig
+        else:
+            return model
 
 
 class Node:
