@@ -272,6 +272,11 @@ class Node:
         """The node is stopping: its health turns NOT_SERVING while rounds in flight still land."""
         self.comm.begin_drain()
 
+    @property
+    def connected(self) -> bool:
+        """Whether :meth:`connect` ran (``attach`` connects first if not)."""
+        return self._connected
+
     def close(self) -> None:
         try:
             if self.strategy is not None:

@@ -17,19 +17,21 @@ import dataclasses
 import logging
 import math
 import os
-import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any
 
 import torch
 
 from dreamp2p.config.daemon import DaemonConfig
-from dreamp2p.errors import PeerError, RoundFailed
+from dreamp2p.errors import RoundFailed
 from dreamp2p.manifest import manifest_hash, param_digest
 from dreamp2p.node import Node
-from dreamp2p.service.checkpoint import agree_resume_step, checkpoint_step, list_checkpoints, load_step, save_checkpoint
+from dreamp2p.service.checkpoint import save_checkpoint
+from dreamp2p.service.lifecycle import JOIN, StopFlag, agree_and_load
+from dreamp2p.service.lifecycle import abort_when_stuck as _abort_when_stuck
+from dreamp2p.service.lifecycle import drain as _drain
 from dreamp2p.service.metrics import NodeMetrics, RecordKind
 from dreamp2p.service.progresslog import ProgressLog
 from dreamp2p.service.recipe import Training, make_training
@@ -47,20 +49,7 @@ from dreamp2p.sync.shards import rank_node_id
 log = logging.getLogger(__name__)
 
 
-class StopFlag:
-    """Set by SIGTERM/SIGINT; the training loop checks it between steps."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.signal: str | None = None
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum: int, _frame: Any) -> None:
-        self.signal = signal.Signals(signum).name
-        self.event.set()
+__all__ = ["StopFlag", "run_node"]  # StopFlag lives in service.lifecycle, shared with library loops
 
 
 def _device(name: str) -> str:
@@ -122,7 +111,7 @@ def run_node(
         node.connect(require_all=not join)
         restored: tuple[Path, dict[str, Any]] | None = None
         if resume:
-            decided = _agree_and_load(cfg, node)
+            decided = agree_and_load(cfg.checkpoint.dir, node)
             if decided == JOIN:
                 # the cluster trained on without us: our checkpoint is older than its state
                 log.warning("members are training: joining them instead of resuming from our checkpoint")
@@ -151,67 +140,6 @@ def run_node(
     finally:
         node.close()
         metrics.close()
-
-
-def _abort_when_stuck(stop: StopFlag, done: threading.Event, grace: float, node: Node) -> None:
-    """After a stop signal, give the current step ``grace`` seconds; then abort the rounds it waits on.
-
-    A step blocks on rounds that need every peer; if the peers stopped too, they never complete.
-    """
-    while not done.is_set():
-        if stop.event.wait(0.5):
-            if not done.wait(grace):
-                log.warning("step still blocked %.0f s after %s: aborting rounds in flight", grace, stop.signal)
-                node.comm.abort_rounds("node stopping")
-            return
-
-
-# _agree_and_load's answer when members are training: take their state (Node.join), not our checkpoint
-JOIN: Final = "join"
-
-
-def _agree_and_load(cfg: DaemonConfig, node: Node) -> tuple[Path, dict[str, Any]] | Literal["join"] | None:
-    """Decide with the other nodes where to resume from, then load that checkpoint.
-
-    Publishes our checkpoint steps through the Status call, then asks every other member. As soon as one
-    is training, the cluster went on without us: we join it (returns ``JOIN``; our checkpoint is older
-    than its state). If all are resuming too, the nodes holding the newest checkpoint of the wave resume
-    from it and the others join them (:func:`agree_resume_step`); None when nobody has one (fresh start).
-    """
-    mine = [checkpoint_step(p) for p in list_checkpoints(cfg.checkpoint.dir)]
-    node.comm.set_resume_steps(mine)
-    others: dict[str, list[int]] = {}
-    deadline = time.monotonic() + cfg.node.transport.connect_timeout_s
-    members = [n for n in node.comm.ring_ids if n != cfg.node.node_id]
-    while len(others) < len(members):
-        for member in members:
-            if member in others:
-                continue
-            try:
-                st = node.comm.member_status(member)
-            except PeerError as exc:
-                log.info("waiting for %s: %s", member, exc)
-                continue
-            steps = list(st.checkpoint_steps)
-            # a resumed member that trained well past its checkpoints since is no longer in this restart wave
-            if st.training is not None and (not st.resuming or st.training.step > max(steps, default=0) + 2):
-                return JOIN
-            if st.resuming:
-                others[member] = steps
-        if len(others) < len(members):
-            if time.monotonic() > deadline:
-                missing = sorted(set(members) - set(others))
-                raise RuntimeError(f"resume: no answer from {', '.join(missing)} within the connect timeout")
-            time.sleep(0.2)
-    step = agree_resume_step(mine, list(others.values()))
-    if step is not None:
-        log.info("resuming from step %d (ours: %s)", step, mine)
-        return load_step(cfg.checkpoint.dir, step)
-    if any(others.values()):
-        log.info("another node saved a newer state than ours (%s): joining it", mine)
-        return JOIN
-    log.info("no node has a checkpoint: starting fresh")
-    return None
 
 
 def _read_stop_at(path: Path | None) -> int | None:
@@ -341,17 +269,3 @@ def _train(
         "checkpoint": str(path),
         "signal": stop.signal,
     }
-
-
-def _drain(sync: Any, node: Node, grace: float) -> None:
-    """Land rounds in flight; if peers are gone (they stopped too), abort them after ``grace`` seconds.
-
-    An aborted round changes nothing here: the checkpoint holds this node's parameters without it.
-    """
-    log.info("draining rounds in flight at step %d", sync.step_count, extra={"event": "drain"})
-    try:
-        sync.close(timeout=grace)
-    except RoundFailed as exc:
-        log.warning("rounds in flight could not finish within %.0f s (%s); aborting them", grace, exc)
-        node.comm.abort_rounds("node stopping")
-        sync.abandon()
