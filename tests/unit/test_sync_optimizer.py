@@ -101,12 +101,18 @@ def test_learning_rate_zero_from_a_scheduler_stops_local_updates() -> None:
 
 
 def amp_train(
-    strategy: str, steps: int, quiet_from: int, overflow: tuple[int, int] | None, accumulate: int = 1, **kw: Any
+    strategy: str,
+    steps: int,
+    quiet_from: int,
+    overflow: tuple[int, int] | None,
+    accumulate: int = 1,
+    clip: float | None = None,
+    **kw: Any,
 ) -> tuple[list[Strategy], list[torch.amp.GradScaler], InProcessHub]:
     """Two members under a CPU GradScaler; member ``overflow[0]`` gets an Inf gradient at step ``overflow[1]``.
 
     From ``quiet_from`` on the learning rate is 0, so only averaging moves the parameters (the daemon's quiet
-    stretch): the replicas must then agree.
+    stretch): the replicas must then agree. ``clip``: unscale first (``scaler.unscale_``) and clip the norm.
     """
     hub = InProcessHub(2)
     strategies = members(hub, config(strategy, **{"period": 4, "warmup_steps": 2, **kw}))
@@ -124,6 +130,9 @@ def amp_train(
                 scaler.scale(loss).backward()
             if overflow == (rank, step):
                 next(iter(sync.model.parameters())).grad.view(-1)[0] = float("inf")  # type: ignore[union-attr]
+            if clip is not None:
+                scaler.unscale_(sync)
+                nn.utils.clip_grad_norm_(sync.model.parameters(), clip)
             scaler.step(sync)
             scaler.update()
             sync.zero_grad()
@@ -146,6 +155,26 @@ def test_an_overflow_on_one_member_skips_its_local_update_not_its_step(strategy:
     assert all(torch.isfinite(p).all() for s in strategies for p in s.model.parameters())
     # after the quiet stretch, the replicas agree
     assert digest(strategies[0]) == digest(strategies[1])
+
+
+@pytest.mark.parametrize("strategy", ["localsgd", "dreamddp"])
+def test_unscale_and_clip_before_the_step_under_an_overflow(strategy: str) -> None:
+    """``scaler.unscale_(sync)`` then clipping, then ``scaler.step(sync)``: unscaled once, same outcome."""
+    strategies, _, hub = amp_train(strategy, steps=16, quiet_from=8, overflow=(0, 5), clip=0.5)
+    assert [s.step_count for s in strategies] == [16, 16]
+    assert [s.amp_steps_skipped for s in strategies] == [1, 0]
+    assert not [r for r in hub.rounds if r.failed]
+    assert digest(strategies[0]) == digest(strategies[1])
+
+
+def test_unscale_first_unscales_once() -> None:
+    """``unscale_`` before ``step`` (a clip that never bites) trains as the step's own unscaling does: the
+    gradients are not divided by the scale a second time."""
+    amp, _, _ = amp_train("none", steps=4, quiet_from=4, overflow=None, clip=1e9)
+    plain, _, _ = amp_train("none", steps=4, quiet_from=4, overflow=None)
+    for a, p in zip(amp, plain, strict=True):
+        for pa, pp in zip(a.model.parameters(), p.model.parameters(), strict=True):
+            torch.testing.assert_close(pa, pp, rtol=1e-5, atol=1e-6)
 
 
 def test_ssgd_overflow_on_one_member_takes_the_others_mean_everywhere() -> None:
