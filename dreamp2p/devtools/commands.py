@@ -25,6 +25,8 @@ BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "plancheck": {"steps": 100, "period": 20, "width": 256, "depth": 4, "rtt": "0ms", "rate": "20mbit"},
     # steps: unused (the run is timed); width/depth: the daemons' LM dim and blocks
     "chaos": {"steps": 1, "period": 5, "width": 64, "depth": 2, "rtt": "4ms", "rate": "50mbit"},
+    # steps: per phase (step 0 untimed); period: only for a strategy that uses it (--strategies)
+    "regions": {"steps": 12, "period": 10, "width": 256, "depth": 4, "rtt": "0ms", "rate": "20mbit"},
 }
 FALLBACK_DEFAULTS: dict[str, Any] = {
     "steps": 150,
@@ -47,6 +49,8 @@ def _bench_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             parser.error(f"argument --down: need 0 <= MIN <= MAX, got {args.down[0]:g} {args.down[1]:g}")
         if args.peers is not None and not args.max_down < args.peers <= 8:
             parser.error(f"argument --peers: chaos needs more than --max-down ({args.max_down}) and at most 8")
+    if args.what == "regions" and args.strategies is not None and len(args.strategies) != 1:
+        parser.error("argument --strategies: regions runs one strategy (default ssgd)")
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:
@@ -131,6 +135,27 @@ def _bench_lm(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _bench_regions(args: argparse.Namespace) -> dict[str, Any]:
+    from dreamp2p.config import parse_duration
+    from dreamp2p.devtools.bench.regions import bench_regions
+
+    strategy = args.strategies[0] if args.strategies else "ssgd"
+    extra: dict[str, Any] = {"period": args.period} if strategy != "ssgd" else {}
+    if args.max_delay is not None:
+        extra["max_delay"] = args.max_delay
+    return bench_regions(
+        regions=args.regions,
+        ranks=args.ranks,
+        rate=args.rate,
+        strategy=strategy,
+        steps=args.steps,
+        width=args.width,
+        layers=args.depth,
+        rtt_ms=parse_duration(args.rtt) * 1e3,
+        extra_sync=extra,
+    )
+
+
 def _bench_plancheck(args: argparse.Namespace) -> dict[str, Any]:
     from dreamp2p.devtools.bench.plancheck import bench_plancheck
 
@@ -203,6 +228,7 @@ _BENCHES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "plancheck": _bench_plancheck,
     "digits": _bench_digits,
     "chaos": _bench_chaos,
+    "regions": _bench_regions,
 }
 
 
@@ -231,7 +257,7 @@ def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmarks; the last line printed is a JSON object")
     b.add_argument(
         "what",
-        choices=["codec", "transport", "allreduce", "strategies", "soak", "digits", "lm", "plancheck", "chaos"],
+        choices=list(_BENCHES),
     )
     b.add_argument("--json", action="store_true", help="print only the JSON result line")
     b.add_argument("--mbytes", type=float, default=None, help="buffer size in MB (default 64)")
@@ -253,7 +279,8 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "--rate", type=link_rate, default=None, help="link rate, e.g. 20mbit (transport --netns: 100mbit; lm: 20mbit)"
     )
-    b.add_argument("--regions", type=int_at_least(1), default=2, help="lm: regions (one process each)")
+    b.add_argument("--regions", type=int_at_least(1), default=2, help="lm: regions (one process each); regions: 2")
+    b.add_argument("--ranks", type=int_at_least(2), default=2, help="regions: local ranks per region (2)")
     b.add_argument(
         "--minutes", type=float, default=10.0, help="soak: how long to run; chaos: each of its two timed phases"
     )
