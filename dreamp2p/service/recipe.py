@@ -16,11 +16,13 @@ DataLoader a seeded ``generator``. The scheduler and the GradScaler come back fr
 that joins a running cluster takes the members' optimizer state (its learning rates included) and moves its
 scheduler to the step it joins at (``last_epoch = step``).
 
-fp16 steps whose gradients overflow: this module unscales the gradients itself (``scaler.unscale_``), and
-when they are not finite it zeroes them and still calls the strategy's ``step()``, so every member counts
-the same steps and takes part in the same rounds; the scaler then lowers its scale. The optimizer still
-steps on zero gradients (momentum and weight decay act), which keeps S-SGD's replicas identical (they
-apply the same averaged gradient).
+fp16 steps whose gradients overflow must still call the strategy's ``step()`` on every member, so that all
+count the same steps and take part in the same rounds. A strategy that declares GradScaler support
+(``_step_supports_amp_scaling``, see ``dreamp2p.sync.optim``) is stepped through ``scaler.step(sync)`` after
+``scaler.unscale_(sync)`` and clipping: it skips only its optimizer's update on an overflow. Without it, the
+gradients are unscaled on the optimizer and, when not finite, zeroed before ``sync.step()``: the optimizer
+then steps on zero gradients (momentum and weight decay act), which keeps S-SGD's replicas identical (they
+apply the same averaged gradient). Either way the scaler then lowers its scale.
 """
 
 from __future__ import annotations
@@ -199,14 +201,16 @@ class Training:
             part = loss.float() / k
             (self.scaler.scale(part) if self.scaler is not None else part).backward()
             total += part.detach()
-        overflowed = self._prepare_grads()
+        native = self.scaler is not None and getattr(sync, "_step_supports_amp_scaling", False)
+        overflowed = self._prepare_grads(sync if native else self.optimizer, zero_on_overflow=not native)
         groups = self.optimizer.param_groups
         lrs = [g["lr"] for g in groups]
         if quiet:
             for g in groups:
                 g["lr"] = 0.0
         try:
-            stats = sync.step()  # DreamDDP launched (and may have waited on) syncs from the gradient hooks
+            # DreamDDP launched (and may have waited on) syncs from the gradient hooks
+            stats = self.scaler.step(sync) if native and self.scaler is not None else sync.step()
         finally:
             for g, lr in zip(groups, lrs, strict=True):
                 g["lr"] = lr
@@ -222,20 +226,22 @@ class Training:
         dtype = torch.bfloat16 if self.cfg.amp == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _prepare_grads(self) -> bool:
-        """Unscale (fp16), zero non-finite gradients (fp16 overflow), clip; whether this step overflowed."""
+    def _prepare_grads(self, scaled: Any, zero_on_overflow: bool) -> bool:
+        """Unscale ``scaled``'s gradients (fp16), zero them on an overflow if asked, clip; whether it overflowed."""
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         grads = [p.grad for p in params if p.grad is not None]
         overflowed = False
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+            self.scaler.unscale_(scaled)
             if not math.isfinite(float(total_norm(grads))):
                 overflowed = True
                 self.overflows += 1
-                log.info("fp16 gradients overflowed (scale %g): zeroed for this step", self.scaler.get_scale())
-                for grad in grads:
-                    grad.zero_()
-        if self.cfg.grad_clip > 0 and params:
+                what = "zeroed for this step" if zero_on_overflow else "the strategy skips this update"
+                log.info("fp16 gradients overflowed (scale %g): %s", self.scaler.get_scale(), what)
+                if zero_on_overflow:
+                    for grad in grads:
+                        grad.zero_()
+        if self.cfg.grad_clip > 0 and params and not (overflowed and not zero_on_overflow):
             torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         return overflowed
 

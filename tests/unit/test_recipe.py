@@ -152,6 +152,43 @@ def test_fp16_scaled_gradients_are_unscaled_before_the_optimizer() -> None:
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("strategy", ["none", "localsgd", "ssgd"])
+def test_a_grad_scaler_overflow_on_one_member_keeps_every_members_step_count(strategy: str) -> None:
+    """Through a real strategy (scaler.step(sync) where the strategy supports it, else the daemon's fallback)."""
+    hub = InProcessHub(2)
+    cfg = SyncConfig(strategy=strategy, period=2)
+
+    def member(rank: int) -> tuple[Training, Any, list[torch.Tensor], list[torch.Tensor]]:
+        x, y = data(rank)
+
+        def batches(start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            # member 0's first batch overflows any fp32 gradient under the scale
+            return ((x, y * (1e36 if rank == 0 and i == 0 else 1.0)) for i in range(start, 10**9))
+
+        training = Training(recipe(batches), TrainConfig(grad_clip=10.0))
+        training.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        sync = strategy_class(strategy)(training.model, training.optimizer, hub.member(rank), cfg)
+        before = [p.detach().clone() for p in training.model.parameters()]
+        training.step(sync, 0)
+        sync.zero_grad()
+        after = [p.detach().clone() for p in training.model.parameters()]
+        run(training, sync, 3, start=1)
+        return training, sync, before, after
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(member, range(2)))
+    assert [t.overflows for t, *_ in results] == [1, 0]
+    assert [s.step_count for _, s, *_ in results] == [4, 4]
+    scales = [t.scaler.get_scale() for t, *_ in results if t.scaler is not None]
+    assert scales[0] < scales[1]  # only the member that overflowed backed off
+    if strategy == "none":  # no averaging: the overflowing member's parameters did not move in that step
+        _, _, before, after = results[0]
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    if strategy == "ssgd":
+        a, b = (torch.cat([p.detach().flatten() for p in s.model.parameters()]) for _, s, *_ in results)
+        assert torch.equal(a, b) and bool(torch.isfinite(a).all())
+
+
 class TinyTask:
     """A Task (the protocol the embedded task follows) over a fixed regression set."""
 
