@@ -332,3 +332,26 @@ def test_accumulation_clipping_and_bf16_through_real_strategies(strategy: str) -
     if strategy == "ssgd":  # gradients averaged every step: the replicas stay identical
         a, b = (torch.cat([p.detach().flatten() for p in s.model.parameters()]) for _, s in results)
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 with a GradScaler needs a CUDA device")
+def test_fp16_with_a_grad_scaler_trains_on_cuda() -> None:
+    """Not run where this was written (no GPU there): the daemon's fp16 path end to end on one device."""
+    strategy = "none"
+    hub = InProcessHub(1)
+    dtypes: list[torch.dtype] = []
+
+    def loss(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        out = m(batch[0])
+        dtypes.append(out.dtype)
+        return nn.functional.mse_loss(out.float(), batch[1])
+
+    x, y = data()
+    m = model().cuda()
+    r = Recipe(m, torch.optim.SGD(m.parameters(), lr=0.05), loss, lambda s: iter(lambda: (x, y), None))
+    training = Training(r, TrainConfig(amp="fp16", grad_clip=5.0, accumulation=2), "cuda")
+    sync = strategy_class(strategy)(m, training.optimizer, hub.member(0), SyncConfig(strategy=strategy, period=4))
+    losses = run(training, sync, 40)
+    assert set(dtypes) == {torch.float16} and sync.step_count == 40
+    assert losses[-1] < 0.5 * losses[0]
+    assert training.state()["scaler"]["scale"] > 0
