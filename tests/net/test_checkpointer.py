@@ -1,0 +1,121 @@
+"""`Checkpointer` in process, on a one-member ring on loopback (issue 13, deliver 4): its cadence, what it
+saves and restores (strategy, scheduler, GradScaler), its signal handlers and their removal. The real SIGTERM
+to a library process is tests/e2e/test_library_lifecycle.py."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.manifest import param_digest
+from dreamp2p.node import Node
+from dreamp2p.service.checkpoint import checkpoint_step, list_checkpoints, load_latest
+from dreamp2p.service.lifecycle import Checkpointer
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    n = Node(PeerConfig(node_id="solo", cluster_id="lib", listen="127.0.0.1:0"))
+    try:
+        n.connect([PeerInfo("solo", n.address)])
+        yield n
+    finally:
+        n.close()
+
+
+def setup(node: Node, directory: Path) -> tuple[Checkpointer, Any, Any, torch.amp.GradScaler, nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    ckpt = Checkpointer(node, directory, every_steps=3)
+    sync = ckpt.attach(model, torch.optim.AdamW(model.parameters(), lr=0.01), strategy="localsgd", period=2)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(sync, T_max=20)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    ckpt.track(scheduler=sched, scaler=scaler)
+    return ckpt, sync, sched, scaler, model
+
+
+def train(
+    sync: Any, sched: Any, scaler: torch.amp.GradScaler, model: nn.Module, ckpt: Checkpointer, n: int
+) -> list[int]:
+    saved = []
+    for _ in range(n):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(sync.step_count))
+        scaler.scale(nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))).backward()
+        scaler.step(sync)
+        scaler.update()
+        sync.zero_grad()
+        sched.step()
+        if ckpt.maybe_save() is not None:
+            saved.append(sync.step_count)
+        assert ckpt.maybe_save() is None  # never twice for one step
+    return saved
+
+
+def test_saves_every_n_steps_and_restores_strategy_scheduler_and_scaler(node: Node, tmp_path: Path) -> None:
+    ckpt, sync, sched, scaler, model = setup(node, tmp_path)
+    with ckpt:
+        assert ckpt.resumed_from is None and sync.step_count == 0
+        assert train(sync, sched, scaler, model, ckpt, 7) == [3, 6]
+        path = ckpt.finish()  # step 7 was not saved yet
+    assert [checkpoint_step(p) for p in list_checkpoints(tmp_path)] == [3, 6, 7]
+    loaded = load_latest(tmp_path)
+    assert loaded is not None and loaded[0] == path
+    state = loaded[1]
+    assert set(state) == {"sync", "scheduler", "scaler"}  # the daemon's format, plus what was tracked
+    saved = (param_digest(model), sched.last_epoch, scaler.get_scale(), sync.param_groups[0]["lr"])
+    assert scaler.get_scale() != 2.0**8  # the scaler moved (growth every 2 steps): its state is worth checking
+
+    node2 = Node(PeerConfig(node_id="solo", cluster_id="lib", listen="127.0.0.1:0"))
+    try:
+        node2.connect([PeerInfo("solo", node2.address)])
+        ckpt2, sync2, sched2, scaler2, model2 = setup(node2, tmp_path)
+        with ckpt2:
+            assert ckpt2.resumed_from == path and sync2.step_count == 7
+            assert (param_digest(model2), sched2.last_epoch, scaler2.get_scale(), sync2.param_groups[0]["lr"]) == saved
+            assert sched2.get_last_lr() == [saved[3]]
+    finally:
+        node2.close()
+
+
+def test_signal_handlers_request_a_stop_and_are_put_back(node: Node, tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with Checkpointer(node, tmp_path, every_steps=5) as ckpt:
+        assert signal.getsignal(signal.SIGTERM) is not before
+        assert not ckpt.stop_requested
+        signal.raise_signal(signal.SIGTERM)
+        assert ckpt.stop_requested and ckpt.signal == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_off_the_main_thread_no_handlers_but_a_stop_can_be_requested(node: Node, tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    made: list[Checkpointer] = []
+    t = threading.Thread(target=lambda: made.append(Checkpointer(node, tmp_path, every_steps=5)))
+    t.start()
+    t.join()
+    assert signal.getsignal(signal.SIGTERM) is before
+    made[0].request_stop("done for today")
+    assert made[0].stop_requested and made[0].signal == "done for today"
+    made[0].close()
+
+
+@pytest.mark.parametrize(("every", "keep"), [(0, 3), (5, 0)])
+def test_refuses_bad_cadence(node: Node, tmp_path: Path, every: int, keep: int) -> None:
+    with pytest.raises(ValueError, match="must be >= 1"):
+        Checkpointer(node, tmp_path, every_steps=every, keep=keep)
+
+
+def test_methods_before_attach_say_so(node: Node, tmp_path: Path) -> None:
+    with (
+        Checkpointer(node, tmp_path, every_steps=5, signals=False) as ckpt,
+        pytest.raises(RuntimeError, match="attach"),
+    ):
+        ckpt.maybe_save()
