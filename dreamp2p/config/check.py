@@ -31,7 +31,7 @@ from dreamp2p.config.parse import _coerce, unknown_key_message
 from dreamp2p.config.peer import PeerConfig, PeerInfo, TLSConfig, TransportConfig
 from dreamp2p.config.sync import REMOVED_KEYS, SyncConfig
 from dreamp2p.config.task import TaskConfig
-from dreamp2p.config.train import TrainConfig, check_train
+from dreamp2p.config.train import TrainConfig, train_errors
 
 # keys of [node] that the loader turns into something else before building PeerConfig
 _NODE_EXTRA = ("token_env",)
@@ -93,11 +93,7 @@ def _across_tables(clean: Mapping[str, Any], device: Any) -> list[str]:
     """The checks that read two tables (``[train]`` against ``[task]`` and ``device``), once both are clean."""
     if "train" not in clean or "task" not in clean:
         return []
-    try:
-        check_train(clean["train"], clean["task"].lr, clean["task"].steps, device)
-    except ValueError as exc:
-        return [str(exc)]
-    return []
+    return train_errors(clean["train"], clean["task"].lr, clean["task"].steps, device)
 
 
 def node_errors(node: Any) -> list[str]:

@@ -50,12 +50,21 @@ class TrainConfig:
 
 def check_train(train: TrainConfig, lr: float, steps: int, device: str) -> None:
     """The checks that need other tables: ``[task]`` lr and steps, the top-level device; ValueError names them."""
+    errors = train_errors(train, lr, steps, device)
+    if errors:
+        raise ValueError(errors[0])
+
+
+def train_errors(train: TrainConfig, lr: float, steps: int, device: str) -> list[str]:
+    """Every error of :func:`check_train` (for ``config check``, which reports them all at once)."""
+    errors = []
     if train.lr_min >= lr and train.schedule == "cosine":
-        raise ValueError(f"train.lr_min ({train.lr_min}) must be < task.lr ({lr}) for the cosine schedule")
+        errors.append(f"train.lr_min ({train.lr_min}) must be < task.lr ({lr}) for the cosine schedule")
     if train.warmup_steps >= steps and train.scheduled:
-        raise ValueError(f"train.warmup_steps ({train.warmup_steps}) must be < task.steps ({steps})")
+        errors.append(f"train.warmup_steps ({train.warmup_steps}) must be < task.steps ({steps})")
     if train.amp == "fp16" and device == "cpu":
-        raise ValueError("train.amp = 'fp16' needs CUDA (a GradScaler on a GPU); use 'bf16' on the CPU")
+        errors.append("train.amp = 'fp16' needs CUDA (a GradScaler on a GPU); use 'bf16' on the CPU")
+    return errors
 
 
 def scheduled_lr(

@@ -109,6 +109,11 @@ def test_config_check_reports_a_check_across_tables() -> None:
     assert check_daemon_config({"node": NODE, "device": "cpu", "train": {"amp": "fp16"}}) == [
         "train.amp = 'fp16' needs CUDA (a GradScaler on a GPU); use 'bf16' on the CPU"
     ]
+    both = {"node": NODE, "device": "cpu", "task": {"steps": 10}, "train": {"amp": "fp16", "warmup_steps": 10}}
+    assert check_daemon_config(both) == [
+        "train.warmup_steps (10) must be < task.steps (10)",
+        "train.amp = 'fp16' needs CUDA (a GradScaler on a GPU); use 'bf16' on the CPU",
+    ]
 
 
 @pytest.mark.parametrize(
