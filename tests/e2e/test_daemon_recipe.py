@@ -59,36 +59,49 @@ STEPS = 40
 QUIET = PERIOD + MAX_DELAY + 1  # a whole period plus the longest delay at learning rate 0
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_two_daemons_train_a_users_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+NAMES = ("eu-west", "us-east")
+
+
+def scheduled(step: int, final: int) -> float:
+    """StepLR(0.05, step_size 8, gamma 0.5) as the entry builds it; 0 in the quiet stretch before ``final``."""
+    return 0.0 if step >= final - QUIET else 0.05 * 0.5 ** (step // 8)
+
+
+def recipe_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int) -> list[Path]:
+    """Two nodes' files training the user's entry (on the children's PYTHONPATH) under every [train] knob."""
     (tmp_path / "user").mkdir()
     (tmp_path / "user" / "my_recipe.py").write_text(ENTRY)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "user"))
-    task = {"entry": "my_recipe:make", "steps": STEPS, "eval_every": 10}
+    task = {"entry": "my_recipe:make", "steps": steps, "eval_every": 10}
     configs = write_configs(tmp_path, 2, rate_Bps=20e6, delay_s=0.002, sync=SYNC, task=task, checkpoint_every=10)
     for path in configs:
         path.write_text(path.read_text() + '\n[train]\naccumulation = 2\ngrad_clip = 1.0\namp = "bf16"\n')
-    names = ("eu-west", "us-east")
-    procs = [start_node(c, quiet_steps=QUIET) for c in configs]
+    return configs
+
+
+def run_to_the_end(configs: list[Path], tmp_path: Path, resume: bool = False, quiet_steps: int = 0) -> None:
+    procs = [start_node(c, resume=resume, quiet_steps=quiet_steps) for c in configs]
     try:
-        wait_exits(dict(zip(names, procs, strict=True)), tmp_path, 240)
+        wait_exits(dict(zip(NAMES, procs, strict=True)), tmp_path, 240)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
 
-    def scheduled(step: int) -> float:  # StepLR(0.05, step_size 8, gamma 0.5), 0 in the quiet stretch
-        return 0.0 if step >= STEPS - QUIET else 0.05 * 0.5 ** (step // 8)
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_daemons_train_a_users_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    configs = recipe_configs(tmp_path, monkeypatch, STEPS)
+    run_to_the_end(configs, tmp_path, quiet_steps=QUIET)
     digests = set()
-    for name in names:
+    for name in NAMES:
         records = read_records(tmp_path, name)
         steps = [r for r in records if r["kind"] == "step"]
         assert [r["step"] for r in steps] == list(range(STEPS))
         # the scheduler acted once per step: the learning rate each step used follows the schedule
-        assert [r["lr"] for r in steps] == pytest.approx([scheduled(s) for s in range(STEPS)])
+        assert [r["lr"] for r in steps] == pytest.approx([scheduled(s, STEPS) for s in range(STEPS)])
         evals = [r["eval_loss"] for r in records if r["kind"] == "eval"]
         assert evals[-1] < 0.5 * evals[0], evals
         assert steps[0]["tokens_per_s"] > 0  # 2 micro-batches of 16 per step
@@ -101,3 +114,32 @@ def test_two_daemons_train_a_users_recipe(tmp_path: Path, monkeypatch: pytest.Mo
         assert state["scheduler"]["last_epoch"] == STEPS
         assert state["sync"]["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.05 * 0.5 ** (STEPS // 8))
     assert len(digests) == 1  # after the quiet stretch every replica holds the same parameters
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_resumed_recipe_continues_its_schedule_and_its_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both nodes run half the steps and stop; restarted with --resume (and the full step count) they go on
+    from their checkpoint: the scheduler where it was saved, the DataLoader skipped to batch 2 x 20."""
+    half = STEPS // 2
+    configs = recipe_configs(tmp_path, monkeypatch, half)
+    run_to_the_end(configs, tmp_path)
+    for path in configs:
+        text = path.read_text()
+        assert text.count(f"\nsteps = {half}\n") == 1
+        path.write_text(text.replace(f"\nsteps = {half}\n", f"\nsteps = {STEPS}\n"))
+    run_to_the_end(configs, tmp_path, resume=True, quiet_steps=QUIET)
+    digests = set()
+    for name in NAMES:
+        records = read_records(tmp_path, name)
+        first_stop, stop = [r for r in records if r["kind"] == "stop"]
+        (resume,) = [r for r in records if r["kind"] == "resume"]
+        assert resume["step"] == first_stop["step"] == half and resume["digest"] == first_stop["digest"]
+        steps = [r for r in records if r["kind"] == "step"]
+        assert [r["step"] for r in steps] == list(range(STEPS))
+        assert [r["lr"] for r in steps] == pytest.approx(
+            [scheduled(s, STEPS if s >= half else 10**9) for s in range(STEPS)]
+        )
+        assert "data: skipping 40 batches" in (tmp_path / f"{name}.log").read_text()  # 20 steps x 2 micro-batches
+        digests.add(stop["digest"])
+    assert len(digests) == 1
