@@ -208,7 +208,14 @@ class Checkpointer:
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Strategy:
         """:meth:`Node.attach` after the daemon's resume agreement: resume from the newest checkpoint of the
-        restart wave, join the members training without us, or start fresh (every directory empty)."""
+        restart wave, join the members training without us, or start fresh (every directory empty).
+
+        ``kwargs`` go to :meth:`Node.attach` (strategy, sync, overrides); ``broadcast`` and ``join`` are
+        decided here.
+        """
+        for decided_here in ("broadcast", "join"):
+            if decided_here in kwargs:
+                raise ValueError(f"Checkpointer.attach decides {decided_here!r} from the resume agreement")
         if not self.node.connected:
             self.node.connect()
         decided = agree_and_load(self.directory, self.node)

@@ -119,3 +119,9 @@ def test_methods_before_attach_say_so(node: Node, tmp_path: Path) -> None:
         pytest.raises(RuntimeError, match="attach"),
     ):
         ckpt.maybe_save()
+
+
+def test_attach_leaves_broadcast_and_join_to_the_agreement(node: Node, tmp_path: Path) -> None:
+    model = nn.Linear(2, 1)
+    with Checkpointer(node, tmp_path, every_steps=5, signals=False) as ckpt, pytest.raises(ValueError, match="join"):
+        ckpt.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), join=True)
