@@ -3,24 +3,25 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# torch for the dev venv: the CPU build, never a multi-GB CUDA download. Where WHEELS holds the CPU
-# wheel (this machine) pip takes it from there; elsewhere set TORCH_INDEX to a CPU-only torch index
-# (README, Install). pyproject.toml itself only asks for torch>=2.4.
+# torch for the dev venv: the CPU build, never a multi-GB CUDA download. On Linux the pin names the
+# CPU build itself (torch==X+cpu: only CPU-only wheels carry that local version, so no index can hand
+# pip a CUDA build), taken from WHEELS where that folder exists (this machine) and else from
+# TORCH_INDEX, PyTorch's CPU-only index (torch's own dependencies still come from PyPI). Elsewhere
+# (macOS) PyPI's torch is the CPU build already. A venv that already has torch keeps it.
+# pyproject.toml itself only asks for torch>=2.4.
 TORCH_VERSION ?= 2.13.0
 WHEELS ?= /opt/wheels
-TORCH_INDEX ?=
-TORCH_SOURCE := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)))
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_SOURCE := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),--extra-index-url $(TORCH_INDEX))
 
 .PHONY: install demo test test-fast test-unit test-loaded lint proto bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	if [ -n "$(TORCH_SOURCE)" ]; then $(BIN)/python -m pip install --quiet $(TORCH_SOURCE) "torch==$(TORCH_VERSION)"; \
-	elif $(BIN)/python -c "import torch" 2>/dev/null; then echo "no torch source given: keeping the venv's torch"; \
-	elif [ "$$(uname -s)" != Linux ]; then $(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)"; \
-	else echo "$(WHEELS) is absent and TORCH_INDEX is unset; on Linux the default index serves torch's CUDA" \
-		"build (GBs): make $(MAKECMDGOALS) TORCH_INDEX=<CPU-only torch index URL> (see README, Install)" >&2; exit 2; fi
+	if $(BIN)/python -c "import torch" 2>/dev/null; then echo "keeping the venv's torch"; \
+	elif [ "$$(uname -s)" = Linux ]; then $(BIN)/python -m pip install --progress-bar off $(TORCH_SOURCE) "torch==$(TORCH_VERSION)+cpu"; \
+	else $(BIN)/python -m pip install --progress-bar off "torch==$(TORCH_VERSION)"; fi
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
