@@ -15,7 +15,8 @@ DistributedDataParallel before ``attach``.
 
 A node joining a running cluster (a new member, or one restarted after a crash) passes ``joining=True``
 and ``attach(..., join=True)``: it takes the training state from the live members (`dreamp2p.state`),
-starts at their step, and only then takes part in rounds (see :meth:`Node.join`).
+starts at their step, and only then takes part in rounds (see :meth:`Node.join`). In a region every local
+rank does so at once: local rank 0 fetches, the region shares it (`dreamp2p.sync.regionjoin`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from dreamp2p.sync.base import Strategy, broadcast_state, state_tensors
 from dreamp2p.sync.collective import Collective
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.commproc import CommProcess, RemoteDonor
+from dreamp2p.sync.regionjoin import join_region
 from dreamp2p.sync.registry import strategy_class
 from dreamp2p.sync.sharded import ShardedCollective, region_group
 from dreamp2p.sync.shards import rank_config
@@ -95,8 +97,6 @@ class Node:
             config = dataclasses.replace(config, comm=comm)
         group = region_group(region)
         if group is not None:
-            if joining:
-                raise NotImplementedError("joining a running cluster is not supported yet for a region of many ranks")
             config = rank_config(config, dist.get_rank(group))
         self.config = config
         self.comm: CommThread | CommProcess
@@ -211,7 +211,29 @@ class Node:
         plus a small lead, is where we start.
         """
         others = [n for n in self.comm.members if n != self.config.node_id]
-        self._await_admission(others, timeout)
+        if self.region is None:
+            self._await_admission(others, timeout)
+            start = self._fetch_state(strategy, others, timeout)[0]
+        else:
+            # every rank joins its shard ring; local rank 0 fetches and hands the state to the others
+
+            def load(state: Any, step: int) -> None:
+                strategy.load_state_dict(state)
+                strategy.jump_to(step)
+
+            start = join_region(
+                self.region,
+                lambda: self._await_admission(others, timeout),
+                lambda: self._fetch_state(strategy, others, timeout),
+                load,
+                timeout * (JOIN_ATTEMPTS + 2),  # the other ranks wait while rank 0 fetches
+            )
+        self.comm.admit_from(start + 1)  # rounds are numbered step + 1 (Strategy._round)
+
+    def _fetch_state(
+        self, strategy: Strategy, others: list[str], timeout: float
+    ) -> tuple[int, bytes, dict[str, torch.Tensor]]:
+        """Load the members' newest state into ``strategy``; the step it starts at, and what was loaded."""
         for _ in range(JOIN_ATTEMPTS):
             fetched = self.comm.fetch_state(others, timeout, manifest_hash=self.config.manifest_hash)
             strategy.load_state_dict(unflatten_state(fetched.skeleton, fetched.tensors))
@@ -229,7 +251,6 @@ class Node:
             log.warning("members moved to plan v%d during the transfer; fetching again", max(plans))
         else:
             raise RuntimeError(f"could not catch up with the members' plan in {JOIN_ATTEMPTS} transfers")
-        self.comm.admit_from(start + 1)  # rounds are numbered step + 1 (Strategy._round)
         log.warning(
             "joined at step %d with state of step %d from %s (%d bytes)",
             start,
@@ -237,6 +258,7 @@ class Node:
             ", ".join(fetched.donors_used),
             fetched.bytes,
         )
+        return start, fetched.skeleton, fetched.tensors
 
     def _statuses(self, members: list[str], timeout: float) -> list[PeerStatus]:
         out = []

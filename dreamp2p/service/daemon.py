@@ -38,6 +38,7 @@ from dreamp2p.service.recipe import Training, make_training
 from dreamp2p.service.region import (
     data_parallel,
     data_position,
+    elastic_restart,
     rank_daemon_config,
     rank_device,
     start_region,
@@ -87,6 +88,10 @@ def run_node(
     place = torchrun_place(os.environ)
     if place is not None:  # one local rank of a region (torchrun), see dreamp2p.service.region
         cfg, device = rank_daemon_config(cfg, place, resume, join), rank_device(device, place)
+        if elastic_restart(os.environ) and not join:
+            # torchrun restarted the region after one of its ranks died: the others trained on without it
+            log.warning("torchrun restarted this region: joining the running cluster by state transfer")
+            join = True
         start_region(device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

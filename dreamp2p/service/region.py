@@ -11,8 +11,10 @@ ring: `dreamp2p.sync.shards`) and shard of every WAN round (`dreamp2p.sync.shard
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -59,14 +61,27 @@ def data_position(region: int, regions: int, place: RankPlace | None) -> tuple[i
     return region * place.ranks + place.rank, regions * place.ranks
 
 
+def elastic_restart(env: Mapping[str, str]) -> bool:
+    """Whether torchrun restarted this region's ranks (``--max-restarts``) after one of them failed.
+
+    The other regions trained on without it meanwhile, so the region joins them by state transfer.
+    """
+    try:
+        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    except ValueError:
+        count = env["TORCHELASTIC_RESTART_COUNT"]
+        raise ValueError(f"TORCHELASTIC_RESTART_COUNT is not an integer: {count!r}") from None
+
+
 def rank_daemon_config(cfg: DaemonConfig, place: RankPlace, resume: bool, join: bool) -> DaemonConfig:
     """The region's daemon settings for one rank: its own checkpoint folder and metrics port.
 
     Refuses what a region of many ranks cannot do yet: resuming (the ranks would have to agree on one
-    checkpoint of the region) and joining a running cluster.
+    checkpoint of the region). Joining works: every rank joins its shard ring, local rank 0 fetches the
+    state for the region (`dreamp2p.sync.regionjoin`).
     """
-    if resume or join:
-        raise ValueError("--resume and --join are not supported yet for a region of many ranks (torchrun)")
+    if resume:
+        raise ValueError("--resume is not supported yet for a region of many ranks (torchrun)")
     metrics = cfg.metrics
     if metrics.listen:
         metrics = dataclasses.replace(metrics, listen=shift_port(metrics.listen, place.rank))
@@ -80,7 +95,32 @@ def start_region(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        store = restart_store(os.environ)
+        if store is None:
+            dist.init_process_group(backend)
+        else:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+
+
+def restart_store(env: Mapping[str, str]) -> dist.Store | None:
+    """After torchrun restarted the region: its rendezvous store under a prefix of this attempt, else None.
+
+    torchrun's shared store still holds the keys the previous attempt's ranks wrote (the dead rank's
+    address among them), which the new process group would read instead of waiting for the new ranks.
+    """
+    if not elastic_restart(env) or "MASTER_ADDR" not in env:
+        return None
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it, else rank 0 does
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        int(env["WORLD_SIZE"]),
+        is_master=not agent and env["RANK"] == "0",
+        timeout=timedelta(minutes=10),
+    )
+    return dist.PrefixStore(f"/dreamp2p/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def data_parallel(model: nn.Module, device: str) -> DistributedDataParallel:

@@ -7,8 +7,11 @@ shard k of the group's flat buffer (`dreamp2p.sync.shards`) over this rank's own
 local rank k of every region, then an all-gather inside the region hands every rank the whole average.
 Strategies are unchanged: they see one member per region, and every rank gets the same bytes.
 
-Agreement inside the region: each gathered slot carries a flag saying whether that shard's WAN round
-succeeded; a round counts as failed on every rank of every region when any shard failed (every ring's
+Agreement inside the region: before the shards, every rank's outcome (whether its shard's WAN round
+succeeded) and group size are gathered; a round counts as failed on every rank of the region when any
+shard failed or the ranks packed groups of different sizes (a control round packed for the member count
+each rank's own ring saw, while a region leaves or joins and the rings' views differ for a moment); a
+round counts as failed on every rank of every region when any shard failed (every ring's
 rounds are all-or-none across regions, so each region sees the same set of failed shards). The gathers
 run on one thread of their own over a gloo group of their own (host buffers; DDP keeps the default group),
 in the order the rounds were launched, which is the same on every rank.
@@ -171,6 +174,36 @@ class ShardedCollective:
         self._submit(run).result(timeout)
         flat.write(flat.snap)
 
+    def all_ok(self, ok: bool, timeout: float) -> bool:
+        """Whether every rank of the region passed ``ok`` (a barrier: returns once every rank has called it)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+
+        def run() -> None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+
+        self._submit(run).result(timeout)
+        return bool(flag.item())
+
+    def broadcast_bytes(self, data: bytes | None, timeout: float) -> bytes:
+        """Local rank 0's ``data`` on every rank (the others pass None): its length, then its bytes."""
+        if self.local_rank == 0 and data is None:
+            raise ValueError("local rank 0 must give the bytes it broadcasts")
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        out: list[bytes] = []
+
+        def run() -> None:
+            dist.broadcast(size, src=self._root, group=self.group)
+            if self.local_rank == 0 and data:
+                buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            else:
+                buf = torch.empty(int(size.item()), dtype=torch.uint8)
+            if buf.numel():
+                dist.broadcast(buf, src=self._root, group=self.group)
+            out.append(buf.numpy().tobytes())
+
+        self._submit(run).result(timeout)
+        return out[0]
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop the gather thread after the rounds already queued."""
         if self._thread.is_alive():
@@ -210,7 +243,6 @@ class ShardedCollective:
     ) -> RoundResult:
         """On the gather thread: wait for this shard's WAN round, then all-gather every shard and its flag."""
         length = shard_length(group.numel, self.ranks)
-        send = torch.zeros(length + 1, dtype=torch.float32)
         result: RoundResult | None = None
         error: BaseException | None = None
         try:
@@ -219,17 +251,23 @@ class ShardedCollective:
             error = RoundFailed((group_id, round_id or 0), "this rank's shard round gave no result in time")
         except Exception as exc:  # RoundFailed and the peer's own errors: told to the region, raised here
             error = exc
-        if result is not None:
-            if shard is not None:
-                send[: shard.numel].copy_(shard.work)
-            send[length] = 1.0
-        slots = [torch.empty(length + 1, dtype=torch.float32) for _ in range(self.ranks)]
-        dist.all_gather(slots, send, group=self.group)
+        # first every rank's group size and outcome: a group packed for another member count (a control
+        # round while the shard rings' views differ, e.g. a region leaving or joining) fails everywhere
+        head = torch.tensor([float(group.numel), 1.0 if result is not None else 0.0], dtype=torch.float64)
+        heads = [torch.empty(2, dtype=torch.float64) for _ in range(self.ranks)]
+        dist.all_gather(heads, head, group=self.group)
+        failed = [k for k, h in enumerate(heads) if h[1].item() != 1.0]
+        sizes = {int(h[0].item()) for h in heads}
         if error is not None:
             raise error
-        failed = [k for k, slot in enumerate(slots) if slot[length].item() != 1.0]
-        if failed or result is None:
-            raise RoundFailed((group_id, round_id or 0), f"the WAN round of shard(s) {failed} failed in this region")
+        if failed or result is None or len(sizes) != 1:
+            why = f"shard(s) {failed} failed" if failed else f"the ranks packed groups of sizes {sorted(sizes)}"
+            raise RoundFailed((group_id, round_id or 0), f"the WAN round failed in this region: {why}")
+        send = torch.zeros(length, dtype=torch.float32)
+        if shard is not None:
+            send[: shard.numel].copy_(shard.work)
+        slots = [torch.empty(length, dtype=torch.float32) for _ in range(self.ranks)]
+        dist.all_gather(slots, send, group=self.group)
         for k, slot in enumerate(slots):
             a, b = shard_bounds(group.numel, self.ranks, k)
             group.work[a:b].copy_(slot[: b - a])

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from dreamp2p.config import DaemonConfig
-from dreamp2p.service.region import RankPlace, data_position, rank_daemon_config, rank_device, torchrun_place
+from dreamp2p.service.region import (
+    RankPlace,
+    data_position,
+    elastic_restart,
+    rank_daemon_config,
+    rank_device,
+    restart_store,
+    torchrun_place,
+)
 
 
 @pytest.mark.parametrize(
@@ -67,7 +75,25 @@ def test_rank_daemon_config_gives_each_rank_its_checkpoints_and_metrics_port() -
     assert cfg.node.node_id == "eu"  # the node itself derives its rank's peer settings (sync.shards.rank_config)
 
 
-@pytest.mark.parametrize(("resume", "join"), [(True, False), (False, True)])
-def test_a_region_of_many_ranks_refuses_resume_and_join(resume: bool, join: bool) -> None:
+def test_a_region_of_many_ranks_refuses_resume_but_joins() -> None:
     with pytest.raises(ValueError, match="region of many ranks"):
-        rank_daemon_config(_daemon(), RankPlace(0, 2, 0), resume, join)
+        rank_daemon_config(_daemon(), RankPlace(0, 2, 0), True, False)
+    assert rank_daemon_config(_daemon(), RankPlace(1, 2, 1), False, True).node.node_id == "eu"
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({}, False),  # not under torchrun
+        ({"TORCHELASTIC_RESTART_COUNT": "0"}, False),  # the first attempt
+        ({"TORCHELASTIC_RESTART_COUNT": "2"}, True),  # torchrun restarted the region after a rank died
+    ],
+)
+def test_elastic_restart(env: dict[str, str], want: bool) -> None:
+    assert elastic_restart(env) is want
+    assert want or restart_store(env) is None  # the first attempt keeps torchrun's own store
+
+
+def test_elastic_restart_refuses_a_bad_count() -> None:
+    with pytest.raises(ValueError, match="TORCHELASTIC_RESTART_COUNT"):
+        elastic_restart({"TORCHELASTIC_RESTART_COUNT": "x"})

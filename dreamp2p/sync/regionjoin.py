@@ -1,0 +1,94 @@
+"""A region of many local ranks joining a running cluster: one transfer, the same state on every rank.
+
+Each local rank's peer joins its own shard ring (it must be counted alive there, so every ring's rounds
+include it and fail while it still refuses frames); once every rank of the region is, local rank 0 alone
+fetches the training state from a live member, exactly as a one-rank joiner does, and hands it and the
+step to start at to the other ranks over the region's process group (the transfer's JSON skeleton plus
+the raw tensor bytes, each tensor's SHA-256 checked on arrival; nothing is unpickled). Every rank then
+loads the same state, starts at the same step and is admitted from the same round, so the region comes
+back as one replica. A rank that fails any stage fails the others' too instead of leaving them waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dreamp2p.state.snapshot import TensorMeta, tensor_from_bytes, tensor_to_bytes, unflatten_state
+from dreamp2p.sync.sharded import ShardedCollective
+
+log = logging.getLogger(__name__)
+
+# what local rank 0's fetch gives: the step to start at, the state's JSON skeleton and its named tensors
+Fetched = tuple[int, bytes, dict[str, torch.Tensor]]
+
+
+def encode_fetched(start: int, skeleton: bytes, tensors: dict[str, torch.Tensor]) -> bytes:
+    """One buffer: an 8-byte header length, a JSON header (start, skeleton, tensor metadata), the tensors' bytes."""
+    metas, blobs = [], []
+    for name, t in tensors.items():
+        meta, data = tensor_to_bytes(name, t)
+        metas.append([meta.name, meta.dtype, list(meta.shape), meta.nbytes, meta.sha256.hex()])
+        blobs.append(bytes(data))
+    head = json.dumps({"start": start, "skeleton": skeleton.decode("utf-8"), "tensors": metas}).encode()
+    return len(head).to_bytes(8, "little") + head + b"".join(blobs)
+
+
+def decode_fetched(buf: bytes) -> Fetched:
+    """What :func:`encode_fetched` packed; ValueError on a malformed buffer or a tensor whose hash differs."""
+    if len(buf) < 8:
+        raise ValueError(f"a region's state buffer of {len(buf)} bytes has no header")
+    size = int.from_bytes(buf[:8], "little")
+    head = json.loads(buf[8 : 8 + size])
+    offset = 8 + size
+    tensors: dict[str, torch.Tensor] = {}
+    for name, dtype, shape, nbytes, sha in head["tensors"]:
+        meta = TensorMeta(name, dtype, tuple(shape), nbytes, bytes.fromhex(sha))
+        tensors[name] = tensor_from_bytes(meta, buf[offset : offset + nbytes])
+        offset += nbytes
+    if offset != len(buf):
+        raise ValueError(f"a region's state buffer has {len(buf) - offset} bytes past its tensors")
+    return int(head["start"]), head["skeleton"].encode("utf-8"), tensors
+
+
+def join_region(
+    region: ShardedCollective,
+    admit: Callable[[], None],
+    fetch: Callable[[], Fetched],
+    load: Callable[[Any, int], None],
+    timeout: float,
+) -> int:
+    """Join as every local rank of ``region``; the step the region starts at (the same on every rank).
+
+    ``admit``: wait until this rank's ring counts it alive. ``fetch`` (local rank 0 only): take the
+    state from the live members and load it here; returns what the others load. ``load(state, start)``:
+    load that state into this rank's strategy and start it at ``start``.
+    """
+    error: BaseException | None = None
+    try:
+        admit()
+    except Exception as exc:  # told to the other ranks first, raised below
+        error = exc
+    if not region.all_ok(error is None, timeout):
+        raise error or RuntimeError("another rank of the region was not admitted to its shard ring")
+    payload: bytes | None = None
+    if region.local_rank == 0:
+        try:
+            payload = encode_fetched(*fetch())
+        except Exception as exc:
+            error = exc
+            payload = b""  # an empty buffer tells the other ranks the transfer failed
+    buf = region.broadcast_bytes(payload, timeout)
+    if error is not None:
+        raise error
+    if not buf:
+        raise RuntimeError("local rank 0 of the region could not fetch the members' state")
+    start, skeleton, tensors = decode_fetched(buf)
+    if region.local_rank != 0:
+        load(unflatten_state(skeleton, tensors), start)
+    log.warning("region rank %d joined at step %d with local rank 0's transfer", region.local_rank, start)
+    return start

@@ -1,0 +1,137 @@
+"""A region's local rank killed with SIGKILL: its region leaves, the other keeps stepping, torchrun brings it back.
+
+Two regions of two `dreamp2p node` daemons each (torchrun ``--max-restarts 1``). Local rank 1 of region b
+is killed mid-training; torchrun stops b's other rank and restarts both; they rejoin by state transfer
+(local rank 0 fetches, the region shares it) and after a quiet stretch all four ranks hold the same
+parameters (issue 11, deliver 4).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dreamp2p.devtools.localrun import child_env, dump_toml, read_records
+from dreamp2p.devtools.regionjob import free_port_block
+
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+TASK = {"steps": 100_000, "batch": 4, "context": 16, "dim": 32, "layers": 1, "heads": 2, "eval_every": 100_000}
+TASK["max_corpus_bytes"] = 1 << 18
+# DreamDDP syncs every layer within period + max_delay steps: a quiet stretch longer than that averages all
+SYNCS: dict[str, dict[str, Any]] = {
+    "ssgd": {"strategy": "ssgd"},
+    "dreamddp": {"strategy": "dreamddp", "period": 4, "warmup_steps": 3, "control_every": 4, "max_delay": 1},
+}
+QUIET = 7
+RANKS = ("a", "a.1", "b", "b.1")
+
+
+def rank_pid(torchrun: int, local_rank: int) -> int | None:
+    """The pid of torchrun's worker with this LOCAL_RANK (read from /proc), or None if none runs now."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == torchrun and f"LOCAL_RANK={local_rank}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+def steps(tmp: Path, node: str) -> list[int]:
+    return [r["step"] for r in read_records(tmp, node) if r["kind"] == "step"]
+
+
+def kinds(tmp: Path, node: str, kind: str) -> list[dict[str, Any]]:
+    return [r for r in read_records(tmp, node) if r["kind"] == kind]
+
+
+def wait_for(what: str, check: Any, procs: dict[str, subprocess.Popen[bytes]], tmp: Path) -> Any:
+    """Poll ``check`` until it returns something true; fail if a region's torchrun exited meanwhile."""
+    while not (value := check()):
+        for region, proc in procs.items():
+            if proc.poll() is not None:
+                log = (tmp / f"{region}.log").read_text()[-4000:]
+                pytest.fail(f"waiting for {what}: region {region} exited {proc.returncode}:\n{log}")
+        time.sleep(0.2)
+    return value
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", sorted(SYNCS))
+def test_a_killed_local_rank_takes_its_region_out_and_torchrun_brings_it_back(tmp_path: Path, strategy: str) -> None:
+    base = free_port_block(8)  # peers of both regions (each rank: the region's port + k), then metrics
+    ring = [{"node_id": r, "address": f"127.0.0.1:{base + 2 * i}"} for i, r in enumerate(("a", "b"))]
+    stop_at = tmp_path / "stop_at"
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    for i, region in enumerate(("a", "b")):
+        tables: dict[str, dict[str, Any]] = {
+            "node": {
+                "node_id": region,
+                "cluster_id": "regions",
+                "listen": ring[i]["address"],
+                "ring": ring,
+                "transport": {"heartbeat_s": 0.2, "dead_after_s": 2.0, "round_timeout_s": 10.0},
+            },
+            "sync": SYNCS[strategy],
+            "task": TASK,
+            "checkpoint": {"dir": str(tmp_path / region / "checkpoints"), "every_steps": 100_000, "keep": 1},
+            "metrics": {"run_dir": str(tmp_path), "log_every": 1, "listen": f"127.0.0.1:{base + 4 + 2 * i}"},
+        }
+        config = tmp_path / f"{region}.toml"
+        config.write_text(dump_toml(tables, {"device": "cpu", "threads": 1, "stop_grace_s": 5.0}))
+        cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+        cmd += ["-m", "dreamp2p", "node", "--config", str(config)]
+        cmd += ["--stop-at-file", str(stop_at), "--quiet-steps", str(QUIET)]
+        with (tmp_path / f"{region}.log").open("wb") as log:
+            procs[region] = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for("b.1 to train", lambda: len(steps(tmp_path, "b.1")) >= 5, procs, tmp_path)
+        victim = wait_for("b.1's pid", lambda: rank_pid(procs["b"].pid, 1), procs, tmp_path)
+        os.kill(victim, signal.SIGKILL)
+        killed_after = max(steps(tmp_path, "b.1"))
+        # torchrun restarts both ranks of b; each joins the running cluster (a JOIN record in its run log)
+        joins = wait_for(
+            "region b to rejoin",
+            lambda: (j := [kinds(tmp_path, n, "join") for n in ("b", "b.1")]) and all(j) and j,
+            procs,
+            tmp_path,
+        )
+        joined_at = {r[-1]["step"] for r in joins}
+        assert len(joined_at) == 1, joins  # both ranks start at the step local rank 0 fetched for the region
+        (start,) = joined_at
+        # region a kept stepping while b was out: steps b never took, between its death and its return
+        for node in ("a", "a.1"):
+            alone = [s for s in steps(tmp_path, node) if killed_after + 1 < s < start]
+            assert len(alone) >= 3, (node, killed_after, start, alone)
+        # b's ranks went on from the cluster's step, not from 0 or from where b died
+        wait_for("b to train again", lambda: any(s > start for s in steps(tmp_path, "b.1")), procs, tmp_path)
+        last = max(max(steps(tmp_path, n)) for n in RANKS)
+        stop_at.write_text(str(last + 20))  # both regions stop after the same step, the last ones quiet
+        deadline = time.monotonic() + 200  # a hang guard
+        for region, proc in procs.items():
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            assert code == 0, f"region {region} exited {code}:\n{(tmp_path / f'{region}.log').read_text()[-4000:]}"
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for node in ("a", "a.1"):  # region a never restarted
+        assert len(kinds(tmp_path, node, "start")) == 1
+    for node in ("b", "b.1"):  # region b started twice: fresh, then restarted by torchrun and joining
+        assert len(kinds(tmp_path, node, "start")) == 2
+    stops = {node: kinds(tmp_path, node, "stop")[-1] for node in RANKS}
+    assert len({s["step"] for s in stops.values()}) == 1, stops
+    assert len({s["digest"] for s in stops.values()}) == 1, stops
