@@ -25,7 +25,7 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
         raise ValueError(f"keep must be >= 1, got {keep}")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    final = d / f"ckpt-{step:010d}.pt"
+    final = checkpoint_file(d, step)
     tmp = d / f".{final.name}.tmp-{os.getpid()}"
     with open(tmp, "wb") as fh:
         torch.save(state, fh)
@@ -41,6 +41,11 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
         old.unlink(missing_ok=True)
     log.info("checkpoint %s written", final)
     return final
+
+
+def checkpoint_file(directory: str | Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` is (or would be) in ``directory``."""
+    return Path(directory) / f"ckpt-{step:010d}.pt"
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

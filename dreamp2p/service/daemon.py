@@ -28,8 +28,7 @@ from dreamp2p.config.daemon import DaemonConfig
 from dreamp2p.errors import RoundFailed
 from dreamp2p.manifest import manifest_hash, param_digest
 from dreamp2p.node import Node
-from dreamp2p.service.checkpoint import save_checkpoint
-from dreamp2p.service.lifecycle import JOIN, StopFlag, agree_and_load
+from dreamp2p.service.lifecycle import JOIN, StopFlag
 from dreamp2p.service.lifecycle import abort_when_stuck as _abort_when_stuck
 from dreamp2p.service.lifecycle import drain as _drain
 from dreamp2p.service.metrics import NodeMetrics, RecordKind
@@ -41,6 +40,8 @@ from dreamp2p.service.region import (
     elastic_restart,
     rank_daemon_config,
     rank_device,
+    region_agree_and_load,
+    save_region_checkpoint,
     start_region,
     torchrun_place,
 )
@@ -91,7 +92,7 @@ def run_node(
         if elastic_restart(os.environ) and not join:
             # torchrun restarted the region after one of its ranks died: the others trained on without it
             log.warning("torchrun restarted this region: joining the running cluster by state transfer")
-            join = True
+            join, resume = True, False
         start_region(device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -116,7 +117,7 @@ def run_node(
         node.connect(require_all=not join)
         restored: tuple[Path, dict[str, Any]] | None = None
         if resume:
-            decided = agree_and_load(cfg.checkpoint.dir, node)
+            decided = region_agree_and_load(cfg.checkpoint.dir, node)  # agree_and_load outside a region
             if decided == JOIN:
                 # the cluster trained on without us: our checkpoint is older than its state
                 log.warning("members are training: joining them instead of resuming from our checkpoint")
@@ -255,13 +256,17 @@ def _train(
             metrics.record(RecordKind.EVAL, step=step, eval_loss=last_eval)
         if (step + 1) % cfg.checkpoint.every_steps == 0:
             sync.close()  # land rounds in flight so the checkpoint is a consistent cut
-            path = save_checkpoint(cfg.checkpoint.dir, step + 1, _saved_state(sync, training), cfg.checkpoint.keep)
+            path = save_region_checkpoint(
+                node, cfg.checkpoint.dir, step + 1, _saved_state(sync, training), cfg.checkpoint.keep
+            )
             # the digest lets a resume be checked against what was saved (xxh3: cheap beside the write)
             metrics.record(RecordKind.CHECKPOINT, step=step + 1, path=str(path), digest=param_digest(model))
     notifier.stopping(f"draining at step {sync.step_count}")
     node.begin_drain()  # probes see NOT_SERVING while rounds in flight land
     _drain(sync, node, cfg.stop_grace_s)
-    path = save_checkpoint(cfg.checkpoint.dir, sync.step_count, _saved_state(sync, training), cfg.checkpoint.keep)
+    path = save_region_checkpoint(
+        node, cfg.checkpoint.dir, sync.step_count, _saved_state(sync, training), cfg.checkpoint.keep
+    )
     if (last_eval := training.evaluate()) is not None:
         metrics.record(RecordKind.EVAL, step=sync.step_count - 1, eval_loss=last_eval)
     metrics.record(

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dreamp2p.config.daemon import DaemonConfig
-from dreamp2p.sync.shards import rank_node_id, shift_port
+from dreamp2p.node import Node
+from dreamp2p.service.checkpoint import checkpoint_file, save_checkpoint
+from dreamp2p.service.lifecycle import JOIN, agree_and_load
+from dreamp2p.state.snapshot import flatten_state, unflatten_state
+from dreamp2p.sync.regionjoin import decode_fetched, encode_fetched
+from dreamp2p.sync.shards import shift_port
 
 
 @dataclass(frozen=True)
@@ -74,20 +80,56 @@ def elastic_restart(env: Mapping[str, str]) -> bool:
 
 
 def rank_daemon_config(cfg: DaemonConfig, place: RankPlace, resume: bool, join: bool) -> DaemonConfig:
-    """The region's daemon settings for one rank: its own checkpoint folder and metrics port.
+    """The region's daemon settings for one rank: its own metrics port; the region's checkpoint folder.
 
-    Refuses what a region of many ranks cannot do yet: resuming (the ranks would have to agree on one
-    checkpoint of the region). Joining works: every rank joins its shard ring, local rank 0 fetches the
-    state for the region (`dreamp2p.sync.regionjoin`).
+    Every rank holds the region's one replica, so the region keeps one checkpoint, written by local rank 0
+    into ``[checkpoint] dir`` (:func:`save_region_checkpoint`); a resuming region loads it on rank 0 and
+    shares it (:func:`region_agree_and_load`). Joining: every rank joins its shard ring, local rank 0
+    fetches the state for the region (`dreamp2p.sync.regionjoin`).
     """
-    if resume:
-        raise ValueError("--resume is not supported yet for a region of many ranks (torchrun)")
     metrics = cfg.metrics
     if metrics.listen:
         metrics = dataclasses.replace(metrics, listen=shift_port(metrics.listen, place.rank))
-    # every rank holds the region's replica; each writes its own copy until checkpoints per region exist
-    folder = str(Path(cfg.checkpoint.dir) / rank_node_id(cfg.node.node_id, place.rank))
-    return dataclasses.replace(cfg, metrics=metrics, checkpoint=dataclasses.replace(cfg.checkpoint, dir=folder))
+    return dataclasses.replace(cfg, metrics=metrics)
+
+
+def save_region_checkpoint(node: Node, directory: str, step: int, state: dict[str, Any], keep: int) -> Path:
+    """Write the checkpoint of ``step``; in a region only local rank 0 writes it (the other ranks hold the
+    same replica after the step's gathers) and the others get the path of that file."""
+    if node.region is not None and node.region.local_rank != 0:
+        return checkpoint_file(directory, step)
+    return save_checkpoint(directory, step, state, keep)
+
+
+def region_agree_and_load(directory: str, node: Node) -> tuple[Path, dict[str, Any]] | Literal["join"] | None:
+    """:func:`~dreamp2p.service.lifecycle.agree_and_load` for a region: local rank 0 agrees with the other
+    regions (over ring 0, whose members are their ranks 0) and loads the checkpoint; every rank gets the
+    same decision and state (over the process group: the checkpoint may lie on rank 0's host only)."""
+    if node.region is None:
+        return agree_and_load(directory, node)
+    region, t = node.region, node.config.transport
+    payload: bytes | None = None
+    error: BaseException | None = None
+    if region.local_rank == 0:
+        try:
+            decided = agree_and_load(directory, node)
+            if decided is None or decided == JOIN:
+                payload = b"N" if decided is None else b"J"
+            else:
+                skeleton, named = flatten_state({"path": str(decided[0]), "state": decided[1]})
+                payload = b"S" + encode_fetched(0, skeleton, dict(named))
+        except Exception as exc:  # told to the other ranks (an empty buffer), raised here
+            error, payload = exc, b""
+    buf = region.broadcast_bytes(payload, 2 * t.connect_timeout_s + t.rpc_deadline_s)
+    if error is not None:
+        raise error
+    if not buf:
+        raise RuntimeError("local rank 0 of the region could not agree where to resume from")
+    if buf[:1] in (b"N", b"J"):
+        return None if buf[:1] == b"N" else JOIN
+    _, skeleton, tensors = decode_fetched(buf[1:])
+    shared = unflatten_state(skeleton, tensors)
+    return Path(shared["path"]), shared["state"]
 
 
 def start_region(device: str) -> None:

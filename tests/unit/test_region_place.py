@@ -66,19 +66,18 @@ def _daemon(**tables: dict[str, object]) -> DaemonConfig:
     return DaemonConfig.from_dict({"node": {"node_id": "eu", "listen": "127.0.0.1:7000"}, **tables})
 
 
-def test_rank_daemon_config_gives_each_rank_its_checkpoints_and_metrics_port() -> None:
+def test_rank_daemon_config_gives_each_rank_its_metrics_port_and_the_region_one_checkpoint_folder() -> None:
     cfg = rank_daemon_config(
         _daemon(metrics={"listen": "127.0.0.1:9100"}, checkpoint={"dir": "ck"}), RankPlace(2, 4, 2), False, False
     )
     assert cfg.metrics.listen == "127.0.0.1:9102"
-    assert cfg.checkpoint.dir.endswith("eu.2")  # the rank's node id (rank 0 keeps the region's)
+    assert cfg.checkpoint.dir == "ck"  # the region's: local rank 0 writes it, every rank resumes from it
     assert cfg.node.node_id == "eu"  # the node itself derives its rank's peer settings (sync.shards.rank_config)
 
 
-def test_a_region_of_many_ranks_refuses_resume_but_joins() -> None:
-    with pytest.raises(ValueError, match="region of many ranks"):
-        rank_daemon_config(_daemon(), RankPlace(0, 2, 0), True, False)
-    assert rank_daemon_config(_daemon(), RankPlace(1, 2, 1), False, True).node.node_id == "eu"
+@pytest.mark.parametrize(("resume", "join"), [(True, False), (False, True)])
+def test_a_region_of_many_ranks_resumes_and_joins(resume: bool, join: bool) -> None:
+    assert rank_daemon_config(_daemon(), RankPlace(1, 2, 1), resume, join).node.node_id == "eu"
 
 
 @pytest.mark.parametrize(
