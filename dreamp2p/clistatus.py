@@ -1,5 +1,7 @@
 """`dreamp2p status`: a peer's live status (ring, links, counters, plan), once or every few seconds, as text
 or one JSON object per answer. With ``--config`` the token, TLS and address come from the node's TOML file.
+Asked at local rank 0 of a region of many ranks, it also asks every other rank's peer (rank 0's port + k):
+the region's ranks, each one's shard ring and links, and the plan.
 """
 
 from __future__ import annotations
@@ -64,9 +66,32 @@ def resolve_target(args: argparse.Namespace) -> Target:
     return Target(address_with_port(address), token, tls)
 
 
-def status_json(st: PeerStatus, now: float) -> str:
-    """One status as a JSON object on one line, with the time it was read (``t``, Unix seconds)."""
-    return json.dumps({"t": round(now, 3), **dataclasses.asdict(st)}, default=str)
+# another local rank of a region: its status, or why it gave none
+RankAnswer = tuple[int, PeerStatus | str]
+
+
+def status_json(st: PeerStatus, now: float, ranks: list[RankAnswer] | None = None) -> str:
+    """One status as a JSON object on one line, with the time it was read (``t``, Unix seconds); for local
+    rank 0 of a region, ``region_ranks_status`` lists the other ranks' (or ``error``)."""
+    out = {"t": round(now, 3), **dataclasses.asdict(st)}
+    if ranks:
+        out["region_ranks_status"] = [
+            {"rank": k, **dataclasses.asdict(a)} if isinstance(a, PeerStatus) else {"rank": k, "error": a}
+            for k, a in ranks
+        ]
+    return json.dumps(out, default=str)
+
+
+def region_text(ranks: list[RankAnswer]) -> str:
+    """The other local ranks of a region, each with its shard ring and shard links."""
+    blocks = []
+    for k, answer in ranks:
+        if isinstance(answer, PeerStatus):
+            body = "\n".join(f"  {line}" for line in status_text(answer).splitlines())
+            blocks.append(f"region rank {k}:\n{body}")
+        else:
+            blocks.append(f"region rank {k}: no answer ({answer})")
+    return "\n".join(blocks)
 
 
 def status_text(st: PeerStatus) -> str:
@@ -82,6 +107,11 @@ def status_text(st: PeerStatus) -> str:
             f"training: {tr.strategy} at step {tr.step}; plan v{tr.plan_version} since step {tr.plan_effective_step}"
         )
         lines += [f"  {line}" for line in tr.plan_summary.splitlines()]
+        if tr.region_ranks > 1:
+            lines.append(
+                f"region: local rank {tr.region_rank} of {tr.region_ranks}; this peer carries shard "
+                f"{tr.region_rank} of every sync over the ring above (rank k listens on rank 0's port + k)"
+            )
     for link in st.links:
         lines.append(
             f"  link -> {link.peer:<12} rtt {link.rtt_s * 1e3:7.2f} ms"
@@ -90,6 +120,28 @@ def status_text(st: PeerStatus) -> str:
             f"  chunk {link.chunk_bytes}"
         )
     return "\n".join(lines)
+
+
+async def _region_ranks(target: Target, st: PeerStatus) -> list[RankAnswer]:
+    """Local rank 0 of a region: ask every other rank's peer (rank 0's port + k) for its status."""
+    tr = st.training
+    if tr is None or tr.region_ranks < 2 or tr.region_rank != 0:
+        return []
+    from dreamp2p.config import PeerInfo, TransportConfig
+    from dreamp2p.sync.shards import shift_port
+    from dreamp2p.transport.client import Link
+
+    out: list[RankAnswer] = []
+    for k in range(1, tr.region_ranks):
+        address = shift_port(target.address, k)
+        link = Link("status-cli", PeerInfo("?", address), TransportConfig(streams_per_link=1), target.tls, target.token)
+        try:
+            out.append((k, await link.status()))
+        except PeerError as exc:
+            out.append((k, f"{address}: {exc}"))
+        finally:
+            await link.close()
+    return out
 
 
 async def _poll(args: argparse.Namespace, target: Target) -> int:
@@ -112,11 +164,13 @@ async def _poll(args: argparse.Namespace, target: Target) -> int:
                 print(f"dreamp2p status: {exc}", file=sys.stderr, flush=True)
                 code = 1
             else:
+                ranks = await _region_ranks(target, st)
                 if args.json:
-                    print(status_json(st, time.time()), flush=True)
+                    print(status_json(st, time.time(), ranks), flush=True)
                 else:
                     header = f"== {time.strftime('%Y-%m-%d %H:%M:%S')} ==\n" if args.watch is not None else ""
-                    print(header + status_text(st), flush=True)
+                    text = status_text(st) + ("\n" + region_text(ranks) if ranks else "")
+                    print(header + text, flush=True)
                 code = 0
             answers += 1
             if args.watch is None or (args.count is not None and answers >= args.count):

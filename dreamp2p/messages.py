@@ -130,6 +130,9 @@ class TrainingInfo:
     plan_version: int = 0
     plan_effective_step: int = 0
     plan_summary: str = ""
+    # in a region of many ranks (dreamp2p.sync.sharded): this peer's local rank and the region's rank count
+    region_rank: int = 0
+    region_ranks: int = 0  # 0: not a region of many ranks
 
 
 @dataclass(frozen=True)

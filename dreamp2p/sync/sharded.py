@@ -123,7 +123,8 @@ class ShardedCollective:
         return self.wan.links()
 
     def set_training_info(self, info: TrainingInfo) -> None:
-        self.wan.set_training_info(info)
+        # the Status call tells `dreamp2p status` which rank of how many this peer is
+        self.wan.set_training_info(dataclasses.replace(info, region_rank=self.local_rank, region_ranks=self.ranks))
 
     def allreduce_group(
         self,

@@ -281,6 +281,8 @@ def status_to_proto(s: PeerStatus) -> pb.StatusResponse:
         excluded=list(s.excluded),
         straggler_evictions=s.straggler_evictions,
         straggler_returns=s.straggler_returns,
+        region_rank=s.training.region_rank if s.training else 0,
+        region_ranks=s.training.region_ranks if s.training else 0,
     )
 
 
@@ -307,7 +309,9 @@ def status_from_proto(m: pb.StatusResponse) -> PeerStatus:
         frames_rejected=m.frames_rejected,
         codecs=tuple(int(c) for c in m.codecs),
         uptime_s=m.uptime_s,
-        training=TrainingInfo(m.strategy, m.step, m.plan_version, m.plan_effective_step, m.plan_summary)
+        training=TrainingInfo(
+            m.strategy, m.step, m.plan_version, m.plan_effective_step, m.plan_summary, m.region_rank, m.region_ranks
+        )
         if m.strategy
         else None,
         resuming=m.resuming,

@@ -240,7 +240,7 @@ class LinkStats(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., rtt_s: _Optional[float] = ..., goodput_bytes_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., samples: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "cluster_id", "protocol_version", "ring", "links", "rounds_completed", "rounds_failed", "frames_rejected", "codecs", "uptime_s", "step", "plan_version", "plan_effective_step", "plan_summary", "strategy", "resuming", "checkpoint_steps", "contributions_refused", "live", "view_id", "excluded", "straggler_evictions", "straggler_returns")
+    __slots__ = ("node_id", "cluster_id", "protocol_version", "ring", "links", "rounds_completed", "rounds_failed", "frames_rejected", "codecs", "uptime_s", "step", "plan_version", "plan_effective_step", "plan_summary", "strategy", "resuming", "checkpoint_steps", "contributions_refused", "live", "view_id", "excluded", "straggler_evictions", "straggler_returns", "region_rank", "region_ranks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,8 @@ class StatusResponse(_message.Message):
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_RETURNS_FIELD_NUMBER: _ClassVar[int]
+    REGION_RANK_FIELD_NUMBER: _ClassVar[int]
+    REGION_RANKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster_id: str
     protocol_version: int
@@ -287,7 +289,9 @@ class StatusResponse(_message.Message):
     excluded: _containers.RepeatedScalarFieldContainer[str]
     straggler_evictions: int
     straggler_returns: int
-    def __init__(self, node_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., ring: _Optional[_Iterable[str]] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., uptime_s: _Optional[float] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_effective_step: _Optional[int] = ..., plan_summary: _Optional[str] = ..., strategy: _Optional[str] = ..., resuming: _Optional[bool] = ..., checkpoint_steps: _Optional[_Iterable[int]] = ..., contributions_refused: _Optional[int] = ..., live: _Optional[_Iterable[str]] = ..., view_id: _Optional[int] = ..., excluded: _Optional[_Iterable[str]] = ..., straggler_evictions: _Optional[int] = ..., straggler_returns: _Optional[int] = ...) -> None: ...
+    region_rank: int
+    region_ranks: int
+    def __init__(self, node_id: _Optional[str] = ..., cluster_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., ring: _Optional[_Iterable[str]] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., frames_rejected: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., uptime_s: _Optional[float] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_effective_step: _Optional[int] = ..., plan_summary: _Optional[str] = ..., strategy: _Optional[str] = ..., resuming: _Optional[bool] = ..., checkpoint_steps: _Optional[_Iterable[int]] = ..., contributions_refused: _Optional[int] = ..., live: _Optional[_Iterable[str]] = ..., view_id: _Optional[int] = ..., excluded: _Optional[_Iterable[str]] = ..., straggler_evictions: _Optional[int] = ..., straggler_returns: _Optional[int] = ..., region_rank: _Optional[int] = ..., region_ranks: _Optional[int] = ...) -> None: ...
 
 class VoteRequest(_message.Message):
     __slots__ = ("sender", "group_id", "round_id", "view_id", "commit", "sent_bytes", "link_bytes_per_s", "part_s")

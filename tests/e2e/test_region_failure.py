@@ -3,11 +3,13 @@
 Two regions of two `dreamp2p node` daemons each (torchrun ``--max-restarts 1``). Local rank 1 of region b
 is killed mid-training; torchrun stops b's other rank and restarts both; they rejoin by state transfer
 (local rank 0 fetches, the region shares it) and after a quiet stretch all four ranks hold the same
-parameters (issue 11, deliver 4).
+parameters (issue 11, deliver 4). Meanwhile `dreamp2p status` at region a's rank 0 shows both of its ranks,
+each one's shard ring and link (deliver 5).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -117,6 +119,22 @@ def test_a_killed_local_rank_takes_its_region_out_and_torchrun_brings_it_back(tm
             assert len(alone) >= 3, (node, killed_after, start, alone)
         # b's ranks went on from the cluster's step, not from 0 or from where b died
         wait_for("b to train again", lambda: any(s > start for s in steps(tmp_path, "b.1")), procs, tmp_path)
+        # `dreamp2p status` at region a's rank 0: both ranks, each one's shard ring and link, one plan
+        shown = subprocess.run(
+            [sys.executable, "-m", "dreamp2p", "status", ring[0]["address"], "--json"],
+            env=child_env(),
+            capture_output=True,
+            timeout=60,
+            check=True,
+        )
+        status = json.loads(shown.stdout)
+        (rank1,) = status["region_ranks_status"]
+        assert (status["training"]["region_rank"], status["training"]["region_ranks"]) == (0, 2)
+        assert (rank1["rank"], rank1["node_id"], rank1["training"]["region_rank"]) == (1, "a.1", 1)
+        assert status["ring"] == ["a", "b"] and rank1["ring"] == ["a.1", "b.1"]
+        assert "b" in [link["peer"] for link in status["links"]]
+        assert "b.1" in [link["peer"] for link in rank1["links"]]
+        assert status["training"]["strategy"] == rank1["training"]["strategy"] == SYNCS[strategy]["strategy"]
         last = max(max(steps(tmp_path, n)) for n in RANKS)
         stop_at.write_text(str(last + 20))  # both regions stop after the same step, the last ones quiet
         deadline = time.monotonic() + 200  # a hang guard

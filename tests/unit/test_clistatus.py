@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
 
-from dreamp2p.clistatus import dial_address, resolve_target
+from dreamp2p.clistatus import dial_address, region_text, resolve_target, status_json, status_text
 from dreamp2p.config import PeerConfig
+from dreamp2p.messages import LinkSnapshot, PeerStatus, TrainingInfo
 
 
 @pytest.mark.parametrize(
@@ -60,3 +62,27 @@ def test_without_a_file_the_flags_alone_decide() -> None:
     assert target == type(target)("127.0.0.1:7070", None, None)
     with pytest.raises(ValueError, match="HOST:PORT"):
         resolve_target(_args())
+
+
+def _status(node: str, ring: tuple[str, ...], rank: int, ranks: int) -> PeerStatus:
+    link = LinkSnapshot(ring[-1], 0.01, 2.5e6, 10**6, 10**6, samples=3, chunk_bytes=65536)
+    training = TrainingInfo("dreamddp", 40, 2, 36, "layer 0: every 4", region_rank=rank, region_ranks=ranks)
+    return PeerStatus(node, "c", 2, ring, (link,), 5, 0, 0, training=training)
+
+
+def test_a_region_shows_its_ranks_their_shard_links_and_the_plan() -> None:
+    rank0 = _status("eu", ("eu", "us"), 0, 2)
+    assert "region: local rank 0 of 2" in status_text(rank0)
+    assert "plan v2 since step 36" in status_text(rank0)
+    text = region_text([(1, _status("eu.1", ("eu.1", "us.1"), 1, 2)), (2, "127.0.0.1:7072: unreachable")])
+    assert "region rank 1:" in text and "link -> us.1" in text and "region: local rank 1 of 2" in text
+    assert "region rank 2: no answer (127.0.0.1:7072: unreachable)" in text
+    out = json.loads(status_json(rank0, 1.0, [(1, _status("eu.1", ("eu.1", "us.1"), 1, 2)), (2, "gone")]))
+    assert [r["rank"] for r in out["region_ranks_status"]] == [1, 2]
+    assert out["region_ranks_status"][0]["links"][0]["peer"] == "us.1"
+    assert out["region_ranks_status"][1]["error"] == "gone"
+    assert "region_ranks_status" not in json.loads(status_json(rank0, 1.0))  # a peer of its own
+
+
+def test_outside_a_region_no_region_line() -> None:
+    assert "region:" not in status_text(_status("eu", ("eu", "us"), 0, 0))

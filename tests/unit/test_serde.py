@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import DType, Frame, PeerStatus, Phase, RoundEvidence
+from dreamp2p.messages import DType, Frame, PeerStatus, Phase, RoundEvidence, TrainingInfo
 from dreamp2p.transport import serde
 from dreamp2p.v1 import peer_pb2 as pb
 
@@ -164,3 +164,16 @@ def test_vote_without_evidence_and_status_straggler_fields_round_trip() -> None:
     )
     back = serde.status_from_proto(pb.StatusResponse.FromString(serde.status_to_proto(st).SerializeToString()))
     assert (back.excluded, back.straggler_evictions, back.straggler_returns) == (("p2",), 3, 2)
+
+
+@pytest.mark.parametrize(
+    "training",
+    [
+        TrainingInfo("dreamddp", 40, 2, 36, "layer 0: every 4", region_rank=1, region_ranks=4),
+        TrainingInfo("ssgd", 3),  # a one-rank region: no region fields
+    ],
+)
+def test_status_region_fields_round_trip(training: TrainingInfo) -> None:
+    st = PeerStatus("eu.1", "c", 2, ("eu.1", "us.1"), (), 0, 0, 0, training=training)
+    back = serde.status_from_proto(pb.StatusResponse.FromString(serde.status_to_proto(st).SerializeToString()))
+    assert back.training == training
