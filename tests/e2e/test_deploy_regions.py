@@ -3,7 +3,9 @@
 Each local rank k of a region listens on its region's peer, health and metrics ports plus k
 (`dreamp2p.sync.shards.rank_config`, `dreamp2p.service.region.rank_daemon_config`), so the examples must
 give every rank's ports without collisions, ask for as many GPUs as they start ranks, probe rank 0's
-health port, expose every rank's peer port, and never pass --resume or --join (refused in a region).
+health port, expose every rank's peer port, let torchrun restart a region whose rank died
+(``--max-restarts``: it rejoins by state transfer) and resume a restarted container from the region's
+checkpoint (``--resume``), never ``--join`` (a restarted region decides that itself).
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ def _rank_ports(cfg: DaemonConfig, ranks: int) -> dict[str, list[int]]:
 
 
 def _check_region_command(argv: list[str], cfg: DaemonConfig) -> dict[str, list[int]]:
-    assert argv[-5:-2] == ["-m", "dreamp2p", "node"] and "--standalone" in argv, argv
-    assert "--resume" not in argv and "--join" not in argv, "a region of many ranks refuses both"
+    m = argv.index("-m")
+    assert argv[m : m + 3] == ["-m", "dreamp2p", "node"] and "--standalone" in argv, argv
+    assert int(argv[argv.index("--max-restarts") + 1]) >= 1, "a region whose rank died must come back"
+    assert "--resume" in argv[m:] and "--join" not in argv, argv
     ports = _rank_ports(cfg, _nproc(argv))
     every = [p for kind in ports.values() for p in kind]
     assert len(every) == len(set(every)), f"two ranks' ports collide: {ports}"
