@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from dreamp2p.config.daemon import DaemonConfig
 from dreamp2p.errors import RoundFailed
@@ -100,15 +101,8 @@ def run_node(
     model = training.model
     node_cfg = dataclasses.replace(node_cfg, manifest_hash=manifest_hash(model.state_dict().items()))
     model = training.model = data_parallel(model, device) if place is not None else model
-    max_bytes = int(cfg.metrics.jsonl_max_mb * 1e6)
     who = rank_node_id(node_cfg.node_id, place.rank) if place is not None else node_cfg.node_id
-    metrics = NodeMetrics(who, cfg.metrics.run_dir, max_bytes, cfg.metrics.jsonl_files)
-    metrics.record(
-        RecordKind.START, device=device, params=sum(p.numel() for p in model.parameters()), resume=resume, join=join
-    )
-    if cfg.metrics.listen:
-        port = metrics.serve(cfg.metrics.listen)
-        log.info("metrics on %s (port %d)", cfg.metrics.listen, port)
+    metrics = _start_metrics(cfg, who, device, model, resume, join)
     opt = training.optimizer
     if join and resume:
         raise ValueError("--join and --resume exclude each other: a joining node takes the live members' state")
@@ -146,6 +140,19 @@ def run_node(
     finally:
         node.close()
         metrics.close()
+
+
+def _start_metrics(cfg: DaemonConfig, who: str, device: str, model: nn.Module, resume: bool, join: bool) -> NodeMetrics:
+    """The node's run log and metrics (served when ``[metrics] listen`` is set), opened with its START record."""
+    max_bytes = int(cfg.metrics.jsonl_max_mb * 1e6)
+    metrics = NodeMetrics(who, cfg.metrics.run_dir, max_bytes, cfg.metrics.jsonl_files)
+    metrics.record(
+        RecordKind.START, device=device, params=sum(p.numel() for p in model.parameters()), resume=resume, join=join
+    )
+    if cfg.metrics.listen:
+        port = metrics.serve(cfg.metrics.listen)
+        log.info("metrics on %s (port %d)", cfg.metrics.listen, port)
+    return metrics
 
 
 def _read_stop_at(path: Path | None) -> int | None:
