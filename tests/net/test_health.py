@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
-from conftest import ring_configs, start_ring
+from conftest import make_node_certs, ring_configs, start_ring
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dreamp2p.config import PeerConfig
+from dreamp2p.config import PeerConfig, TLSConfig
 from dreamp2p.messages import TrainingInfo
 from dreamp2p.peer import Peer
 from dreamp2p.peer.health import health_of
@@ -144,5 +145,30 @@ async def test_draining_turns_not_serving_while_rounds_still_run() -> None:
         peer.begin_drain()
         await eventually(peer, "NOT_SERVING")
         assert peer.health()[1].startswith("draining")
+    finally:
+        await peer.close(grace=0.1)
+
+
+async def test_a_plain_probe_reads_a_token_and_tls_node_serving_not_serving_while_joining_or_draining(
+    tmp_path: Path,
+) -> None:
+    """The node's peer service wants mutual TLS and the token; its health listener answers a plain
+    ``grpc.health.v1`` client with neither, and the answer follows joining, serving and draining."""
+    certs = make_node_certs(tmp_path, ["p0"])
+    tls = TLSConfig(**certs["p0"], mutual=True, server_name_override="localhost")
+    peer = Peer(PeerConfig(node_id="p0", token="secret", tls=tls, health_listen="127.0.0.1:0"))
+    peer.stand_aside()  # joining: no training state yet
+    await peer.start()
+    health = f"127.0.0.1:{peer.health_port}"
+    try:
+        assert await check_health(health) == "NOT_SERVING"
+        # the peer port itself refuses a plaintext caller outright
+        async with aio.insecure_channel(peer.address) as channel:
+            with pytest.raises(aio.AioRpcError):
+                await pb_grpc.PeerStub(channel).Status(pb.StatusRequest(), timeout=5)
+        peer.admit_from(1)
+        await eventually(peer, "SERVING")
+        peer.begin_drain()
+        await eventually(peer, "NOT_SERVING")
     finally:
         await peer.close(grace=0.1)
