@@ -284,7 +284,7 @@ class DreamDDP(Strategy):
             if self._wait(fut) is not None:
                 # decided as of the agreed landing step, not the step we got here: a node that joined with
                 # this round in flight and started past it adopts the plan with the members' phase
-                self._on_gathered(unpack_control(gathered.work, world, self._blank), land)
+                self._on_gathered(unpack_control(gathered.work, world, self._blank), land, world)
         start = max(cfg.warmup_steps, 1)
         if self._control is None and t >= start and (t - start) % cfg.control_every == 0:
             links = {s.peer: s for s in self.comm.links()}
@@ -300,11 +300,16 @@ class DreamDDP(Strategy):
             fut = self.comm.allreduce_group(group, GROUP_CONTROL, "fp32", round_id=self._round(), guard_norm=False)
             self._control = (t + cfg.control_lead, fut, group, world)
 
-    def _on_gathered(self, g: Gathered, t: int) -> None:
-        """Same inputs on every peer at the same step: the same decision everywhere."""
+    def _on_gathered(self, g: Gathered, t: int, world: int) -> None:
+        """Same inputs on every peer at the same step: the same decision everywhere.
+
+        ``world`` is the member count the control round was packed for (equal on every member whose round
+        succeeded), not the live view: views differ between members for a moment while one leaves or
+        joins, and so do the shard rings of a region's ranks, which would then decide different plans.
+        """
         self._collect_plan()  # a newer decision replaces the queued plan, as if it had been made at once
         version = max(self.plan.version, self._next_plan.version if self._next_plan else 0) + 1
-        req = self._replanner.decide(g, t, self.plan, version, self.comm.world)
+        req = self._replanner.decide(g, t, self.plan, version, world)
         if req is not None:
             # the planner's search takes a good fraction of a step: run it beside training (torch kernels
             # release the GIL); the request fixes the version and adoption step, so waiting for the result
