@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -42,6 +43,10 @@ class FakeSync:
         self.optimizer.zero_grad()
 
 
+# the same initial parameters on every member, also when members are built on threads at once
+_INIT = threading.Lock()
+
+
 def data(seed: int = 0, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=g)
@@ -54,8 +59,9 @@ def mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Ten
 
 
 def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    with _INIT:  # members built on threads share torch's global RNG: one seeded init at a time
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
 def recipe(data_source: Any, lr: float = 0.05, **kw: Any) -> Recipe:
