@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import expect_clean_exits
 
 from dreamp2p.devtools.localrun import child_env, dump_toml, read_records
 from dreamp2p.devtools.regionjob import free_port_block
@@ -41,11 +41,8 @@ def run_regions(tmp_path: Path, base: int, steps: int, *flags: str) -> None:
         cmd += ["--config", str(config), *flags]
         with (tmp_path / f"{region}.log").open("ab") as log:
             procs[region] = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 240  # a hang guard
     try:
-        for region, proc in procs.items():
-            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            assert code == 0, f"region {region} exited {code}:\n{(tmp_path / f'{region}.log').read_text()[-4000:]}"
+        expect_clean_exits(procs, tmp_path)
     finally:
         for proc in procs.values():
             if proc.poll() is None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import expect_clean_exits
 
 from dreamp2p.devtools.localrun import child_env, dump_toml, read_records
 from dreamp2p.devtools.regionjob import free_port_block
@@ -121,7 +122,7 @@ def test_a_killed_local_rank_takes_its_region_out_and_the_region_comes_back(
         os.kill(victim, signal.SIGKILL)
         killed_after = max(steps(tmp_path, "b.1"))
         if restart == "resume":
-            assert procs["b"].wait(timeout=120) != 0  # the region ended as one unit
+            assert procs["b"].wait() != 0  # the region ended as one unit
             procs["b"] = launch(tmp_path, "b", 0, "--resume")
         # torchrun restarts both ranks of b; each joins the running cluster (a JOIN record in its run log)
         joins = wait_for(
@@ -144,7 +145,6 @@ def test_a_killed_local_rank_takes_its_region_out_and_the_region_comes_back(
             [sys.executable, "-m", "dreamp2p", "status", ring[0]["address"], "--json"],
             env=child_env(),
             capture_output=True,
-            timeout=60,
             check=True,
         )
         status = json.loads(shown.stdout)
@@ -157,10 +157,7 @@ def test_a_killed_local_rank_takes_its_region_out_and_the_region_comes_back(
         assert status["training"]["strategy"] == rank1["training"]["strategy"] == SYNCS[strategy]["strategy"]
         last = max(max(steps(tmp_path, n)) for n in RANKS)
         stop_at.write_text(str(last + 20))  # both regions stop after the same step, the last ones quiet
-        deadline = time.monotonic() + 200  # a hang guard
-        for region, proc in procs.items():
-            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            assert code == 0, f"region {region} exited {code}:\n{(tmp_path / f'{region}.log').read_text()[-4000:]}"
+        expect_clean_exits(procs, tmp_path)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
