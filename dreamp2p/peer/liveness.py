@@ -18,7 +18,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import Any
 
 from dreamp2p.config import TransportConfig
 from dreamp2p.errors import PeerError
@@ -121,12 +122,7 @@ class Liveness:
         answer or a slow one changes nothing (the heartbeat loop counts misses). Only with heartbeats on
         (the same echo they send), once per member at a time.
         """
-        link = self._links().get(node)
-        if self._heart is None or self.membership is None or link is None or node in self._checks:
-            return
-        task = asyncio.create_task(self._check(node, link), name=f"check-{node}")
-        self._checks[node] = task
-        task.add_done_callback(lambda _: self._checks.pop(node, None))
+        self._echo_soon(node, self._check, "check")
 
     async def _check(self, node: str, link: Link) -> None:
         # only a refused connection counts: a slow answer is no miss here (the loop counts those)
@@ -147,13 +143,15 @@ class Liveness:
         revives it (its handshake shows it runs, not that we reach it). Only with heartbeats on, one
         out-of-turn echo per member at a time.
         """
+        if self.membership is not None and not self.membership.is_alive(node):
+            self._echo_soon(node, self._welcome, "welcome")
+
+    def _echo_soon(self, node: str, echo: Callable[[str, Link], Coroutine[Any, Any, None]], kind: str) -> None:
+        """Run ``echo(node, link)`` now: only with heartbeats on, one out-of-turn echo per member at a time."""
         link = self._links().get(node)
-        membership = self.membership
-        if self._heart is None or membership is None or link is None or membership.is_alive(node):
+        if self._heart is None or self.membership is None or link is None or node in self._checks:
             return
-        if node in self._checks:
-            return
-        task = asyncio.create_task(self._welcome(node, link), name=f"welcome-{node}")
+        task = asyncio.create_task(echo(node, link), name=f"{kind}-{node}")
         self._checks[node] = task
         task.add_done_callback(lambda _: self._checks.pop(node, None))
 
