@@ -113,11 +113,3 @@ async def poll_until(check: Callable[[], bool], interval: float = 0.01) -> None:
         if check():
             return
         await asyncio.sleep(interval)
-
-
-def expect_clean_exits(procs: dict[str, subprocess.Popen[bytes]], logs: Path) -> None:
-    """Wait for every process in ``procs`` (no time limit of its own: pytest's timeout is the hang guard)
-    and assert it exited 0, quoting the tail of ``logs/<name>.log`` otherwise."""
-    for name, proc in procs.items():
-        code = proc.wait()
-        assert code == 0, f"{name} exited {code}:\n{(logs / f'{name}.log').read_text()[-4000:]}"

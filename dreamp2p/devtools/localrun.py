@@ -221,15 +221,20 @@ def check_nodes(procs: Mapping[str, subprocess.Popen[bytes]], log_dir: Path, *, 
 
 
 def wait_exits(
-    procs: Mapping[str, subprocess.Popen[bytes]], log_dir: Path, timeout: float, *, when: str = "on its way out"
+    procs: Mapping[str, subprocess.Popen[bytes]],
+    log_dir: Path,
+    timeout: float | None,
+    *,
+    when: str = "on its way out",
 ) -> None:
-    """Wait up to ``timeout`` s in all for every node to exit; :class:`NodeExited` (with its log's tail) unless 0.
+    """Wait up to ``timeout`` s in all (None: no limit of its own) for every node to exit; :class:`NodeExited`
+    (with its log's tail) unless 0.
 
     Raises ``subprocess.TimeoutExpired`` for a node still running at the deadline.
     """
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     for p in procs.values():
-        p.wait(max(0.0, deadline - time.monotonic()))
+        p.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
     check_nodes(procs, log_dir, clean_exit_ok=True, when=when)
 
 
