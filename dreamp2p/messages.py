@@ -133,6 +133,28 @@ class TrainingInfo:
     # in a region of many ranks (dreamp2p.sync.sharded): this peer's local rank and the region's rank count
     region_rank: int = 0
     region_ranks: int = 0  # 0: not a region of many ranks
+    plan_digest: int = 0  # Plan.digest of the plan in force (0: no plan)
+
+    def progress(self) -> MemberProgress:
+        return MemberProgress(self.step, self.plan_version, self.plan_effective_step, self.plan_digest)
+
+
+@dataclass(frozen=True)
+class MemberProgress:
+    """Where a member's training is, as its heartbeat answers say: its step and the plan in force.
+
+    A plan is named by its version, the step it took effect at and its digest: two sides of a partition
+    may each decide a plan of the same version, and those differ (see `dreamp2p.peer.drift`).
+    """
+
+    step: int
+    plan_version: int = 0
+    plan_effective_step: int = 0
+    plan_digest: int = 0
+
+    @property
+    def plan(self) -> tuple[int, int, int]:
+        return (self.plan_version, self.plan_effective_step, self.plan_digest)
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,7 @@ class Node:
         self.collective: Collective = self.region if self.region is not None else self.comm
         self._connected = False
         self.strategy: Strategy | None = None
+        self.resyncs = 0  # times this node took the members' state after missing their plan (see resync)
 
     @staticmethod
     def from_toml(path: str | Path) -> Node:
@@ -171,6 +172,7 @@ class Node:
             broadcast_state(self.collective, model, timeout)
         strat = strategy_class(cfg.strategy)(model, optimizer, self.collective, cfg, donor=self.donor)
         self.strategy = strat
+        strat.on_diverged(lambda ahead: self.resync(strat, ahead))
         if join:
             self.join(strat, timeout=timeout)
         return strat
@@ -229,6 +231,33 @@ class Node:
                 timeout * (JOIN_ATTEMPTS + 2),  # the other ranks wait while rank 0 fetches
             )
         self.comm.admit_from(start + 1)  # rounds are numbered step + 1 (Strategy._round)
+
+    def resync(self, strategy: Strategy, ahead: Sequence[str]) -> None:
+        """Take the state of ``ahead``, members training with a plan this node missed, and train on with them.
+
+        Called from ``strategy.step()`` when the peer noticed it (`dreamp2p.peer.drift`: after a partition
+        each side may have decided its own plan, and no round between the two can complete). The peer
+        already stands aside, so the members' rounds that include us fail at once meanwhile, as while a
+        new member joins; the rest is :meth:`join`'s transfer, from those members only (the members on
+        our side of the partition hold the same stale plan). If none of them can serve it, we train on
+        with our own state and the peer checks again.
+        """
+        if self.region is not None:
+            raise RuntimeError(
+                f"{', '.join(ahead)} train with a plan this region missed (after a partition?): a region of many "
+                "ranks cannot take their state in process yet; restart its ranks with --join"
+            )
+        timeout = self.config.transport.round_timeout_s
+        log.warning("taking the training state of %s, whose plan this node missed", ", ".join(ahead))
+        self.resyncs += 1
+        strategy.abandon()  # the peer failed our rounds in flight: nobody applies them
+        try:
+            start = self._fetch_state(strategy, list(ahead), timeout)[0]
+        except (PeerError, RuntimeError, TimeoutError) as exc:
+            log.error("could not take the state of %s (%s): training on with our own", ", ".join(ahead), exc)
+            start = strategy.step_count
+        strategy.publish_progress()  # before admission: the peer compares plans again from then on
+        self.comm.admit_from(start + 1)
 
     def _fetch_state(
         self, strategy: Strategy, others: list[str], timeout: float

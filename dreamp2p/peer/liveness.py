@@ -42,6 +42,7 @@ class Liveness:
         links: Callable[[], Mapping[str, Link]],
         reintroduce: Callable[[Link], Awaitable[object]],
         on_change: Callable[[tuple[str, ...]], None],
+        after_pass: Callable[[], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.transport = transport
@@ -54,6 +55,7 @@ class Liveness:
         self._links = links
         self._reintroduce = reintroduce
         self._on_change = on_change
+        self._after_pass = after_pass  # told after every pass over the members (their answers are in)
         self._heart: asyncio.Task[None] | None = None
         self._beat = asyncio.Event()  # set (and replaced) after each heartbeat pass over the members
         self._checks: dict[str, asyncio.Task[None]] = {}  # one out-of-turn echo per member at a time
@@ -102,6 +104,8 @@ class Liveness:
             await beat_once(self._links(), self.membership, max(0.5, 2 * t.heartbeat_s), self._reintroduce)
             self.refresh()
             self._set_view(self._compose())
+            if self._after_pass is not None:
+                self._after_pass()
             self.heartbeat_rounds += 1
             done, self._beat = self._beat, asyncio.Event()
             done.set()

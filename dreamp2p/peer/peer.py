@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from dreamp2p.messages import (
     Frame,
     Hello,
     LinkSnapshot,
+    MemberProgress,
     PeerStatus,
     RingCodecPlan,
     RoundResult,
@@ -40,6 +41,7 @@ from dreamp2p.messages import (
 )
 from dreamp2p.peer.admission import Admission, hello_of
 from dreamp2p.peer.commit import CommitVotes
+from dreamp2p.peer.drift import diverged_from
 from dreamp2p.peer.health import HealthPublisher, health_of
 from dreamp2p.peer.inbound import Inbound
 from dreamp2p.peer.links import RingLinks
@@ -75,7 +77,12 @@ class Peer:
         self.rounds = RoundRegistry(config.transport.round_timeout_s)
         # a view change fails at once the rounds that need a member that is gone
         self._live = Liveness(
-            config.node_id, config.transport, self._links.by_node, self._reintroduce, self.rounds.fail_without
+            config.node_id,
+            config.transport,
+            self._links.by_node,
+            self._reintroduce,
+            self.rounds.fail_without,
+            after_pass=self._check_drift,
         )
         self._commits = CommitVotes(config.node_id, self._links.send_vote, self._live.is_alive)
         self._engine = RoundRunner(config, self._links, self._live, self.rounds, self._commits, lambda: self._closing)
@@ -103,6 +110,10 @@ class Peer:
         self.ready = True
         # training settings every member must share (see `dreamp2p.settings`); empty until declared
         self._settings: tuple[tuple[str, str], ...] = ()
+        # the members whose plan we missed (a healed partition, see `peer.drift`): we stand aside until the
+        # trainer took their state and admits us again; replaced whole, so other threads may read it
+        self.diverged: tuple[str, ...] = ()
+        self.on_diverged: Callable[[tuple[str, ...]], None] | None = None  # told when it is set
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -234,6 +245,43 @@ class Peer:
         """What this node trains and at which step, as its Status reports it (replaced whole)."""
         self.training = info
         self._progress_at = time.monotonic()
+        self._check_drift()
+
+    def progress(self) -> MemberProgress | None:
+        """Our training progress as our heartbeat answers carry it (None until a trainer reports)."""
+        return None if self.training is None else self.training.progress()
+
+    def _check_drift(self) -> None:
+        """Stand aside if live members train with a plan we should have adopted and did not (`peer.drift`).
+
+        Checked after every step and every heartbeat pass. Our open rounds fail and the frames waiting here
+        are refused, so neither side waits for a round that cannot complete; the trainer then takes the
+        state of the members ahead (`Node.resync`) and admits us again.
+        """
+        if not self.ready or self.diverged or self._closing:
+            return
+        links = self._links.by_node()
+        others = {n: links[n].progress for n in self.view if n != self.config.node_id and n in links}
+        ahead = diverged_from(self.progress(), others)
+        if not ahead:
+            return
+        mine = self.progress()
+        theirs = others[ahead[0]]
+        log.warning(
+            "%s trains with plan v%d (from step %d) that this node (plan v%d from step %d, at step %d) missed, "
+            "e.g. across a partition: standing aside to take their state",
+            ", ".join(ahead),
+            theirs.plan_version if theirs else 0,
+            theirs.plan_effective_step if theirs else 0,
+            mine.plan_version if mine else 0,
+            mine.plan_effective_step if mine else 0,
+            mine.step if mine else 0,
+        )
+        self.diverged = ahead
+        self.stand_aside()
+        self.rounds.fail_open(f"this node missed the plan of {', '.join(ahead)} and takes their state")
+        if self.on_diverged is not None:
+            self.on_diverged(ahead)
 
     def set_state_donor(self, donor: Any) -> None:
         """Serve this node's training state to joining members through ``donor`` (None: not offered)."""
@@ -247,6 +295,7 @@ class Peer:
         """Take part in rounds again, from ``round_id`` on (a joiner that now holds the cluster's state)."""
         self.rounds.min_round_id = round_id
         self.ready = True
+        self.diverged = ()
 
     def begin_drain(self) -> None:
         """The node is stopping after its rounds in flight: health turns NOT_SERVING (rounds still run)."""

@@ -1,13 +1,15 @@
 """The DreamDDP plan as data: which layer groups each iteration of the period syncs, validated on construction.
 
 A :class:`Plan` is what the planner (``schedule.dreamddp``) produces, what every peer must agree on
-(``schedule.plancodec`` hashes it) and what the runtime (``sync.dreamddp``) executes; it round-trips
+(:meth:`Plan.digest` names its rounds) and what the runtime (``sync.dreamddp``) executes; it round-trips
 through plain dicts for reports and the wire. Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -137,6 +139,17 @@ class Plan:
     def step_time_s(self) -> float:
         """Predicted mean time of one training step: compute plus the mean exposed wait."""
         return self.compute_s + math.fsum(self.exposed_s) / self.period
+
+    def digest(self) -> int:
+        """64 bits naming what the plan's rounds are: which layers sync at which step with which delay.
+
+        Two plans with equal digests run the same rounds; predictions (start times, exposed waits) are
+        left out, so members whose measurements differ slightly but decide the same schedule agree.
+        """
+        shape = [self.version, self.effective_step, self.period, list(self.layer_names)]
+        shape += [[s.iteration, list(s.layers), s.delay, s.repeat] for s in self.syncs]
+        raw = hashlib.sha256(json.dumps(shape, separators=(",", ":")).encode()).digest()
+        return int.from_bytes(raw[:8], "big")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form; ``from_dict`` restores an equal plan (floats survive JSON via repr exactly)."""

@@ -122,6 +122,7 @@ class Strategy(OptimizerFacade, abc.ABC):
         self.pin = any(p.device.type == "cuda" for p in self.params)
         self.buffers = model_buffers(model) if self.syncs_buffers else []
         self._bufsync = BufferSync(comm, self.buffers, cfg.buffers, self.pin) if self.buffers else None
+        self._resync: Callable[[tuple[str, ...]], None] | None = None
         self._setup()
 
     # ------------------------------------------------------------------ user API
@@ -154,7 +155,7 @@ class Strategy(OptimizerFacade, abc.ABC):
         self.totals.add(stats)
         self.step_count += 1
         self._last_end = end
-        self.comm.set_training_info(self._training_info())
+        self.publish_progress()
         donor = self.donor
         if donor is not None and donor.wanted:
             # a joining member waits for our state: between two steps it is consistent, so capture it now
@@ -163,7 +164,29 @@ class Strategy(OptimizerFacade, abc.ABC):
             except (TypeError, ValueError):
                 # a state the transfer cannot encode must not stop training; the joiner's request times out
                 log.exception("cannot offer the training state of step %d to a joining member", self.step_count)
+        ahead = self.comm.diverged_from
+        if ahead:
+            self._take_state_of(ahead)
         return stats
+
+    def publish_progress(self) -> None:
+        """Tell the peer our step and plan (its Status and heartbeat answers carry them)."""
+        self.comm.set_training_info(self._training_info())
+
+    def on_diverged(self, handler: Callable[[tuple[str, ...]], None]) -> None:
+        """Who brings this node back when members ahead train with a plan it missed (`dreamp2p.peer.drift`).
+
+        ``Node.attach`` sets it: the handler takes those members' state, as a joining node does.
+        """
+        self._resync = handler
+
+    def _take_state_of(self, ahead: tuple[str, ...]) -> None:
+        if self._resync is None:
+            raise RuntimeError(
+                f"{', '.join(ahead)} train with a plan this node missed (after a partition?) and its peer stands "
+                "aside; a strategy attached through Node.attach takes their state by itself, this one cannot"
+            )
+        self._resync(ahead)
 
     def _training_info(self) -> TrainingInfo:
         return TrainingInfo(self.name, self.step_count)

@@ -65,3 +65,8 @@ class Collective(Protocol):
     def set_training_info(self, info: TrainingInfo) -> None:
         """Publish our strategy, step and plan version for the other members to read."""
         ...
+
+    @property
+    def diverged_from(self) -> tuple[str, ...]:
+        """Live members training with a plan we missed (see `dreamp2p.peer.drift`); empty normally."""
+        ...

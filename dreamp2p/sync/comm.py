@@ -140,6 +140,11 @@ class CommThread:
             self._loop.call_soon_threadsafe(self.peer.set_training_info, info)
 
     @property
+    def diverged_from(self) -> tuple[str, ...]:
+        """Live members training with a plan we missed (see Peer.diverged); read without a loop call."""
+        return self.peer.diverged
+
+    @property
     def view_changes(self) -> int:
         """How often the live view changed (see Peer.view_changes)."""
         return int(self.on_loop(lambda: self.peer.view_changes))

@@ -34,6 +34,7 @@ from dreamp2p.sync.comm import _drain_loop
 from dreamp2p.sync.commwire import (
     AllReduce,
     Call,
+    Diverged,
     DonorClear,
     DonorSnapshot,
     DonorWanted,
@@ -58,6 +59,7 @@ class _Child:
         self.sock = sock
         self.peer = peer
         self.loop = loop
+        peer.on_diverged = lambda members: self.send(Diverged(members))
         self.buffers: dict[int, torch.Tensor] = {}
         self.donor: StateDonor | None = None
         self._send_lock = threading.Lock()

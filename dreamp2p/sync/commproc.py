@@ -34,6 +34,7 @@ from dreamp2p.sync.commwire import (
     BufferRegistry,
     Call,
     CommProcessError,
+    Diverged,
     DonorClear,
     DonorSnapshot,
     DonorWanted,
@@ -62,6 +63,7 @@ class CommProcess:
         self._pipe = ChildPipe(config.node_id, self._event)
         self._closing = False
         self._buffers = BufferRegistry()
+        self._diverged: tuple[str, ...] = ()  # set by the child's Diverged, cleared by admit_from
         started = self._pipe.start(Init(config, ready, logging.getLogger().getEffectiveLevel()))
         self.port = started.port
         self.pid = started.pid
@@ -74,6 +76,8 @@ class CommProcess:
         """A message of the child's own (on the reader thread)."""
         if isinstance(msg, DonorWanted) and self.donor is not None:
             self.donor._remote_wanted = msg.wanted
+        elif isinstance(msg, Diverged):
+            self._diverged = msg.members
 
     def _call(self, op: str, *args: Any, timeout: float | None = CALL_TIMEOUT_S) -> Any:
         return self._pipe.request(lambda rid: Call(rid, op, args)).result(timeout)
@@ -201,6 +205,12 @@ class CommProcess:
 
     def admit_from(self, round_id: int) -> None:
         self._call("admit_from", round_id)
+        self._diverged = ()
+
+    @property
+    def diverged_from(self) -> tuple[str, ...]:
+        """Live members training with a plan we missed (see Peer.diverged), as the child last said."""
+        return self._diverged
 
     def begin_drain(self) -> None:
         self._call("begin_drain")

@@ -173,6 +173,13 @@ class DonorWanted:
     wanted: bool
 
 
+@dataclass(frozen=True)
+class Diverged:
+    """The child's peer stands aside: these live members train with a plan it missed (see Peer.diverged)."""
+
+    members: tuple[str, ...]
+
+
 # Exceptions rebuilt from their message alone (builtins whose constructor takes it).
 _PLAIN: dict[str, type[BaseException]] = {
     t.__name__: t for t in (ValueError, TypeError, RuntimeError, TimeoutError, KeyError, ConnectionError)

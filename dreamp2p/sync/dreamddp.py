@@ -110,7 +110,8 @@ class DreamDDP(Strategy):
         self._control: Control | None = None
         self._sync_rate = math.nan  # EWMA of bytes sent / seconds of this member's landed layer syncs
         self._replanner = Replanner(self.cfg)
-        self._summary: tuple[object, str] = (None, "")  # (plan version, link codecs) -> plan_summary text
+        # (plan, link codecs) -> plan_summary text and the plan's digest
+        self._summary: tuple[object, str, int] = (None, "", 0)
         # per layer: outer weights theta and momentum; created at the layer's first launch from the local
         # parameters and made equal on every member at the first anchor (see the module docstring)
         lr, mu = self.cfg.group_outer
@@ -333,10 +334,20 @@ class DreamDDP(Strategy):
 
     def _training_info(self) -> TrainingInfo:
         # published every step: the summary text is rebuilt only when the plan or the link codecs change
-        key = (self.plan.version, self.ring_codecs)
+        # (the plan itself, not its version: a node that took the members' state may get another plan of
+        # the same version, see Node.resync)
+        key = (self.plan, self.ring_codecs)
         if self._summary[0] != key:
-            self._summary = (key, plan_summary(self))
-        return TrainingInfo(self.name, self.step_count, self.plan.version, self.plan.effective_step, self._summary[1])
+            self._summary = (key, plan_summary(self), self.plan.digest())
+        plan = self.plan
+        return TrainingInfo(
+            self.name,
+            self.step_count,
+            plan.version,
+            plan.effective_step,
+            self._summary[1],
+            plan_digest=self._summary[2],
+        )
 
     def _forget_old_groups(self) -> None:
         live = {f.key for f in self._inflight}
@@ -374,6 +385,9 @@ class DreamDDP(Strategy):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if "plan" in state:
             self.plan = Plan.from_dict(state["plan"])
+            # group buffers are cached per (version, sync); a loaded plan of a version we held may group
+            # other layers (a node that took the members' state after a partition, see Node.resync)
+            self._groups.clear()
             nxt = state.get("next_plan")
             self._next_plan = Plan.from_dict(nxt) if nxt else None
             self._planning = None

@@ -187,3 +187,7 @@ class InProcessCollective:
 
     def set_training_info(self, info: TrainingInfo) -> None:
         self.training = info
+
+    @property
+    def diverged_from(self) -> tuple[str, ...]:
+        return ()  # one process, no partitions: every member always holds the same plan

@@ -126,6 +126,10 @@ class ShardedCollective:
         # the Status call tells `dreamp2p status` which rank of how many this peer is
         self.wan.set_training_info(dataclasses.replace(info, region_rank=self.local_rank, region_ranks=self.ranks))
 
+    @property
+    def diverged_from(self) -> tuple[str, ...]:
+        return self.wan.diverged_from
+
     def allreduce_group(
         self,
         group: FlatGroup,

@@ -19,7 +19,7 @@ from grpc import aio
 
 from dreamp2p.config import PeerInfo, TLSConfig, TransportConfig
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import Hello, PeerStatus, RoundEvidence
+from dreamp2p.messages import Hello, MemberProgress, PeerStatus, RoundEvidence
 from dreamp2p.statemeta import StateManifest, StateRange
 from dreamp2p.transport import serde
 from dreamp2p.transport.auth import token_metadata
@@ -67,6 +67,8 @@ class Link:
         self.delay_s = cfg.delay_s
         self.chunk_bytes = 0
         self.remote: Hello | None = None
+        # the member's training progress as its last heartbeat answer said (None: no trainer, or none yet)
+        self.progress: MemberProgress | None = None
         self.hello: Hello | None = None  # what we introduced ourselves with, to do it again after a restart
 
     def set_rate_limit(self, rate_Bps: float | None) -> None:
@@ -145,17 +147,19 @@ class Link:
     async def heartbeat(self, timeout: float) -> float:
         """A tiny echo with a short deadline (failure detection); returns and records the RTT.
 
-        Raises PeerError; a refused connection comes back as UNAVAILABLE right away.
+        The answer also carries the member's training progress, kept as :attr:`progress`. Raises
+        PeerError; a refused connection comes back as UNAVAILABLE right away.
         """
         t0 = time.perf_counter()
         try:
-            await self._stubs[0].Probe(
+            resp = await self._stubs[0].Probe(
                 serde.probe_request(next(_nonces), b"", 0, self.me), timeout=timeout, metadata=self._metadata
             )
         except aio.AioRpcError as exc:
             raise rpc_error(exc) from None
         rtt = time.perf_counter() - t0 + 2 * self.delay_s
         self.stats.observe_rtt(rtt)
+        self.progress = serde.progress_from_probe(resp)
         return rtt
 
     async def _timed_probe(self, burst: bytes) -> float:

@@ -19,6 +19,7 @@ from dreamp2p.messages import (
     Frame,
     Hello,
     LinkSnapshot,
+    MemberProgress,
     PeerStatus,
     Phase,
     RoundEvidence,
@@ -329,8 +330,28 @@ def probe_request(nonce: int, burst: bytes, reply_bytes: int, sender: str) -> pb
     return pb.ProbeRequest(nonce=nonce, burst=burst, reply_bytes=reply_bytes, sender=sender)
 
 
-def probe_response(nonce: int, received: int, reply_bytes: int) -> pb.ProbeResponse:
-    return pb.ProbeResponse(nonce=nonce, received_bytes=received, burst=bytes(reply_bytes))
+def probe_response(
+    nonce: int, received: int, reply_bytes: int, progress: MemberProgress | None = None
+) -> pb.ProbeResponse:
+    if progress is None:
+        return pb.ProbeResponse(nonce=nonce, received_bytes=received, burst=bytes(reply_bytes))
+    return pb.ProbeResponse(
+        nonce=nonce,
+        received_bytes=received,
+        burst=bytes(reply_bytes),
+        has_progress=True,
+        step=progress.step,
+        plan_version=progress.plan_version,
+        plan_effective_step=progress.plan_effective_step,
+        plan_digest=progress.plan_digest,
+    )
+
+
+def progress_from_probe(resp: pb.ProbeResponse) -> MemberProgress | None:
+    """The answering member's progress, or None when it has no trainer (or predates the field)."""
+    if not resp.has_progress:
+        return None
+    return MemberProgress(resp.step, resp.plan_version, resp.plan_effective_step, resp.plan_digest)
 
 
 def vote_request(

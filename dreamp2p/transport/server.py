@@ -17,7 +17,7 @@ from grpc import aio
 
 from dreamp2p.config import PeerConfig, TransportConfig
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import Frame, Hello, PeerStatus, Vote
+from dreamp2p.messages import Frame, Hello, MemberProgress, PeerStatus, Vote
 from dreamp2p.statemeta import STREAM_CHUNK_BYTES, StateManifest
 from dreamp2p.transport import serde
 from dreamp2p.transport.auth import TokenAuthInterceptor
@@ -48,6 +48,8 @@ class PeerBackend(Protocol):
     def note_probe(self, sender: str, nbytes: int) -> None: ...
 
     def status(self) -> PeerStatus: ...
+
+    def progress(self) -> MemberProgress | None: ...
 
     def vote(self, v: Vote) -> None: ...
 
@@ -194,7 +196,7 @@ class PeerServicer(pb_grpc.PeerServicer):
             await _abort(context, PeerError(Status.OVERSIZE, f"probe larger than {self._b.max_probe_bytes} bytes"))
         await self._refuse_impostor(context, request.sender)
         self._b.note_probe(request.sender, len(request.burst))
-        return serde.probe_response(request.nonce, len(request.burst), request.reply_bytes)
+        return serde.probe_response(request.nonce, len(request.burst), request.reply_bytes, self._b.progress())
 
     async def Status(self, request: pb.StatusRequest, context: aio.ServicerContext) -> pb.StatusResponse:
         await _refuse_undecodable(request, context)

@@ -7,6 +7,7 @@ for the single-process reference run.
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,11 @@ def train_job(
     losses = []
     stamps: list[float] = []
     t0 = time.perf_counter()
-    for step in range(steps):
+    # until the cluster's step ``steps``, not for ``steps`` iterations: a node that took the members' state
+    # (Node.resync) continues at their step, and every member must stop at the same round
+    for step in itertools.count():
+        if s.step_count >= steps:
+            break
         if slow_at is not None and step == slow_at and (slow_ranks is None or rank in slow_ranks):
             node.comm.set_rate_limit(slow_rate)  # this rank's outgoing link(s)
         if stall is not None and (rank, step) == (stall[0], stall[1]):
@@ -151,7 +156,7 @@ def train_job(
             stamps.append(time.time())  # wall clock: comparable with the parent's fault timeline
     wall = time.perf_counter() - t0
     trained_digest = param_digest(model)
-    _quiet_steps(s, model, opt, rank, range(steps, steps + quiet_steps), batch_size, device)
+    _quiet_steps(s, model, opt, rank, range(step, step + quiet_steps), batch_size, device)
     s.close()
     if flush:
         s.flush()
@@ -172,6 +177,7 @@ def train_job(
         "plan_history": list(getattr(s, "plan_history", [])),
         "step_times": stamps,
         "view_changes": node.comm.view_changes,
+        "resyncs": node.resyncs,
         "rounds_skipped": s.rounds_skipped,
         "anchors_healed": getattr(s, "anchors_healed", 0),
         "link_codecs": list(rc.send) if (rc := getattr(s, "ring_codecs", None)) is not None else None,

@@ -28,7 +28,7 @@ from dreamp2p.collective.chunking import choose_chunk_bytes
 from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig, parse_rate
 from dreamp2p.devtools.launch import enter_netns
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import DType, Frame, Hello, PeerStatus, Phase, Vote
+from dreamp2p.messages import DType, Frame, Hello, MemberProgress, PeerStatus, Phase, Vote
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,9 @@ class SinkBackend:
 
     def status(self) -> PeerStatus:
         return PeerStatus("sink", "bench", 1, (), (), 0, 0, 0)
+
+    def progress(self) -> MemberProgress | None:
+        return None  # no trainer
 
 
 def _receiver(conn: mp.connection.Connection, host: str, netns: str | None, cfg: TransportConfig) -> None:

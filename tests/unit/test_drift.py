@@ -1,0 +1,83 @@
+"""Noticing a plan missed across a partition (pure logic): who yields, when, and the plan names it compares."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dreamp2p.messages import MemberProgress, TrainingInfo
+from dreamp2p.peer.drift import diverged_from
+from dreamp2p.schedule.cost import LayerCost
+from dreamp2p.schedule.dreamddp import even_plan
+from dreamp2p.transport import serde
+
+P = MemberProgress
+
+
+@pytest.mark.parametrize(
+    ("mine", "others", "expected"),
+    [
+        # no trainer here yet, or nobody reports one: nothing to compare
+        (None, {"b": P(100, 3, 40, 7)}, ()),
+        (P(100, 2, 20, 5), {"b": None}, ()),
+        # strategies without plans (all zeros) never diverge, whatever the step gap
+        (P(10, 0, 0, 0), {"b": P(5000, 0, 0, 0)}, ()),
+        # the same plan: nothing, even far apart in steps (that drift heals by itself)
+        (P(100, 3, 40, 7), {"b": P(900, 3, 40, 7)}, ()),
+        # a newer plan that took effect at a step we passed: we missed it
+        (P(100, 2, 20, 5), {"b": P(98, 3, 60, 9)}, ("b",)),
+        # ... but not before we reach its step: every member adopts a plan at the same step
+        (P(60, 2, 20, 5), {"b": P(70, 3, 60, 9)}, ()),
+        (P(61, 2, 20, 5), {"b": P(70, 3, 60, 9)}, ("b",)),
+        # we hold the newer plan: the other member yields, not us
+        (P(100, 3, 60, 9), {"b": P(100, 2, 20, 5)}, ()),
+        # the same version decided apart at different steps: the later step wins
+        (P(100, 3, 50, 1), {"b": P(100, 3, 60, 1)}, ("b",)),
+        (P(100, 3, 60, 1), {"b": P(100, 3, 50, 1)}, ()),
+        # same version and step, different schedules: the digest orders them, exactly one side yields
+        (P(100, 3, 60, 1), {"b": P(100, 3, 60, 2)}, ("b",)),
+        (P(100, 3, 60, 2), {"b": P(100, 3, 60, 1)}, ()),
+        # several ahead: only those with the newest plan serve the state (the others yield to it too)
+        (P(100, 2, 20, 5), {"b": P(100, 3, 60, 9), "c": P(100, 4, 80, 1), "d": P(100, 4, 80, 1)}, ("c", "d")),
+        # members on our side of the partition hold our plan and are left out
+        (P(100, 2, 20, 5), {"b": P(100, 2, 20, 5), "c": P(100, 3, 60, 9)}, ("c",)),
+    ],
+)
+def test_who_this_node_takes_the_state_from(
+    mine: MemberProgress | None, others: dict[str, MemberProgress | None], expected: tuple[str, ...]
+) -> None:
+    assert diverged_from(mine, others) == expected
+
+
+@pytest.mark.parametrize("pair", [(P(100, 2, 20, 5), P(100, 3, 60, 9)), (P(100, 3, 60, 1), P(100, 3, 60, 2))])
+def test_of_two_diverged_members_exactly_one_yields(pair: tuple[MemberProgress, MemberProgress]) -> None:
+    a, b = pair
+    assert bool(diverged_from(a, {"b": b})) != bool(diverged_from(b, {"a": a}))
+
+
+def _costs(n: int = 4) -> list[LayerCost]:
+    return [LayerCost(f"l{i}", 0.01, 0.02, 10**6) for i in range(n)]
+
+
+def test_a_plan_digest_names_its_rounds_not_its_predictions() -> None:
+    plan = even_plan(_costs(), 4, version=3, effective_step=60)
+    same_rounds = dataclasses.replace(plan, compute_s=plan.compute_s * 2, exposed_s=(1.0,) * plan.period)
+    assert plan.digest() == same_rounds.digest()
+    for other in (
+        even_plan(_costs(), 4, version=4, effective_step=60),
+        even_plan(_costs(), 4, version=3, effective_step=61),
+        even_plan(_costs(), 2, version=3, effective_step=60),
+        even_plan(_costs(), 4, version=3, effective_step=60, delay=1),
+    ):
+        assert other.digest() != plan.digest()
+    assert 0 <= plan.digest() < 2**64
+
+
+def test_heartbeat_answers_carry_progress_both_ways() -> None:
+    info = TrainingInfo("dreamddp", 123, 4, 100, "summary", plan_digest=2**64 - 1)
+    resp = serde.probe_response(7, 0, 0, info.progress())
+    back = type(resp).FromString(resp.SerializeToString())
+    assert serde.progress_from_probe(back) == MemberProgress(123, 4, 100, 2**64 - 1)
+    # a member without a trainer (or built before the field existed) reports none
+    assert serde.progress_from_probe(serde.probe_response(7, 0, 0)) is None
