@@ -251,11 +251,17 @@ class Node:
         log.warning("taking the training state of %s, whose plan this node missed", ", ".join(ahead))
         self.resyncs += 1
         strategy.abandon()  # the peer failed our rounds in flight: nobody applies them
+        ours = strategy.step_count
         try:
             start = self._fetch_state(strategy, list(ahead), timeout)[0]
         except (PeerError, RuntimeError, TimeoutError) as exc:
             log.error("could not take the state of %s (%s): training on with our own", ", ".join(ahead), exc)
             start = strategy.step_count
+        if start <= ours:
+            # the members with the newer plan may be behind us in steps: round ids never go back (our peer
+            # has run rounds up to ours), so we go on from our step; their rounds up to it fail as stale
+            start = ours + 1
+            strategy.jump_to(start)
         strategy.publish_progress()  # before admission: the peer compares plans again from then on
         self.comm.admit_from(start + 1)
 

@@ -26,7 +26,7 @@ import torch
 from grpc import aio
 
 from dreamp2p.config import PeerConfig, PeerInfo
-from dreamp2p.errors import PeerError, Status
+from dreamp2p.errors import PeerError, RoundFailed, Status
 from dreamp2p.messages import (
     PROTOCOL_VERSION,
     Frame,
@@ -85,7 +85,9 @@ class Peer:
             after_pass=self._check_drift,
         )
         self._commits = CommitVotes(config.node_id, self._links.send_vote, self._live.is_alive)
-        self._engine = RoundRunner(config, self._links, self._live, self.rounds, self._commits, lambda: self._closing)
+        self._engine = RoundRunner(
+            config, self._links, self._live, self.rounds, self._commits, lambda: self._closing or bool(self.diverged)
+        )
         parts = (self._admission, self._links, self._live, self.rounds, self._commits)
         self.max_payload = self._engine.max_payload
         self._inbound = Inbound(config, *parts, self._refusal, self.max_payload)
@@ -321,7 +323,15 @@ class Peer:
         error_feedback: bool = False,
     ) -> RoundResult:
         """Average ``tensors`` across the ring (a collective: every member must call it); see
-        `RoundRunner.allreduce` for each argument, the all-or-none outcome and the one retry."""
+        `RoundRunner.allreduce` for each argument, the all-or-none outcome and the one retry.
+
+        While we stand aside to take the members' state (``diverged``), a round fails here at once: it
+        could only wait for frames no member sends (they run other rounds), up to its deadline.
+        """
+        if self.diverged:
+            raise RoundFailed(
+                (group_id, round_id or 0), f"standing aside to take the state of {', '.join(self.diverged)}"
+            )
         return await self._engine.allreduce(
             tensors, group_id, codec, plan_version, timeout, out, round_id, guard_norm, error_feedback
         )

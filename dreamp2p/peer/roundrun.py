@@ -51,7 +51,7 @@ class RoundRunner:
         live: Liveness,
         rounds: RoundRegistry,
         commits: CommitVotes,
-        closing: Callable[[], bool],
+        no_retry: Callable[[], bool],
     ) -> None:
         self.config = config
         self.max_payload = config.transport.max_message_bytes - (64 << 10)
@@ -60,7 +60,9 @@ class RoundRunner:
         self.retried = 0
         self._links = links
         self._live = live
-        self._closing = closing
+        # a failed round is not retried while this holds: the peer shuts down, or stands aside to take
+        # the members' state (a retry could only wait for frames nobody sends, see Peer.diverged)
+        self._no_retry = no_retry
         self._rounds = rounds
         self._commits = commits
         self._zstd = ZstdStage(config.transport.zstd_level) if config.transport.zstd else None
@@ -121,13 +123,15 @@ class RoundRunner:
                     tensors, gid, codec, plan_version, timeout, out, round_id, guard_norm, error_feedback
                 )
             except RoundFailed as exc:
-                if attempt == retries or self._closing() or round_id is None:
+                if attempt == retries or self._no_retry() or round_id is None:
                     raise
                 self.retried += 1
                 # a member left during the round (the view changed, which failed it): retry among the
                 # survivors now; otherwise let failure detection look at every member once more first
                 if self._live.view == view:
                     await self._live.next_heartbeat()
+                    if self._no_retry():  # it may have begun while we waited
+                        raise
                 log.info("round %s failed (%s); retrying among %s", exc.key, exc.reason, ", ".join(self._live.view))
         raise AssertionError("unreachable")
 
