@@ -1,12 +1,12 @@
 """Who the peer runs rounds with: its `Membership`, the view of live members and the heartbeat loop.
 
-The loop repeats one heartbeat round (`peer.heartbeat`) every ``heartbeat_s`` and publishes the view it
-leaves; a view change is handed to ``on_change`` (the peer fails the rounds that need a member that is
+The loop ticks the heartbeat echoes (`peer.heartbeat`) every ``heartbeat_s`` and publishes the view they
+leave; a view change is handed to ``on_change`` (the peer fails the rounds that need a member that is
 gone). Callers that learned of a loss first take a member out at once (`mark_unreachable`); a member
 whose stream to us broke is echoed at once (`check`), so a dead one leaves the view without waiting for
 the next pass; a member that introduces itself while counted dead (a restarted process) is echoed at
-once too (`welcome`), so it is back in the view within a round trip; a retry waits for one more pass
-over the members (`next_heartbeat`). A live member
+once too (`welcome`), so it is back in the view within a round trip; a retry waits for one more heartbeat
+tick (`next_heartbeat`). A live member
 judged a straggler (`peer.straggler`, from the evidence on a completed round's commit votes) is left out
 of the view until its probation ends; a straggler's own view is itself alone meanwhile. Runs on the peer's
 event loop only.
@@ -24,7 +24,7 @@ from typing import Any
 from dreamp2p.config import TransportConfig
 from dreamp2p.errors import PeerError
 from dreamp2p.messages import RoundEvidence
-from dreamp2p.peer.heartbeat import beat_once
+from dreamp2p.peer.heartbeat import Echoes
 from dreamp2p.peer.membership import Membership
 from dreamp2p.peer.straggler import StragglerPolicy, rule_of
 from dreamp2p.transport.client import Link
@@ -51,13 +51,14 @@ class Liveness:
         # live members in ring order; replaced whole on every change, so other threads may read it
         self.view: tuple[str, ...] = ()
         self.view_changes = 0
-        self.heartbeat_rounds = 0  # completed passes over every member: tests count time in them
+        self.heartbeat_rounds = 0  # heartbeat ticks so far: tests count time in them
         self._links = links
         self._reintroduce = reintroduce
         self._on_change = on_change
         self._after_pass = after_pass  # told after every pass over the members (their answers are in)
         self._heart: asyncio.Task[None] | None = None
-        self._beat = asyncio.Event()  # set (and replaced) after each heartbeat pass over the members
+        self._echoes: Echoes | None = None
+        self._beat = asyncio.Event()  # set (and replaced) after each heartbeat tick
         self._checks: dict[str, asyncio.Task[None]] = {}  # one out-of-turn echo per member at a time
 
     def begin(self, members: Sequence[str], unreachable: Iterable[str]) -> None:
@@ -67,6 +68,9 @@ class Liveness:
         self.stragglers = StragglerPolicy(rule_of(t), members)
         now = time.monotonic()
         self.membership.start(now)
+        self._echoes = Echoes(
+            self.membership, max(0.5, 2 * t.heartbeat_s), self._reintroduce, lambda: self._set_view(self._compose())
+        )
         for node in unreachable:
             self.membership.missed(node, now, fatal=True)
         self.view = self._compose()
@@ -82,6 +86,8 @@ class Liveness:
             self._heart.cancel()
             await asyncio.wait({self._heart})
             self._heart = None
+        if self._echoes is not None:
+            await self._echoes.close()
         checks = list(self._checks.values())
         for task in checks:
             task.cancel()
@@ -98,10 +104,18 @@ class Liveness:
 
     async def _loop(self) -> None:
         t = self.transport
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
-            await asyncio.sleep(t.heartbeat_s)
-            assert self.membership is not None
-            await beat_once(self._links(), self.membership, max(0.5, 2 * t.heartbeat_s), self._reintroduce)
+            await asyncio.sleep(max(0.0, t.heartbeat_s - (loop.time() - last)))
+            last = loop.time()
+            assert self._echoes is not None
+            sent = self._echoes.tick(self._links())
+            # a tick waits at most one interval for its own echoes (a refusal or a revival then shows in
+            # the view it publishes, which a retry waiting on `next_heartbeat` runs among); a silent
+            # member's echo never holds the next tick back, so ticks, and misses, keep their pace
+            if sent:
+                await asyncio.wait(sent, timeout=t.heartbeat_s)
             self.refresh()
             self._set_view(self._compose())
             if self._after_pass is not None:
@@ -111,7 +125,7 @@ class Liveness:
             done.set()
 
     async def next_heartbeat(self) -> None:
-        """Wait until the heartbeat loop has checked every member once more (no wait without heartbeats)."""
+        """Wait for the heartbeat loop's next tick, which counts every silent member once more (none: no wait)."""
         t = self.transport
         if self._heart is None or self._heart.done():
             return
