@@ -76,13 +76,11 @@ def test_link_down_30s_both_sides_train_on_and_resync(tmp_path: Path) -> None:
         for r in results:
             assert all(math.isfinite(x) for x in r["losses"])
             stamps = r["step_times"]
-            before = [t for t in stamps if t < timeline["down"]]
             during = [t for t in stamps if timeline["down"] + 10 < t < timeline["up"]]
-            # training went on alone while the link was down (after failure detection), at least at half
-            # the pace it had before the cut: rates from the same run, so machine load affects both alike
-            pace_before = len(before) / (timeline["down"] - stamps[0])
-            pace_during = len(during) / (timeline["up"] - timeline["down"] - 10)
-            assert pace_during >= 0.5 * pace_before, (pace_during, pace_before)
+            # training went on alone while the link was down (after failure detection): a count of steps,
+            # not a pace. A side that waited for the other would finish at most one step per 20 s round
+            # deadline in those 20 s; one that trains alone finishes hundreds (tens on a loaded host)
+            assert len(during) >= 20, len(during)
             assert any(t > timeline["up"] for t in stamps), "no training after the link healed"
             assert r["view_changes"] >= 2  # lost the other side, then found it again
             # each side's outer weights moved alone: an anchor found them different and reset them
