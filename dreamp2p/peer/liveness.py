@@ -42,7 +42,7 @@ class Liveness:
         links: Callable[[], Mapping[str, Link]],
         reintroduce: Callable[[Link], Awaitable[object]],
         on_change: Callable[[tuple[str, ...]], None],
-        after_pass: Callable[[], None] | None = None,
+        after_tick: Callable[[], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.transport = transport
@@ -55,7 +55,7 @@ class Liveness:
         self._links = links
         self._reintroduce = reintroduce
         self._on_change = on_change
-        self._after_pass = after_pass  # told after every pass over the members (their answers are in)
+        self._after_tick = after_tick  # told after every tick, once the view it leaves is published
         self._heart: asyncio.Task[None] | None = None
         self._echoes: Echoes | None = None
         self._beat = asyncio.Event()  # set (and replaced) after each heartbeat tick
@@ -118,8 +118,8 @@ class Liveness:
                 await asyncio.wait(sent, timeout=t.heartbeat_s)
             self.refresh()
             self._set_view(self._compose())
-            if self._after_pass is not None:
-                self._after_pass()
+            if self._after_tick is not None:
+                self._after_tick()
             self.heartbeat_rounds += 1
             done, self._beat = self._beat, asyncio.Event()
             done.set()
@@ -156,7 +156,7 @@ class Liveness:
         """``node`` introduced itself (a handshake): if we count it dead, echo it now, not at the next pass.
 
         A restarted member handshakes every other member first thing; echoing it at once lets it back
-        into the view within a round trip instead of up to a heartbeat pass later, which is most of a
+        into the view within a round trip instead of up to a heartbeat tick later, which is most of a
         rejoining member's wait to be admitted. As in the loop, only our own echo getting through
         revives it (its handshake shows it runs, not that we reach it). Only with heartbeats on, one
         out-of-turn echo per member at a time.
@@ -198,7 +198,7 @@ class Liveness:
             self._set_view(self._compose())
 
     def refresh(self) -> None:
-        """Let back in the stragglers whose probation ended (before a round opens, and on every heartbeat pass)."""
+        """Let back in the stragglers whose probation ended (before a round opens, and on every heartbeat tick)."""
         if self.stragglers is not None and self.stragglers.expire(time.monotonic()):
             self._set_view(self._compose())
 

@@ -82,7 +82,7 @@ class Peer:
             self._links.by_node,
             self._reintroduce,
             self.rounds.fail_without,
-            after_pass=self._check_drift,
+            after_tick=self._check_drift,
         )
         self._commits = CommitVotes(config.node_id, self._links.send_vote, self._live.is_alive)
         self._engine = RoundRunner(
@@ -256,28 +256,28 @@ class Peer:
     def _check_drift(self) -> None:
         """Stand aside if live members train with a plan we should have adopted and did not (`peer.drift`).
 
-        Checked after every step and every heartbeat pass. Our open rounds fail and the frames waiting here
+        Checked after every step and every heartbeat tick. Our open rounds fail and the frames waiting here
         are refused, so neither side waits for a round that cannot complete; the trainer then takes the
         state of the members ahead (`Node.resync`) and admits us again.
         """
         if not self.ready or self.diverged or self._closing:
             return
+        mine = self.progress()
         links = self._links.by_node()
         others = {n: links[n].progress for n in self.view if n != self.config.node_id and n in links}
-        ahead = diverged_from(self.progress(), others)
-        if not ahead:
+        ahead = diverged_from(mine, others)
+        if not ahead or mine is None:  # (mine is never None when some member is ahead)
             return
-        mine = self.progress()
         theirs = others[ahead[0]]
         log.warning(
             "%s trains with plan v%d (from step %d) that this node (plan v%d from step %d, at step %d) missed, "
             "e.g. across a partition: standing aside to take their state",
             ", ".join(ahead),
-            theirs.plan_version if theirs else 0,
-            theirs.plan_effective_step if theirs else 0,
-            mine.plan_version if mine else 0,
-            mine.plan_effective_step if mine else 0,
-            mine.step if mine else 0,
+            theirs.plan_version if theirs is not None else 0,
+            theirs.plan_effective_step if theirs is not None else 0,
+            mine.plan_version,
+            mine.plan_effective_step,
+            mine.step,
         )
         self.diverged = ahead
         self.stand_aside()
@@ -408,7 +408,7 @@ class Peer:
 
     @property
     def heartbeat_rounds(self) -> int:
-        """Completed heartbeat passes over every member: tests count time in them."""
+        """Heartbeat ticks so far: tests count time in them."""
         return self._live.heartbeat_rounds
 
     @property

@@ -7,7 +7,8 @@ result is written back only once every member voted commit (`peer.commit`). A fa
 tensor as it was and is retried once, among the members alive then, under a retry group id.
 
 The engine asks the peer's parts through their methods: the ring and a link from `RingLinks`, who is
-alive and the next heartbeat pass from `Liveness`, whether the peer is closing from a callable; it owns
+alive and the next heartbeat tick from `Liveness`, whether a failed round may be retried (not while the
+peer closes or stands aside) from a callable; it owns
 the guard, the error-feedback residuals and the round counters. Runs on the peer's event loop only.
 """
 

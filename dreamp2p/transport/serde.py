@@ -333,18 +333,12 @@ def probe_request(nonce: int, burst: bytes, reply_bytes: int, sender: str) -> pb
 def probe_response(
     nonce: int, received: int, reply_bytes: int, progress: MemberProgress | None = None
 ) -> pb.ProbeResponse:
-    if progress is None:
-        return pb.ProbeResponse(nonce=nonce, received_bytes=received, burst=bytes(reply_bytes))
-    return pb.ProbeResponse(
-        nonce=nonce,
-        received_bytes=received,
-        burst=bytes(reply_bytes),
-        has_progress=True,
-        step=progress.step,
-        plan_version=progress.plan_version,
-        plan_effective_step=progress.plan_effective_step,
-        plan_digest=progress.plan_digest,
-    )
+    resp = pb.ProbeResponse(nonce=nonce, received_bytes=received, burst=bytes(reply_bytes))
+    if progress is not None:
+        resp.has_progress = True
+        resp.step, resp.plan_version = progress.step, progress.plan_version
+        resp.plan_effective_step, resp.plan_digest = progress.plan_effective_step, progress.plan_digest
+    return resp
 
 
 def progress_from_probe(resp: pb.ProbeResponse) -> MemberProgress | None:
