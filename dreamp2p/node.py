@@ -205,15 +205,17 @@ class Node:
     def join(self, strategy: Strategy, timeout: float) -> None:
         """Load the live members' state into ``strategy``, start at their step, then take part in rounds.
 
-        First every live member must count us alive: from then on each round they start includes us and
-        fails while we refuse frames (JOINING), so neither an average nor a plan decision can be made
-        without us. Only then is the state requested, so the snapshot it comes from is the members' state
-        at our first step. State comes from several members at once, each tensor verified by its SHA-256
-        (a member that dies mid-transfer is replaced by another); the newest step any member reports,
-        plus a small lead, is where we start.
+        Until now our heartbeat answers said we are joining, so the members trained on without us while we
+        started. Now we ask in, and every live member must count us in its view: from then on each round
+        they start includes us and fails while we refuse frames (JOINING), so neither an average nor a
+        plan decision can be made without us. Only then is the state requested, so the snapshot it comes
+        from is the members' state at our first step. State comes from several members at once, each
+        tensor verified by its SHA-256 (a member that dies mid-transfer is replaced by another); the
+        newest step any member reports, plus a small lead, is where we start.
         """
         others = [n for n in self.comm.members if n != self.config.node_id]
         if self.region is None:
+            self._ask_in()
             self._await_admission(others, timeout)
             start = self._fetch_state(strategy, others, timeout)[0]
         else:
@@ -223,9 +225,13 @@ class Node:
                 strategy.load_state_dict(state)
                 strategy.jump_to(step)
 
+            def admitted() -> None:
+                self._ask_in()
+                self._await_admission(others, timeout)
+
             start = join_region(
                 self.region,
-                lambda: self._await_admission(others, timeout),
+                admitted,
                 lambda: self._fetch_state(strategy, others, timeout),
                 load,
                 timeout * (JOIN_ATTEMPTS + 2),  # the other ranks wait while rank 0 fetches
@@ -304,8 +310,12 @@ class Node:
                 log.warning("%s gave no status while joining: %s", member, exc)
         return out
 
+    def _ask_in(self) -> None:
+        """Be counted in the members' rounds from now on (see :meth:`join`); each member hears it at once."""
+        self.comm.ask_in(max(1.0, 2 * self.config.transport.heartbeat_s))
+
     def _await_admission(self, members: list[str], timeout: float) -> None:
-        """Wait until every member that answers counts us alive (see :meth:`join`)."""
+        """Wait until every member that answers counts us in its view (see :meth:`join`)."""
         me = self.config.node_id
         t = self.config.transport
         deadline = time.monotonic() + max(timeout, 10 * t.heartbeat_s)

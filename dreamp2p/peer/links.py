@@ -65,18 +65,33 @@ class RingLinks:
             if p.node_id != cfg.node_id and p.node_id not in self._links:
                 self._links[p.node_id] = Link(cfg.node_id, p, cfg.transport, cfg.tls, cfg.token)
 
-    async def handshake_all(self, hello: Hello, timeout: float, require_all: bool) -> list[str]:
+    async def handshake_all(
+        self, hello: Hello, timeout: float, require_all: bool, grace: float | None = None
+    ) -> list[str]:
         """Handshake with every member at once; the members that did not answer (none if ``require_all``:
-        then the first failure is raised). A member answering under another id is a PeerError either way."""
-        replies = await asyncio.gather(
-            *(self.introduce(link, hello, timeout) for link in self._links.values()), return_exceptions=not require_all
-        )
+        then the first failure is raised). A member answering under another id is a PeerError either way.
+
+        ``grace`` (only without ``require_all``): once one member answered, the others have that many
+        seconds more, so a member that is down or cut off does not hold us for all of ``timeout`` (a node
+        joining a running cluster: the heartbeats bring such a member back when it answers).
+        """
+        links = list(self._links.values())
+        calls = [asyncio.ensure_future(self.introduce(link, hello, timeout)) for link in links]
+        try:
+            if require_all:
+                await asyncio.gather(*calls)
+            else:
+                await _first_then_grace(calls, grace)
+        finally:
+            for call in calls:
+                call.cancel()
+            if calls:
+                await asyncio.wait(calls)
         unreachable = []
-        for link, reply in zip(self._links.values(), replies, strict=True):
-            if isinstance(reply, asyncio.CancelledError):
-                raise reply
-            if isinstance(reply, BaseException):
-                log.warning("%s did not answer the handshake: %s", link.dest.node_id, reply)
+        for link, call in zip(links, calls, strict=True):
+            reply = None if call.cancelled() else call.exception() or call.result()
+            if not isinstance(reply, Hello):
+                log.warning("%s did not answer the handshake: %s", link.dest.node_id, reply or "no answer in time")
                 unreachable.append(link.dest.node_id)
                 continue
             if reply.node_id != link.dest.node_id:
@@ -198,3 +213,17 @@ class RingLinks:
     async def close(self) -> None:
         await asyncio.gather(*(link.close() for link in self._links.values()))
         self._links.clear()
+
+
+async def _first_then_grace(calls: Sequence[asyncio.Future[Hello]], grace: float | None) -> None:
+    """Wait for ``calls`` to end, but once one has succeeded only ``grace`` seconds more (None: no limit)."""
+    pending = set(calls)
+    deadline: float | None = None
+    loop = asyncio.get_running_loop()
+    while pending:
+        left = None if deadline is None else deadline - loop.time()
+        if left is not None and left <= 0:
+            return
+        done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        if grace is not None and deadline is None and any(not c.cancelled() and c.exception() is None for c in done):
+            deadline = loop.time() + grace

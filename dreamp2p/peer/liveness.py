@@ -8,8 +8,10 @@ the next pass; a member that introduces itself while counted dead (a restarted p
 once too (`welcome`), so it is back in the view within a round trip; a retry waits for one more heartbeat
 tick (`next_heartbeat`). A live member
 judged a straggler (`peer.straggler`, from the evidence on a completed round's commit votes) is left out
-of the view until its probation ends; a straggler's own view is itself alone meanwhile. Runs on the peer's
-event loop only.
+of the view until its probation ends; a straggler's own view is itself alone meanwhile. A live member
+whose last echo said it is still joining (it starts up and has not asked in, see `Peer.ask_in`) is left
+out of the view too, so rounds do not fail on it while it starts; it asks in by introducing itself
+again, which `welcome` answers with an echo at once. Runs on the peer's event loop only.
 """
 
 from __future__ import annotations
@@ -153,15 +155,16 @@ class Liveness:
                 self._set_view(self._compose())
 
     def welcome(self, node: str) -> None:
-        """``node`` introduced itself (a handshake): if we count it dead, echo it now, not at the next pass.
+        """``node`` introduced itself (a handshake): if it is out of the view (we count it dead, or its last
+        echo said it was joining), echo it now, not at the next tick.
 
-        A restarted member handshakes every other member first thing; echoing it at once lets it back
-        into the view within a round trip instead of up to a heartbeat tick later, which is most of a
-        rejoining member's wait to be admitted. As in the loop, only our own echo getting through
-        revives it (its handshake shows it runs, not that we reach it). Only with heartbeats on, one
-        out-of-turn echo per member at a time.
+        A restarted member handshakes every other member first thing, and again when it asks in;
+        echoing it at once lets it into the view within a round trip instead of up to a heartbeat tick
+        later, which is most of a rejoining member's wait to be admitted. As in the loop, only our own
+        echo getting through revives it (its handshake shows it runs, not that we reach it). Only with
+        heartbeats on, one out-of-turn echo per member at a time.
         """
-        if self.membership is not None and not self.membership.is_alive(node):
+        if self.membership is not None and (not self.membership.is_alive(node) or node in self._joining()):
             self._echo_soon(node, self._welcome, "welcome")
 
     def _echo_soon(self, node: str, echo: Callable[[str, Link], Coroutine[Any, Any, None]], kind: str) -> None:
@@ -183,7 +186,7 @@ class Liveness:
             # a restarted process admits nobody yet: introduce ourselves before our frames come
             with contextlib.suppress(PeerError):
                 await self._reintroduce(link)
-            self._set_view(self._compose())
+        self._set_view(self._compose())  # revived, or it asked in (its echo no longer says joining)
 
     def mark_unreachable(self, node: str) -> None:
         """Take ``node`` out of the view now, as a refused heartbeat would; a later answer brings it back."""
@@ -207,12 +210,18 @@ class Liveness:
         """Live members left out of the rounds as stragglers now."""
         return self.stragglers.excluded if self.stragglers is not None else frozenset()
 
+    def _joining(self) -> set[str]:
+        """Members whose last echo said they are still joining (up, but not asking to take part yet)."""
+        return {node for node, link in self._links().items() if link.joining}
+
     def _compose(self) -> tuple[str, ...]:
-        """The view: live members in ring order without the stragglers; a straggler's own is itself alone."""
+        """The view: live members in ring order without the stragglers and the members still joining; a
+        straggler's own view is itself alone."""
         assert self.membership is not None
         out = self.excluded
         if self.node_id in out:
             return (self.node_id,)
+        out = out | self._joining()
         return tuple(m for m in self.membership.view() if m not in out)
 
     def _set_view(self, view: tuple[str, ...]) -> None:

@@ -104,12 +104,15 @@ class Peer:
         self.resume_steps: tuple[int, ...] | None = None
         # serves this node's training state to joining members (see `dreamp2p.state`); None: not offered
         self.state_donor: Any = None
-        # A joining node answers heartbeats from the start, so every member counts it alive and runs its
-        # rounds among a view that includes it; until it holds the cluster's state ("ready") it refuses
-        # their frames at once (JOINING), so all those rounds fail everywhere: no plan decision or average
-        # is made without it between the members' state snapshot and its first step (see Node.join).
-        # Afterwards it refuses rounds from before the step it starts at.
+        # A joining node answers heartbeats from the start, but while it starts up (connects, builds its
+        # strategy) its answers say it is out of the ring ("in_ring" False), so the members count it alive
+        # and run their rounds without it. Once it asks in (`ask_in`, just before it requests the state)
+        # they run their rounds among a view that includes it; until it holds the cluster's state
+        # ("ready") it refuses their frames at once (JOINING), so all those rounds fail everywhere: no plan
+        # decision or average is made without it between the members' state snapshot and its first step
+        # (see Node.join). Afterwards it refuses rounds from before the step it starts at.
         self.ready = True
+        self.in_ring = True
         # training settings every member must share (see `dreamp2p.settings`); empty until declared
         self._settings: tuple[tuple[str, str], ...] = ()
         # the members whose plan we missed (a healed partition, see `peer.drift`): we stand aside until the
@@ -148,12 +151,15 @@ class Peer:
         """Adopt the ring (config order by default) and handshake with every other member.
 
         ``require_all=False`` (a node joining a running cluster) counts members that do not answer as
-        dead instead of failing; at least one must answer.
+        dead instead of failing; at least one must answer, and once one has, the others get two heartbeat
+        intervals more (a member that is down or cut off must not hold the join up; the heartbeats bring
+        it back when it answers).
         """
         cfg = self.config
         self._links.adopt(ring if ring is not None else cfg.ring)
         limit = timeout if timeout is not None else cfg.transport.connect_timeout_s
-        unreachable = await self._links.handshake_all(self.hello(), limit, require_all)
+        grace = max(1.0, 2 * cfg.transport.heartbeat_s)
+        unreachable = await self._links.handshake_all(self.hello(), limit, require_all, grace)
         self._live.begin([p.node_id for p in self.ring], unreachable)
         if self._links.by_node() and len(unreachable) == len(self._links.by_node()):
             raise PeerError(Status.TIMEOUT, "no member of the ring answered the handshake")
@@ -252,6 +258,20 @@ class Peer:
     def progress(self) -> MemberProgress | None:
         """Our training progress as our heartbeat answers carry it (None until a trainer reports)."""
         return None if self.training is None else self.training.progress()
+
+    def out_of_ring(self) -> bool:
+        """Whether our heartbeat answers ask the members to leave us out of their rounds (a joiner starting)."""
+        return not self.in_ring
+
+    async def ask_in(self, timeout: float) -> None:
+        """A joiner about to take the members' state: be counted in their rounds from now on.
+
+        Our heartbeat answers stop saying we are joining, and every member is introduced to again, which
+        makes it echo us at once (`Liveness.welcome`) instead of at its next heartbeat tick. Members that do
+        not answer within ``timeout`` learn it from their next echo.
+        """
+        self.in_ring = True
+        await self._links.handshake_all(self.hello(), timeout, require_all=False)
 
     def _check_drift(self) -> None:
         """Stand aside if live members train with a plan we should have adopted and did not (`peer.drift`).

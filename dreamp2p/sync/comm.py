@@ -36,7 +36,9 @@ class CommThread:
         self._thread = threading.Thread(target=self._run, name=f"dreamp2p-{config.node_id}", daemon=True)
         self._thread.start()
         self.peer = Peer(config)
-        self.peer.ready = ready  # before the server starts: a joiner takes part in no round before it has state
+        # before the server starts: a joiner is left out of rounds until it asks in, and takes part in
+        # none before it has state
+        self.peer.ready = self.peer.in_ring = ready
         self.port = self.call(self.peer.start())
 
     def _run(self) -> None:
@@ -154,6 +156,10 @@ class CommThread:
 
     def set_resume_steps(self, steps: Sequence[int]) -> None:
         self.on_loop(self.peer.set_resume_steps, steps)
+
+    def ask_in(self, timeout: float) -> None:
+        """A joiner about to take the state: be counted in the members' rounds from now on (see Peer.ask_in)."""
+        self.call(self.peer.ask_in(timeout), timeout + 30)
 
     def admit_from(self, round_id: int) -> None:
         """Take part in rounds from ``round_id`` on (see Peer.admit_from)."""

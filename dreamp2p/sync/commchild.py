@@ -169,6 +169,8 @@ class _Child:
             return await peer.connect(*args)
         if op == "agree":
             return await peer.agree(*args)
+        if op == "ask_in":
+            return await peer.ask_in(*args)
         if op == "member_status":
             return await peer.link(args[0]).status()
         if op == "fetch_state":
@@ -213,7 +215,7 @@ def _receive_buffer(sock: socket.socket, msg: ShareBuffer) -> torch.Tensor:
 async def _serve(conn: Connection, sock: socket.socket, init: Init) -> None:
     loop = asyncio.get_running_loop()
     peer = Peer(init.config)
-    peer.ready = init.ready  # before the server starts, as in CommThread
+    peer.ready = peer.in_ring = init.ready  # before the server starts, as in CommThread
     try:
         port = await peer.start()
     except Exception as exc:

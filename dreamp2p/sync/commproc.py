@@ -203,6 +203,9 @@ class CommProcess:
     def set_resume_steps(self, steps: Sequence[int]) -> None:
         self._call("set_resume_steps", tuple(steps))
 
+    def ask_in(self, timeout: float) -> None:
+        self._call("ask_in", timeout, timeout=timeout + 30)
+
     def admit_from(self, round_id: int) -> None:
         self._call("admit_from", round_id)
         self._diverged = ()

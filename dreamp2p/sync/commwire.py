@@ -83,6 +83,7 @@ CALL_OPS = frozenset(
         "view_changes",
         "set_state_donor",
         "set_resume_steps",
+        "ask_in",
         "admit_from",
         "stand_aside",
         "begin_drain",

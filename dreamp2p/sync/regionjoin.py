@@ -64,9 +64,9 @@ def join_region(
 ) -> int:
     """Join as every local rank of ``region``; the step the region starts at (the same on every rank).
 
-    ``admit``: wait until this rank's ring counts it alive. ``fetch`` (local rank 0 only): take the
-    state from the live members and load it here; returns what the others load. ``load(state, start)``:
-    load that state into this rank's strategy and start it at ``start``.
+    ``admit``: ask in and wait until this rank's ring counts it in its view. ``fetch`` (local rank 0
+    only): take the state from the live members and load it here; returns what the others load.
+    ``load(state, start)``: load that state into this rank's strategy and start it at ``start``.
     """
     error: BaseException | None = None
     try:

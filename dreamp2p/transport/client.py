@@ -69,6 +69,8 @@ class Link:
         self.remote: Hello | None = None
         # the member's training progress as its last heartbeat answer said (None: no trainer, or none yet)
         self.progress: MemberProgress | None = None
+        # its last heartbeat answer said it is up but not asking to take part in rounds yet (a joiner)
+        self.joining = False
         self.hello: Hello | None = None  # what we introduced ourselves with, to do it again after a restart
 
     def set_rate_limit(self, rate_Bps: float | None) -> None:
@@ -147,7 +149,8 @@ class Link:
     async def heartbeat(self, timeout: float) -> float:
         """A tiny echo with a short deadline (failure detection); returns and records the RTT.
 
-        The answer also carries the member's training progress, kept as :attr:`progress`. Raises
+        The answer also carries the member's training progress, kept as :attr:`progress`, and whether it
+        is still joining (:attr:`joining`). Raises
         PeerError; a refused connection comes back as UNAVAILABLE right away.
         """
         t0 = time.perf_counter()
@@ -160,6 +163,7 @@ class Link:
         rtt = time.perf_counter() - t0 + 2 * self.delay_s
         self.stats.observe_rtt(rtt)
         self.progress = serde.progress_from_probe(resp)
+        self.joining = resp.joining
         return rtt
 
     async def _timed_probe(self, burst: bytes) -> float:

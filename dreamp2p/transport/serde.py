@@ -331,9 +331,9 @@ def probe_request(nonce: int, burst: bytes, reply_bytes: int, sender: str) -> pb
 
 
 def probe_response(
-    nonce: int, received: int, reply_bytes: int, progress: MemberProgress | None = None
+    nonce: int, received: int, reply_bytes: int, progress: MemberProgress | None = None, joining: bool = False
 ) -> pb.ProbeResponse:
-    resp = pb.ProbeResponse(nonce=nonce, received_bytes=received, burst=bytes(reply_bytes))
+    resp = pb.ProbeResponse(nonce=nonce, received_bytes=received, burst=bytes(reply_bytes), joining=joining)
     if progress is not None:
         resp.has_progress = True
         resp.step, resp.plan_version = progress.step, progress.plan_version

@@ -51,6 +51,8 @@ class PeerBackend(Protocol):
 
     def progress(self) -> MemberProgress | None: ...
 
+    def out_of_ring(self) -> bool: ...
+
     def vote(self, v: Vote) -> None: ...
 
 
@@ -196,7 +198,9 @@ class PeerServicer(pb_grpc.PeerServicer):
             await _abort(context, PeerError(Status.OVERSIZE, f"probe larger than {self._b.max_probe_bytes} bytes"))
         await self._refuse_impostor(context, request.sender)
         self._b.note_probe(request.sender, len(request.burst))
-        return serde.probe_response(request.nonce, len(request.burst), request.reply_bytes, self._b.progress())
+        return serde.probe_response(
+            request.nonce, len(request.burst), request.reply_bytes, self._b.progress(), self._b.out_of_ring()
+        )
 
     async def Status(self, request: pb.StatusRequest, context: aio.ServicerContext) -> pb.StatusResponse:
         await _refuse_undecodable(request, context)

@@ -208,7 +208,7 @@ class ProbeRequest(_message.Message):
     def __init__(self, nonce: _Optional[int] = ..., burst: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
 
 class ProbeResponse(_message.Message):
-    __slots__ = ("nonce", "received_bytes", "burst", "has_progress", "step", "plan_version", "plan_effective_step", "plan_digest")
+    __slots__ = ("nonce", "received_bytes", "burst", "has_progress", "step", "plan_version", "plan_effective_step", "plan_digest", "joining")
     NONCE_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BURST_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class ProbeResponse(_message.Message):
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_EFFECTIVE_STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
     nonce: int
     received_bytes: int
     burst: bytes
@@ -225,7 +226,8 @@ class ProbeResponse(_message.Message):
     plan_version: int
     plan_effective_step: int
     plan_digest: int
-    def __init__(self, nonce: _Optional[int] = ..., received_bytes: _Optional[int] = ..., burst: _Optional[bytes] = ..., has_progress: _Optional[bool] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_effective_step: _Optional[int] = ..., plan_digest: _Optional[int] = ...) -> None: ...
+    joining: bool
+    def __init__(self, nonce: _Optional[int] = ..., received_bytes: _Optional[int] = ..., burst: _Optional[bytes] = ..., has_progress: _Optional[bool] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_effective_step: _Optional[int] = ..., plan_digest: _Optional[int] = ..., joining: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -10,7 +10,7 @@ import torch
 from conftest import poll_until, ring_configs, start_ring
 
 from dreamp2p.collective.ring import RoundAborted
-from dreamp2p.config import TransportConfig
+from dreamp2p.config import PeerInfo, TransportConfig
 from dreamp2p.errors import RoundFailed
 from dreamp2p.peer import Peer
 from dreamp2p.peer.commit import CommitVotes
@@ -226,3 +226,63 @@ async def test_a_member_counted_dead_is_back_in_the_view_as_soon_as_it_introduce
         assert all(torch.all(d[0] == 1.0) for d in data)
     finally:
         await asyncio.gather(*(p.close() for p in peers))
+
+
+async def _ring_with_joiner(n: int, **transport: object) -> list[Peer]:
+    """``n`` peers on loopback, the last one started as a joining node is: out of the ring, without state."""
+    t = TransportConfig(**{"heartbeat_s": 0.2, "round_timeout_s": 20.0, "round_retries": 0, **transport})  # type: ignore[arg-type]
+    peers = [Peer(c) for c in ring_configs(n, transport=t)]
+    peers[-1].ready = peers[-1].in_ring = False  # as CommThread sets a joiner up, before its server starts
+    for p in peers:
+        await p.start()
+    ring = [PeerInfo(p.config.node_id, p.address) for p in peers]
+    await asyncio.gather(*(p.connect(ring) for p in peers))
+    return peers
+
+
+@pytest.mark.timeout(60)
+async def test_a_joining_member_stays_out_of_rounds_until_it_asks_in() -> None:
+    peers = await _ring_with_joiner(3)
+    try:
+        p0, p1, p2 = peers
+        # alive (it answers every echo) but out of the view while it starts up
+        await _wait_for(lambda: p0.view == p1.view == ("p0", "p1"), [p0, p1])
+        assert p0.membership is not None and p0.membership.is_alive("p2")
+        data = [[torch.full((1001,), float(r))] for r in range(2)]
+        await asyncio.gather(*(p.allreduce(d, round_id=3) for p, d in zip((p0, p1), data, strict=True)))
+        assert all(torch.all(d[0] == 0.5) for d in data)  # the two members trained on without it
+        assert p0.status().rounds_failed == 0 and p1.status().rounds_failed == 0
+
+        # asking in: every member echoes it at once and counts it in; its rounds fail until it is admitted
+        await p2.ask_in(5.0)
+        await _wait_for(lambda: p0.view == p1.view == ("p0", "p1", "p2"), [p0, p1])
+        data = [[torch.full((1001,), float(r))] for r in range(3)]
+        results = await asyncio.gather(
+            *(p.allreduce(d, round_id=4) for p, d in zip((p0, p1), data, strict=False)), return_exceptions=True
+        )
+        assert all(isinstance(r, RoundFailed) for r in results), results
+        assert any("JOINING" in str(r) for r in results), results  # the other member may name the first
+        p2.admit_from(5)
+        await asyncio.gather(*(p.allreduce(d, round_id=5) for p, d in zip(peers, data, strict=True)))
+        assert all(torch.all(d[0] == 1.0) for d in data)  # the mean of all three
+    finally:
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+@pytest.mark.timeout(60)
+async def test_a_joiners_connect_does_not_wait_for_a_member_that_is_down() -> None:
+    # a connect timeout far beyond the test's: only the grace after the first answer lets it finish
+    t = TransportConfig(heartbeat_s=0.2, connect_timeout_s=3600.0)
+    configs = ring_configs(4, transport=t)
+    peers = [Peer(c) for c in configs]
+    for p in peers:
+        await p.start()
+    ring = [PeerInfo(p.config.node_id, p.address) for p in peers]
+    await asyncio.gather(*(p.connect(ring) for p in peers[:3]))
+    await peers[2].close(grace=0)  # down for good: its port refuses connections
+    joiner = peers[3]
+    try:
+        await joiner.connect(ring, require_all=False)
+        assert joiner.view == ("p0", "p1", "p3")
+    finally:
+        await asyncio.gather(*(p.close() for p in (peers[0], peers[1], joiner)))

@@ -100,6 +100,9 @@ class SinkBackend:
     def progress(self) -> MemberProgress | None:
         return None  # no trainer
 
+    def out_of_ring(self) -> bool:
+        return False
+
 
 def _receiver(conn: mp.connection.Connection, host: str, netns: str | None, cfg: TransportConfig) -> None:
     if netns:
