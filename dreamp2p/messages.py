@@ -134,6 +134,9 @@ class TrainingInfo:
     region_rank: int = 0
     region_ranks: int = 0  # 0: not a region of many ranks
     plan_digest: int = 0  # Plan.digest of the plan in force (0: no plan)
+    # the most steps this member can trail another of the same ring (0: no bound): further behind, it
+    # takes the state of those ahead (see dreamp2p.peer.drift); local to the node, not on the wire
+    lag_steps: int = 0
 
     def progress(self) -> MemberProgress:
         return MemberProgress(self.step, self.plan_version, self.plan_effective_step, self.plan_digest)

@@ -274,7 +274,8 @@ class Peer:
         await self._links.handshake_all(self.hello(), timeout, require_all=False)
 
     def _check_drift(self) -> None:
-        """Stand aside if live members train with a plan we should have adopted and did not (`peer.drift`).
+        """Stand aside if live members train with a plan we should have adopted and did not, or are further
+        ahead than we can catch up with (`peer.drift`).
 
         Checked after every step and every heartbeat tick. Our open rounds fail and the frames waiting here
         are refused, so neither side waits for a round that cannot complete; the trainer then takes the
@@ -282,22 +283,25 @@ class Peer:
         """
         if not self.ready or self.diverged or self._closing:
             return
-        mine = self.progress()
+        info = self.training
+        mine = None if info is None else info.progress()
         links = self._links.by_node()
         others = {n: links[n].progress for n in self.view if n != self.config.node_id and n in links}
-        ahead = diverged_from(mine, others)
+        ahead = diverged_from(mine, others, 0 if info is None else info.lag_steps)
         if not ahead or mine is None:  # (mine is never None when some member is ahead)
             return
         theirs = others[ahead[0]]
         log.warning(
-            "%s trains with plan v%d (from step %d) that this node (plan v%d from step %d, at step %d) missed, "
-            "e.g. across a partition: standing aside to take their state",
+            "%s trains at step %d with plan v%d (from step %d), which this node (at step %d, plan v%d from step "
+            "%d) missed or is too far behind to catch up with, e.g. after a partition: standing aside to take "
+            "their state",
             ", ".join(ahead),
+            theirs.step if theirs is not None else 0,
             theirs.plan_version if theirs is not None else 0,
             theirs.plan_effective_step if theirs is not None else 0,
+            mine.step,
             mine.plan_version,
             mine.plan_effective_step,
-            mine.step,
         )
         self.diverged = ahead
         self.stand_aside()

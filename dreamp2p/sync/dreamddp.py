@@ -347,6 +347,9 @@ class DreamDDP(Strategy):
             plan.effective_step,
             self._summary[1],
             plan_digest=self._summary[2],
+            # a member waits for each round within its delay and launches one at least once a period, so
+            # in one ring no member trails another by more than a period and a delay; twice that is margin
+            lag_steps=2 * (plan.period + self.cfg.delay_cap),
         )
 
     def _forget_old_groups(self) -> None:

@@ -50,10 +50,49 @@ def test_who_this_node_takes_the_state_from(
     assert diverged_from(mine, others) == expected
 
 
-@pytest.mark.parametrize("pair", [(P(100, 2, 20, 5), P(100, 3, 60, 9)), (P(100, 3, 60, 1), P(100, 3, 60, 2))])
-def test_of_two_diverged_members_exactly_one_yields(pair: tuple[MemberProgress, MemberProgress]) -> None:
+@pytest.mark.parametrize(
+    ("mine", "others", "expected"),
+    [
+        # within the lag: nothing, whether the plan is the same or newer and not yet in force for us
+        (P(100, 3, 40, 7), {"b": P(118, 3, 40, 7)}, ()),
+        (P(100, 2, 20, 5), {"b": P(118, 3, 110, 9)}, ()),
+        # further behind than a member of one ring can be: we yield, to the same plan too
+        (P(100, 3, 40, 7), {"b": P(119, 3, 40, 7)}, ("b",)),
+        # a newer plan that took effect beyond our step: we would never get there
+        (P(100, 2, 20, 5), {"b": P(160, 3, 150, 9)}, ("b",)),
+        # far ahead but with a lesser plan: that member yields (to our plan), not us
+        (P(100, 3, 60, 9), {"b": P(500, 2, 20, 5)}, ()),
+        # we are the ones ahead: nothing
+        (P(500, 3, 40, 7), {"b": P(100, 3, 40, 7)}, ()),
+        # several ahead: those with the greatest plan
+        (P(100, 3, 40, 7), {"b": P(200, 3, 40, 7), "c": P(150, 4, 120, 1)}, ("c",)),
+    ],
+)
+def test_a_member_too_far_behind_takes_the_state_of_those_ahead(
+    mine: MemberProgress, others: dict[str, MemberProgress | None], expected: tuple[str, ...]
+) -> None:
+    assert diverged_from(mine, others, lag_steps=18) == expected
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [
+        (P(100, 2, 20, 5), P(100, 3, 60, 9)),
+        (P(100, 3, 60, 1), P(100, 3, 60, 2)),
+        (P(100, 3, 60, 1), P(300, 3, 60, 1)),  # far apart with one plan
+        (P(800, 2, 20, 5), P(100, 3, 60, 9)),  # the lesser plan far ahead
+        (P(100, 2, 20, 5), P(800, 3, 60, 9)),  # the greater plan far ahead
+    ],
+)
+@pytest.mark.parametrize("lag_steps", [0, 18])
+def test_of_two_diverged_members_at_most_one_yields(
+    pair: tuple[MemberProgress, MemberProgress], lag_steps: int
+) -> None:
     a, b = pair
-    assert bool(diverged_from(a, {"b": b})) != bool(diverged_from(b, {"a": a}))
+    yields = (bool(diverged_from(a, {"b": b}, lag_steps)), bool(diverged_from(b, {"a": a}, lag_steps)))
+    assert yields != (True, True)
+    if a.plan != b.plan:  # different plans can never meet in a round: exactly one must yield
+        assert yields in ((True, False), (False, True))
 
 
 def _costs(n: int = 4) -> list[LayerCost]:
