@@ -164,7 +164,7 @@ class Liveness:
         echo getting through revives it (its handshake shows it runs, not that we reach it). Only with
         heartbeats on, one out-of-turn echo per member at a time.
         """
-        if self.membership is not None and (not self.membership.is_alive(node) or node in self._joining()):
+        if self.membership is not None and (not self.membership.is_alive(node) or self._is_joining(node)):
             self._echo_soon(node, self._welcome, "welcome")
 
     def _echo_soon(self, node: str, echo: Callable[[str, Link], Coroutine[Any, Any, None]], kind: str) -> None:
@@ -213,6 +213,10 @@ class Liveness:
     def _joining(self) -> set[str]:
         """Members whose last echo said they are still joining (up, but not asking to take part yet)."""
         return {node for node, link in self._links().items() if link.joining}
+
+    def _is_joining(self, node: str) -> bool:
+        link = self._links().get(node)
+        return link is not None and link.joining
 
     def _compose(self) -> tuple[str, ...]:
         """The view: live members in ring order without the stragglers and the members still joining; a
