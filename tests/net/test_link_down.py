@@ -73,18 +73,24 @@ def test_link_down_30s_both_sides_train_on_and_resync(tmp_path: Path) -> None:
         )
         cutter.join(60)
         assert "down" in timeline and "up" in timeline, "the run ended before the link came back"
+        # a side that waited for the other instead of training alone could finish, per round deadline
+        # that ran out in the window, only the steps its landing delay lets it run ahead: no pace is
+        # assumed, only the configured deadline and delay
+        window = (timeline["down"] + 10, timeline["up"])
+        deadlines = math.ceil((window[1] - window[0]) / config["transport"]["round_timeout_s"])
+        waiting_at_most = (deadlines + 1) * (sync["max_delay"] + 1)
         for r in results:
             assert all(math.isfinite(x) for x in r["losses"])
             stamps = r["step_times"]
-            during = [t for t in stamps if timeline["down"] + 10 < t < timeline["up"]]
-            # training went on alone while the link was down (after failure detection): a count of steps,
-            # not a pace. A side that waited for the other would finish at most one step per 20 s round
-            # deadline in those 20 s; one that trains alone finishes hundreds (tens on a loaded host)
-            assert len(during) >= 20, len(during)
+            during = [t for t in stamps if window[0] < t < window[1]]
+            assert len(during) > waiting_at_most, (len(during), waiting_at_most)
             assert any(t > timeline["up"] for t in stamps), "no training after the link healed"
             assert r["view_changes"] >= 2  # lost the other side, then found it again
-            # each side's outer weights moved alone: an anchor found them different and reset them
-            assert r["anchors_healed"] >= 1
+        # each side's outer weights moved alone; after the heal either an anchor found them different
+        # and reset both, or the side further behind took the other's state (peer.drift's lag rule)
+        assert all(r["anchors_healed"] >= 1 for r in results) or any(r["resyncs"] >= 1 for r in results), [
+            (r["anchors_healed"], r["resyncs"]) for r in results
+        ]
         # re-synchronized: after the quiet stretch at the end (learning rate 0) both hold the same parameters
         assert results[0]["digest"] == results[1]["digest"]
     finally:
