@@ -9,6 +9,7 @@ RoundFailed with its key), because pickling them by their ``args`` would lose th
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 import weakref
@@ -250,7 +251,10 @@ class BufferRegistry:
         self._lock = threading.Lock()
         self._ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._next = 1
-        self._dead: list[int] = []
+        # Filled by weakref callbacks, which run wherever the collector happens to run: inside any
+        # allocation, on any thread, also in :meth:`lookup` while this thread holds ``_lock``. So they
+        # take no lock (a deque's append is atomic); :meth:`take_dead` settles them under the lock.
+        self._dead: collections.deque[tuple[int, int]] = collections.deque()
 
     def lookup(self, t: torch.Tensor) -> tuple[int, bool]:
         """(buffer id, True if the tensor is new and must be shared with the child first)."""
@@ -265,17 +269,19 @@ class BufferRegistry:
             return buf_id, True
 
     def _died(self, key: int, buf_id: int, _ref: object) -> None:
-        with self._lock:
-            known = self._ids.get(key)
-            if known is not None and known[1] == buf_id:
-                del self._ids[key]
-            self._dead.append(buf_id)
+        self._dead.append((key, buf_id))
 
     def take_dead(self) -> list[int]:
         """Ids of buffers collected since the last call."""
+        dead = []
         with self._lock:
-            dead, self._dead = self._dead, []
-            return dead
+            while self._dead:
+                key, buf_id = self._dead.popleft()
+                known = self._ids.get(key)
+                if known is not None and known[1] == buf_id:
+                    del self._ids[key]
+                dead.append(buf_id)
+        return dead
 
     def __len__(self) -> int:
         with self._lock:

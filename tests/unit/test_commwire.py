@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import pickle
+import threading
 
 import pytest
 import torch
@@ -126,3 +127,37 @@ def test_comm_knob_is_validated() -> None:
         PeerConfig(node_id="a", comm="proc")
     with pytest.raises(ValueError, match="comm must be one of"):
         PeerConfig.from_dict({"node_id": "a", "comm": "fork"})
+
+
+def test_a_buffer_collected_during_lookup_does_not_deadlock_it() -> None:
+    # The cyclic collector may run inside lookup's own allocations (here it runs on nearly every one) and
+    # call the weakref callback of a buffer it frees there, on the thread that holds the registry's lock.
+    # A launcher thread once hung forever that way, and its trainer with it.
+    reg = BufferRegistry()
+
+    class Holder:
+        def __init__(self) -> None:
+            self.me = self  # a reference cycle: only the collector frees it
+            self.t = torch.zeros(2)
+
+    registered: list[int] = []
+
+    def churn() -> None:
+        for _ in range(300):
+            h = Holder()
+            registered.append(reg.lookup(h.t)[0])
+            del h
+
+    old = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        worker = threading.Thread(target=churn, daemon=True)
+        worker.start()
+        worker.join(60)  # a hang guard only: the lookups take microseconds
+        stuck = worker.is_alive()
+    finally:
+        gc.set_threshold(*old)
+    assert not stuck, "lookup deadlocked on the registry's own lock"
+    gc.collect()
+    assert sorted(reg.take_dead()) == registered
+    assert len(reg) == 0
