@@ -67,14 +67,22 @@ def _quiet_steps(
     model: nn.Module,
     opt: torch.optim.Optimizer,
     rank: int,
-    steps: range,
+    first_batch: int,
+    final_step: int,
     batch_size: int,
     device: str,
 ) -> None:
-    """Steps at learning rate 0 (a full period with no local progress): only synchronization moves the model."""
+    """Steps at learning rate 0 (a full period with no local progress): only synchronization moves the model.
+
+    Until the cluster's step ``final_step``, not for a count of iterations: a node that took the members'
+    state near the end (Node.resync) starts beyond its own count, and a last round that no member but it
+    runs would wait for the finished members until its deadline.
+    """
     for group in opt.param_groups:
         group["lr"] = 0.0
-    for step in steps:
+    for step in itertools.count(first_batch):
+        if s.step_count >= final_step:
+            break
         x, y = (t.to(device) for t in batch(rank, step, batch_size))
         nn.functional.mse_loss(model(x), y).backward()
         s.step()
@@ -156,7 +164,7 @@ def train_job(
             stamps.append(time.time())  # wall clock: comparable with the parent's fault timeline
     wall = time.perf_counter() - t0
     trained_digest = param_digest(model)
-    _quiet_steps(s, model, opt, rank, range(step, step + quiet_steps), batch_size, device)
+    _quiet_steps(s, model, opt, rank, step, steps + quiet_steps, batch_size, device)
     s.close()
     if flush:
         s.flush()
