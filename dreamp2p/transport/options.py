@@ -23,15 +23,25 @@ def _common(cfg: TransportConfig) -> list[tuple[str, Any]]:
     ]
 
 
+def max_reconnect_backoff_ms(cfg: TransportConfig) -> int:
+    """The longest wait between two connection attempts to an unreachable peer: one heartbeat interval
+    (at least 0.5 s, at most 5 s; 5 s with heartbeats off)."""
+    if cfg.heartbeat_s <= 0:
+        return 5000
+    return int(min(5.0, max(0.5, cfg.heartbeat_s)) * 1000)
+
+
 def channel_options(cfg: TransportConfig, tls: TLSConfig | None = None) -> list[tuple[str, Any]]:
     opts = _common(cfg)
     # A separate TCP connection per channel: parallel streams per link only help across connections.
     opts.append(("grpc.use_local_subchannel_pool", 1))
     opts.append(("grpc.enable_retries", 0))
-    # a restarted peer should be found again within seconds, not after minutes of backoff
+    # A restarted peer or a healed link should be found again within a heartbeat, not after the backoff
+    # grown while it was gone: until our own echo gets through, we keep the member out of our rounds
+    # while it, reaching us sooner, counts us in its own (asymmetric views, rounds failing on both).
     opts.append(("grpc.initial_reconnect_backoff_ms", 500))
     opts.append(("grpc.min_reconnect_backoff_ms", 500))
-    opts.append(("grpc.max_reconnect_backoff_ms", 5000))
+    opts.append(("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms(cfg)))
     if tls is not None and tls.server_name_override:
         opts.append(("grpc.ssl_target_name_override", tls.server_name_override))
     return opts
