@@ -16,7 +16,10 @@ rounds (of its own plan's groups, or of steps the others have closed) that no me
 in, while the members ahead wait for it in theirs. So a member more than ``lag_steps`` behind one whose
 plan is not lesser than its own yields too, whatever the plans: in one ring no member trails another
 that far (the trainer names the bound: DreamDDP waits for every round within a period and its delay).
-Pure logic: the peer feeds it heartbeat answers (`transport.client.Link.progress`).
+Only a lead that lasts counts (`LagHold`): while one member stands aside to take a state, the rounds of
+the others fail at once and nothing paces them, so for a moment one of them can run that far ahead of
+another and the gap closes again once rounds pace them; yielding to such a lead only starts another
+transfer. Pure logic: the peer feeds it heartbeat answers (`transport.client.Link.progress`) and the time.
 """
 
 from __future__ import annotations
@@ -26,26 +29,56 @@ from collections.abc import Mapping
 from dreamp2p.messages import MemberProgress
 
 
+def far_ahead(
+    mine: MemberProgress | None, others: Mapping[str, MemberProgress | None], lag_steps: int
+) -> frozenset[str]:
+    """Members whose plan's name is not lesser than ours and whose step is more than ``lag_steps`` beyond
+    ours (none when ``lag_steps`` is 0 or this node has no trainer yet)."""
+    if mine is None or lag_steps <= 0:
+        return frozenset()
+    return frozenset(
+        node
+        for node, theirs in others.items()
+        if theirs is not None and theirs.plan >= mine.plan and theirs.step - mine.step > lag_steps
+    )
+
+
+class LagHold:
+    """Which members have stayed far ahead (`far_ahead`) for at least ``hold_s`` without a break."""
+
+    def __init__(self, hold_s: float) -> None:
+        if hold_s < 0:
+            raise ValueError(f"hold_s must be >= 0, got {hold_s}")
+        self.hold_s = hold_s
+        self._since: dict[str, float] = {}  # replaced whole: the trainer's and the loop's threads both call
+
+    def held(self, far: frozenset[str], now: float) -> frozenset[str]:
+        """Record that ``far`` are far ahead at ``now``; those that have been since ``hold_s`` ago or longer."""
+        since = {node: self._since.get(node, now) for node in far}
+        self._since = since
+        return frozenset(node for node, t in since.items() if now - t >= self.hold_s)
+
+
 def diverged_from(
-    mine: MemberProgress | None, others: Mapping[str, MemberProgress | None], lag_steps: int = 0
+    mine: MemberProgress | None,
+    others: Mapping[str, MemberProgress | None],
+    lag_steps: int = 0,
+    far: frozenset[str] | None = None,
 ) -> tuple[str, ...]:
     """Members, sorted, whose state ``mine`` should take (see the module docstring).
 
     Empty when this node has no trainer yet or no member is ahead. A member counts when its plan's name
     (version, effective step, digest) is greater than ours and our step is past the step its plan took
-    effect at, or (``lag_steps`` > 0) when its plan's name is not lesser than ours and its step is more
-    than ``lag_steps`` beyond ours; of several such, those holding the greatest name.
+    effect at, or when it is far ahead: in ``far`` if given (the caller held the lead, see `LagHold`),
+    else in `far_ahead` (``lag_steps``); of several such, those holding the greatest name.
     """
     if mine is None:
         return ()
+    far = far_ahead(mine, others, lag_steps) if far is None else far
     ahead = {
         node: theirs.plan
         for node, theirs in others.items()
-        if theirs is not None
-        and (
-            (theirs.plan > mine.plan and mine.step > theirs.plan_effective_step)
-            or (lag_steps > 0 and theirs.plan >= mine.plan and theirs.step - mine.step > lag_steps)
-        )
+        if theirs is not None and ((theirs.plan > mine.plan and mine.step > theirs.plan_effective_step) or node in far)
     }
     if not ahead:
         return ()

@@ -41,7 +41,7 @@ from dreamp2p.messages import (
 )
 from dreamp2p.peer.admission import Admission, hello_of
 from dreamp2p.peer.commit import CommitVotes
-from dreamp2p.peer.drift import diverged_from
+from dreamp2p.peer.drift import LagHold, diverged_from, far_ahead
 from dreamp2p.peer.health import HealthPublisher, health_of
 from dreamp2p.peer.inbound import Inbound
 from dreamp2p.peer.links import RingLinks
@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 # Probes larger than this are refused.
 MAX_PROBE_BYTES = 4 << 20
 JOINING = "joining: no training state yet, so no part in rounds"
+# Heartbeat intervals a member must stay far ahead before we yield to it (a lead after another member's
+# state transfer closes within about one; a side left behind by a partition stays behind for many).
+LAG_HOLD_HEARTBEATS = 4
 
 
 class Peer:
@@ -119,6 +122,8 @@ class Peer:
         # trainer took their state and admits us again; replaced whole, so other threads may read it
         self.diverged: tuple[str, ...] = ()
         self.on_diverged: Callable[[tuple[str, ...]], None] | None = None  # told when it is set
+        # a member far ahead is only yielded to once its lead outlasted a few heartbeats (see peer.drift)
+        self._lag_hold = LagHold(max(1.0, LAG_HOLD_HEARTBEATS * config.transport.heartbeat_s))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -287,7 +292,9 @@ class Peer:
         mine = None if info is None else info.progress()
         links = self._links.by_node()
         others = {n: links[n].progress for n in self.view if n != self.config.node_id and n in links}
-        ahead = diverged_from(mine, others, 0 if info is None else info.lag_steps)
+        lag = 0 if info is None else info.lag_steps
+        far = self._lag_hold.held(far_ahead(mine, others, lag), time.monotonic())
+        ahead = diverged_from(mine, others, lag, far)
         if not ahead or mine is None:  # (mine is never None when some member is ahead)
             return
         theirs = others[ahead[0]]

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from dreamp2p.messages import MemberProgress, TrainingInfo
-from dreamp2p.peer.drift import diverged_from
+from dreamp2p.peer.drift import LagHold, diverged_from, far_ahead
 from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.schedule.dreamddp import even_plan
 from dreamp2p.transport import serde
@@ -120,3 +120,41 @@ def test_heartbeat_answers_carry_progress_both_ways() -> None:
     assert serde.progress_from_probe(back) == MemberProgress(123, 4, 100, 2**64 - 1)
     # a member without a trainer (or built before the field existed) reports none
     assert serde.progress_from_probe(serde.probe_response(7, 0, 0)) is None
+
+
+@pytest.mark.parametrize(
+    ("hold_s", "seen", "expected"),
+    [
+        # far ahead at once and still: held only once the lead lasted hold_s
+        (2.0, [(0.0, {"b"}), (1.0, {"b"}), (1.9, {"b"})], frozenset()),
+        (2.0, [(0.0, {"b"}), (1.0, {"b"}), (2.0, {"b"})], frozenset({"b"})),
+        # a break restarts the clock: a lead that closed in between is a new lead
+        (2.0, [(0.0, {"b"}), (1.0, set()), (2.5, {"b"}), (3.0, {"b"})], frozenset()),
+        (2.0, [(0.0, {"b"}), (1.0, set()), (2.5, {"b"}), (4.5, {"b"})], frozenset({"b"})),
+        # each member on its own clock
+        (2.0, [(0.0, {"b"}), (1.5, {"b", "c"}), (2.0, {"b", "c"})], frozenset({"b"})),
+        # no hold: far ahead is enough (as diverged_from without a holder)
+        (0.0, [(5.0, {"b", "c"})], frozenset({"b", "c"})),
+    ],
+)
+def test_a_lead_counts_once_it_lasted(
+    hold_s: float, seen: list[tuple[float, set[str]]], expected: frozenset[str]
+) -> None:
+    hold = LagHold(hold_s)
+    got: frozenset[str] = frozenset()
+    for now, far in seen:
+        got = hold.held(frozenset(far), now)
+    assert got == expected
+
+
+def test_a_lead_not_held_yet_yields_only_to_a_missed_plan() -> None:
+    mine = P(100, 2, 20, 5)
+    others = {"b": P(200, 2, 20, 5), "c": P(101, 3, 60, 9)}
+    assert far_ahead(mine, others, 14) == frozenset({"b"})
+    # the far member is not held: only the plan rule speaks
+    assert diverged_from(mine, others, 14, far=frozenset()) == ("c",)
+    # held: it counts too, and of the two the greater plan's holder serves the state
+    assert diverged_from(mine, others, 14, far=frozenset({"b"})) == ("c",)
+    assert diverged_from(mine, {"b": others["b"]}, 14, far=frozenset({"b"})) == ("b",)
+    with pytest.raises(ValueError, match="hold_s must be >= 0"):
+        LagHold(-1.0)
