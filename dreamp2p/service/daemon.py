@@ -29,6 +29,7 @@ from dreamp2p.config.daemon import DaemonConfig
 from dreamp2p.errors import RoundFailed
 from dreamp2p.manifest import manifest_hash, param_digest
 from dreamp2p.node import Node
+from dreamp2p.service.heaptrim import HeapTrimmer
 from dreamp2p.service.lifecycle import JOIN, StopFlag
 from dreamp2p.service.lifecycle import abort_when_stuck as _abort_when_stuck
 from dreamp2p.service.lifecycle import drain as _drain
@@ -233,6 +234,7 @@ def _train(
     final = cfg.task.steps
     notifier = Notifier()  # systemd Type=notify: ready once attached, watchdog pings from the steps
     notifier.ready(f"training from step {sync.step_count}")
+    heap = HeapTrimmer()
     while sync.step_count < final and not stop.event.is_set():
         step = sync.step_count
         if step % 5 == 0 and (agreed := _read_stop_at(stop_at_file)) is not None:
@@ -256,6 +258,7 @@ def _train(
         tokens_per_s = training.tokens_per_step / dt if dt > 0 else 0.0
         last_plan = _publish_step(cfg, sync, node, metrics, step, value, tokens_per_s, stats, last_plan, done.lr)
         notifier.watchdog()
+        heap.maybe_trim()
         progress.step(step, final, value, tokens_per_s, stats.plan_version)
         if ((step + 1) % cfg.task.eval_every == 0 or step == 0) and (last_eval := training.evaluate()) is not None:
             first_eval = last_eval if first_eval is None else first_eval
