@@ -2,11 +2,11 @@
 
 A member that lives through churn serves state snapshots to joiners, opens and drops gRPC connections to
 members that die and return, and writes checkpoints: each leaves freed blocks scattered over glibc's
-per-thread arenas, which malloc keeps mapped. Python and torch do not return that memory themselves, so
-the daemon's resident size climbs with every fault it lives through although nothing leaks (measured in
-`bench chaos`: see docs/BENCHMARKS.md). ``malloc_trim(0)`` releases the free pages of every arena; it is
-cheap next to a training step and runs at most once per interval. Where the C library has no
-``malloc_trim`` (musl, macOS) this does nothing.
+per-thread arenas, which malloc keeps mapped; Python and torch do not hand that memory back themselves.
+In `bench chaos` a member's resident size climbs in steps around the joins it serves (docs/BENCHMARKS.md;
+how much of it is such free memory is not measured yet). ``malloc_trim(0)`` releases the free pages of
+every arena; it is cheap next to a training step and runs at most once per interval. Where the C library
+has no ``malloc_trim`` (musl, macOS) this does nothing.
 """
 
 from __future__ import annotations
