@@ -116,6 +116,7 @@ class Strategy(OptimizerFacade, abc.ABC):
         self.params: list[nn.Parameter] = [p for layer in self.layers for p in layer.params]
         self.step_count = 0
         self.rounds_skipped = 0
+        self._flush_round = 0  # the id of the newest flush round (see flush)
         self.totals = Totals()
         self._last_end = time.perf_counter()
         self._stats = StepStats(0)
@@ -250,9 +251,15 @@ class Strategy(OptimizerFacade, abc.ABC):
         self.close()
         tensors = list(self.params) + list(self.buffers)
         group = FlatGroup(tensors, pin=self.pin)
+        # Round ids from the step, as every other round's: a member that joined refuses rounds numbered
+        # before its first step, and ids counted from 1 were (whenever a frame beat its own round open).
+        # Every member flushes at the same step, the same number of times, so the ids agree.
+        first = max(self._flush_round + 1, (self.step_count + 1) * FLUSH_ATTEMPTS)
         for attempt in range(1, FLUSH_ATTEMPTS + 1):
             group.snapshot()
-            if self._wait(self.comm.allreduce_group(group, GROUP_FLUSH, self.cfg.codec)) is not None:
+            self._flush_round = first + attempt - 1
+            fut = self.comm.allreduce_group(group, GROUP_FLUSH, self.cfg.codec, round_id=self._flush_round)
+            if self._wait(fut) is not None:
                 group.merge()
                 return
             log.warning("flush: round %d of %d failed; trying again", attempt, FLUSH_ATTEMPTS)

@@ -14,7 +14,7 @@ from torch import nn
 
 from dreamp2p.config.sync import STRATEGIES, SyncConfig
 from dreamp2p.sync.base import Strategy
-from dreamp2p.sync.groups import GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, GROUP_PLAN_BASE
+from dreamp2p.sync.groups import GROUP_FLUSH, GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, GROUP_PLAN_BASE
 from dreamp2p.sync.inprocess import InProcessHub
 from dreamp2p.sync.registry import STRATEGY_CLASSES, strategy_class
 
@@ -146,6 +146,20 @@ def test_a_failed_round_is_skipped_alike_and_flush_leaves_identical_replicas(str
     skipped = {s.rounds_skipped for s in strategies}
     assert len(skipped) == 1 and skipped.pop() >= 1  # every member skipped the same rounds
     each(strategies, lambda rank, s: s.flush())
+    assert len({digest(s) for s in strategies}) == 1
+
+
+@pytest.mark.parametrize("strategy", ["ssgd", "streaming"])
+def test_flush_rounds_are_numbered_from_the_step(strategy: str) -> None:
+    # a member that joined at step j refuses rounds numbered below j + 1: flush ids counted from 1 were
+    hub = InProcessHub(2)
+    strategies = members(hub, config(strategy))
+    train(strategies, 12)
+    hub.fail(lambda group_id, round_id: group_id == GROUP_FLUSH and round_id == 39)  # the first attempt
+    each(strategies, lambda rank, s: s.flush())
+    each(strategies, lambda rank, s: s.flush())
+    ids = sorted({r.round_id for r in hub.rounds if r.group_id == GROUP_FLUSH})
+    assert ids == [39, 40, 41], ids  # (12 + 1) x 3 attempts; a failed attempt, then the second flush
     assert len({digest(s) for s in strategies}) == 1
 
 
