@@ -129,6 +129,7 @@ def test_comm_knob_is_validated() -> None:
         PeerConfig.from_dict({"node_id": "a", "comm": "fork"})
 
 
+@pytest.mark.timeout(120)
 def test_a_buffer_collected_during_lookup_does_not_deadlock_it() -> None:
     # The cyclic collector may run inside lookup's own allocations (here it runs on nearly every one) and
     # call the weakref callback of a buffer it frees there, on the thread that holds the registry's lock.
@@ -151,13 +152,12 @@ def test_a_buffer_collected_during_lookup_does_not_deadlock_it() -> None:
     old = gc.get_threshold()
     gc.set_threshold(1)
     try:
+        # on a daemon thread, so a deadlock fails this test (its timeout marker) instead of the whole run
         worker = threading.Thread(target=churn, daemon=True)
         worker.start()
-        worker.join(60)  # a hang guard only: the lookups take microseconds
-        stuck = worker.is_alive()
+        worker.join()
     finally:
         gc.set_threshold(*old)
-    assert not stuck, "lookup deadlocked on the registry's own lock"
     gc.collect()
     assert sorted(reg.take_dead()) == registered
     assert len(reg) == 0
