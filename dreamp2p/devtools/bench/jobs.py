@@ -6,6 +6,7 @@ the exact mean locally; only small summaries travel back to the parent.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -35,34 +36,50 @@ def exact_mean(world: int, sizes: list[int], seed: int) -> list[torch.Tensor]:
 async def allreduce_check(
     peer: Peer, rank: int, world: int, sizes: list[int], codecs: list[str], seed: int = 0
 ) -> dict[str, Any]:
-    """Average seeded tensors with each codec; report error vs the exact mean and a digest of the result."""
-    expect = exact_mean(world, sizes, seed)
-    scale = max((float(e.abs().max()) for e in expect if e.numel()), default=1.0)
-    in_scale = max(
-        (float(t.abs().max()) for r in range(world) for t in make_tensors(r, sizes, seed) if t.numel()),
-        default=1.0,
-    )
+    """Average seeded tensors with each codec; report error vs the exact mean and a digest of the result.
+
+    The reference arithmetic (every rank's inputs rebuilt, fp64 sums over tens of MB) runs off the event
+    loop: on a loaded host it takes seconds, and a loop busy that long answers no heartbeat, so the other
+    members would count this one dead and the ring would re-form mid-check.
+    """
+    expect, in_scale, scale = await asyncio.to_thread(_reference, world, sizes, seed)
     report: dict[str, Any] = {}
     for codec in codecs:
-        tensors = make_tensors(rank, sizes, seed)
+        tensors = await asyncio.to_thread(make_tensors, rank, sizes, seed)
         res = await peer.allreduce(tensors, group_id=0, codec=codec)
-        err = max(
-            (float((t.double() - e).abs().max()) for t, e in zip(tensors, expect, strict=True) if t.numel()),
-            default=0.0,
-        )
-        digest = xxhash.xxh3_64()
-        for t in tensors:
-            digest.update(t.numpy().tobytes())
+        err, digest, finite = await asyncio.to_thread(_compare, tensors, expect)
         report[codec] = {
             "max_abs_err": err,
             "rel_err": err / max(in_scale, 1e-30),
             "mean_scale": scale,
-            "digest": digest.hexdigest(),
+            "digest": digest,
             "seconds": res.seconds,
             "bytes_sent": res.bytes_sent,
-            "finite": all(bool(torch.isfinite(t).all()) for t in tensors),
+            "finite": finite,
         }
     return report
+
+
+def _reference(world: int, sizes: list[int], seed: int) -> tuple[list[torch.Tensor], float, float]:
+    """The exact mean of every rank's inputs, the largest input magnitude (the error's unit) and the mean's."""
+    in_scale = max(
+        (float(t.abs().max()) for r in range(world) for t in make_tensors(r, sizes, seed) if t.numel()),
+        default=1.0,
+    )
+    expect = exact_mean(world, sizes, seed)
+    return expect, in_scale, max((float(e.abs().max()) for e in expect if e.numel()), default=1.0)
+
+
+def _compare(tensors: list[torch.Tensor], expect: list[torch.Tensor]) -> tuple[float, str, bool]:
+    """Largest absolute error against ``expect``, a digest of ``tensors`` and whether all are finite."""
+    err = max(
+        (float((t.double() - e).abs().max()) for t, e in zip(tensors, expect, strict=True) if t.numel()),
+        default=0.0,
+    )
+    digest = xxhash.xxh3_64()
+    for t in tensors:
+        digest.update(t.numpy().tobytes())
+    return err, digest.hexdigest(), all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 async def allreduce_timing(
