@@ -1,26 +1,27 @@
-"""Hands the C heap's free pages back to the operating system now and then, for a daemon that runs for days.
+"""Hands the heap's free memory back to the operating system now and then, for a daemon that runs for days.
 
-A member that lives through churn serves state snapshots to joiners, opens and drops gRPC connections to
-members that die and return, and writes checkpoints: each leaves freed blocks scattered over glibc's
-per-thread arenas, which malloc keeps mapped; Python and torch do not hand that memory back themselves.
-In `bench chaos` a member's resident size climbs in steps around the joins it serves (docs/BENCHMARKS.md;
-how much of it is such free memory is not measured yet). ``malloc_trim(0)`` releases the free pages of
-every arena; it is cheap next to a training step and runs at most once per interval. Where the C library
-has no ``malloc_trim`` (musl, macOS) this does nothing.
+A member that lives through churn serves state snapshots to joiners, fails rounds when members die (each
+failed round leaves its frames, buffers and exception in reference cycles) and writes checkpoints. Python
+frees cyclic garbage only in a full collection, which a process holding a few hundred thousand long-lived
+objects runs rarely, and glibc keeps freed blocks of its per-thread arenas mapped. So every interval the
+daemon runs one full ``gc.collect()`` (~0.1 s with ~400k objects) and then ``malloc_trim(0)``, which
+releases the free pages of every arena; docs/BENCHMARKS.md (Chaos) gives what this does to a survivor's
+resident size. Where the C library has no ``malloc_trim`` (musl, macOS) only the collection runs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-# How often a daemon trims: rarely enough to cost nothing measurable, often enough that a burst of
-# joins does not stay resident for long.
+# How often a daemon collects and trims: rarely enough to cost little (a full collection every 30 s is
+# ~0.3% of the time), often enough that a burst of failed rounds and joins does not stay resident for long.
 TRIM_EVERY_S = 30.0
 
 
@@ -39,13 +40,19 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
 
 
 class HeapTrimmer:
-    """Calls ``malloc_trim(0)`` at most once every ``every_s`` seconds (0: never)."""
+    """Every ``every_s`` seconds at most (0: never), a full garbage collection, then ``malloc_trim(0)``."""
 
-    def __init__(self, every_s: float = TRIM_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        every_s: float = TRIM_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+        collect: Callable[[], int] = gc.collect,
+    ) -> None:
         if every_s < 0:
             raise ValueError(f"every_s must be >= 0 (0 disables), got {every_s}")
         self.every_s = every_s
         self._clock = clock
+        self._collect = collect
         self._trim = _load_malloc_trim() if every_s > 0 else None
         self._last = clock()
         self.trims = 0
@@ -56,14 +63,21 @@ class HeapTrimmer:
         return self._trim is not None
 
     def maybe_trim(self) -> bool:
-        """Trim if the interval has passed since the last trim (or since creation); whether it trimmed."""
-        if self._trim is None:
+        """Collect and trim if the interval has passed since the last time (or since creation); whether it ran."""
+        if self.every_s <= 0:
             return False
         now = self._clock()
         if now - self._last < self.every_s:
             return False
         self._last = now
-        released = self._trim(0)
+        t0 = time.perf_counter()
+        found = self._collect()
+        released = self._trim(0) if self._trim is not None else 0
         self.trims += 1
-        log.debug("malloc_trim: %s", "released memory" if released else "nothing to release")
+        log.debug(
+            "heap: %d unreachable objects collected, %s, in %.3f s",
+            found,
+            "free pages released" if released else "no pages to release",
+            time.perf_counter() - t0,
+        )
         return True
