@@ -58,7 +58,7 @@ class Node:
 
 
 def test_a_trim_collects_cyclic_garbage_first() -> None:
-    # a failed round leaves its buffers in reference cycles: refcounting never frees them, a collection does
+    # churn leaves garbage in reference cycles: refcounting never frees it, a collection does
     clock = Clock()
     heap = HeapTrimmer(30.0, clock)
     was_enabled = gc.isenabled()
