@@ -20,6 +20,8 @@ class TokenBucket:
         self.burst = float(burst_bytes if burst_bytes is not None else max(16 << 10, rate_Bps * 0.005))
         self._tokens = self.burst
         self._t = time.monotonic()
+        self.granted = 0  # bytes let through, in all
+        self.waits = 0  # acquisitions that had to wait for the rate (the link was paced)
 
     def _refill(self) -> None:
         now = time.monotonic()
@@ -29,5 +31,7 @@ class TokenBucket:
     async def acquire(self, nbytes: int) -> None:
         self._refill()
         self._tokens -= nbytes
+        self.granted += nbytes
         if self._tokens < 0:
+            self.waits += 1
             await asyncio.sleep(-self._tokens / self.rate)
