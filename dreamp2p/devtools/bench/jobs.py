@@ -25,14 +25,6 @@ def make_tensors(rank: int, sizes: list[int], seed: int) -> list[torch.Tensor]:
     return out
 
 
-def exact_mean(world: int, sizes: list[int], seed: int) -> list[torch.Tensor]:
-    sums = [torch.zeros(n, dtype=torch.float64) for n in sizes]
-    for r in range(world):
-        for acc, t in zip(sums, make_tensors(r, sizes, seed), strict=True):
-            acc.add_(t.double())
-    return [s / world for s in sums]
-
-
 async def allreduce_check(
     peer: Peer, rank: int, world: int, sizes: list[int], codecs: list[str], seed: int = 0
 ) -> dict[str, Any]:
@@ -61,13 +53,17 @@ async def allreduce_check(
 
 
 def _reference(world: int, sizes: list[int], seed: int) -> tuple[list[torch.Tensor], float, float]:
-    """The exact mean of every rank's inputs, the largest input magnitude (the error's unit) and the mean's."""
-    in_scale = max(
-        (float(t.abs().max()) for r in range(world) for t in make_tensors(r, sizes, seed) if t.numel()),
-        default=1.0,
-    )
-    expect = exact_mean(world, sizes, seed)
-    return expect, in_scale, max((float(e.abs().max()) for e in expect if e.numel()), default=1.0)
+    """The exact (fp64) mean of every rank's inputs, the largest input magnitude (the error's unit) and the
+    mean's, each rank's inputs built once."""
+    sums = [torch.zeros(n, dtype=torch.float64) for n in sizes]
+    magnitudes = []
+    for r in range(world):
+        for acc, t in zip(sums, make_tensors(r, sizes, seed), strict=True):
+            acc.add_(t.double())
+            if t.numel():
+                magnitudes.append(float(t.abs().max()))
+    expect = [s / world for s in sums]
+    return expect, max(magnitudes, default=1.0), max((float(e.abs().max()) for e in expect if e.numel()), default=1.0)
 
 
 def _compare(tensors: list[torch.Tensor], expect: list[torch.Tensor]) -> tuple[float, str, bool]:
