@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import time
 import zlib
 from pathlib import Path
@@ -68,7 +69,9 @@ def main() -> None:
                 sync.zero_grad()
                 sched.step()
                 ckpt.maybe_save()
-                Path(args.progress).write_text(str(sync.step_count))
+                # written aside and renamed, so a reader never sees the file truncated and not yet written
+                Path(args.progress + ".tmp").write_text(str(sync.step_count))
+                os.replace(args.progress + ".tmp", args.progress)
                 time.sleep(args.sleep)
             path = ckpt.finish()
             params = b"".join(p.detach().numpy().tobytes() for p in model.parameters())

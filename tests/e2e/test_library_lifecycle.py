@@ -41,11 +41,7 @@ def finished(proc: subprocess.Popen[bytes], out: Path, tmp: Path, name: str) -> 
 def test_sigterm_saves_and_exits_0_and_a_resume_continues_from_that_step(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     proc, out = start(tmp_path, "first", ckpt, steps=1_000_000, sleep=0.02)
-    progress = tmp_path / "first.progress"
-    # a training loop well under way (pytest's timeout is the hang guard)
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 7):
-        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-        time.sleep(0.05)
+    progressed(tmp_path, "first", proc, 7)  # a training loop well under way
     proc.send_signal(signal.SIGTERM)
     first = finished(proc, out, tmp_path, "first")
     stopped = first["step"]
@@ -75,7 +71,7 @@ def test_sigterm_saves_and_exits_0_and_a_resume_continues_from_that_step(tmp_pat
 def progressed(tmp: Path, name: str, proc: subprocess.Popen[bytes], step: int) -> None:
     """Wait until ``name`` has finished ``step`` steps (pytest's timeout is the hang guard)."""
     progress = tmp / f"{name}.progress"
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= step):
+    while not (progress.exists() and int(progress.read_text() or "0") >= step):
         assert proc.poll() is None, (tmp / f"{name}.log").read_text()[-3000:]
         time.sleep(0.05)
 
