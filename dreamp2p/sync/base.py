@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 # flush() tries this many rounds before it gives up (it promises identical replicas, so it cannot skip)
 FLUSH_ATTEMPTS = 3
+# seconds the trainer waits for a round beyond the peer's round deadline before it calls the round lost
+ROUND_MARGIN_S = 30.0
 
 
 @dataclass
@@ -165,6 +167,10 @@ class Strategy(OptimizerFacade, abc.ABC):
             except (TypeError, ValueError):
                 # a state the transfer cannot encode must not stop training; the joiner's request times out
                 log.exception("cannot offer the training state of step %d to a joining member", self.step_count)
+            except RoundFailed as exc:
+                # a round the state must record has no outcome yet (held by a member that left it behind);
+                # the request stays wanted and a later step offers the state
+                log.warning("cannot offer the training state of step %d yet: %s", self.step_count, exc)
         ahead = self.comm.diverged_from
         if ahead:
             self._take_state_of(ahead)
@@ -288,6 +294,12 @@ class Strategy(OptimizerFacade, abc.ABC):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         return None
 
+    @property
+    def round_limit_s(self) -> float:
+        """How long the trainer waits for a round's result: the peer's round deadline plus a margin, since
+        a round can start on the comm side later than it was launched (queued behind others)."""
+        return self.comm.round_timeout_s + ROUND_MARGIN_S
+
     def _round(self) -> int:
         """Round id for a collective launched during this step: the same on every peer, also after a resume."""
         return self.step_count + 1
@@ -301,7 +313,7 @@ class Strategy(OptimizerFacade, abc.ABC):
         RoundFailed: the caller must abort it (see :meth:`abandon`).
         """
         t0 = time.perf_counter()
-        limit = timeout if timeout is not None else self.comm.round_timeout_s + 30
+        limit = timeout if timeout is not None else self.round_limit_s
         try:
             res = fut.result(timeout=limit)
         except concurrent.futures.TimeoutError:
@@ -324,6 +336,19 @@ class Strategy(OptimizerFacade, abc.ABC):
         self._stats.comm_s += res.seconds
         self._stats.bytes_sent += res.bytes_sent
         self._stats.syncs += 1
+
+
+def settled(fut: concurrent.futures.Future[RoundResult], timeout: float) -> bool:
+    """Wait for a round whose result a checkpoint must record: True when it completed, False when it failed
+    (everywhere: nobody applies it); RoundFailed when it is still in flight after ``timeout``, since its
+    outcome, and so a consistent state, is not known yet."""
+    try:
+        fut.result(timeout)
+    except RoundFailed:
+        return False
+    except concurrent.futures.TimeoutError:
+        raise RoundFailed(None, f"still in flight after {timeout:.0f} s: its outcome cannot be recorded") from None
+    return True
 
 
 def landed(elements: int) -> concurrent.futures.Future[RoundResult]:

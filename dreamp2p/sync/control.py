@@ -24,13 +24,13 @@ from typing import Any, TypeVar
 import torch
 
 from dreamp2p.config.sync import SyncConfig
-from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RingCodecPlan, RoundResult
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import plan_dreamddp
 from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs, wire_ratio
 from dreamp2p.schedule.plan import Plan
 from dreamp2p.schedule.plancodec import choose_plan_codec
+from dreamp2p.sync.base import settled
 from dreamp2p.sync.groups import GROUP_CONTROL
 from dreamp2p.sync.layers import FlatGroup
 
@@ -235,11 +235,9 @@ Control = tuple[int, concurrent.futures.Future[RoundResult], FlatGroup, int]
 
 def control_record(control: Control, timeout: float) -> dict[str, Any] | None:
     """A control round's checkpoint record once it finished; None if it failed (everywhere: all-or-none,
-    so no member will use it)."""
+    so no member will use it). RoundFailed when it is still in flight after ``timeout``."""
     land, fut, group, world = control
-    try:
-        fut.result(timeout)
-    except RoundFailed:
+    if not settled(fut, timeout):
         return None
     return {"land": land, "mean": group.work.clone(), "world": world}
 

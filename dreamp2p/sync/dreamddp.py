@@ -378,9 +378,9 @@ class DreamDDP(Strategy):
             "history": [list(h) for h in self.plan_history],
             **self._weights.state(),
             "plan_codecs": dict(self._plan_codecs),
-            "inflight": [r for inf in self._inflight if (r := inf.record(self.comm.round_timeout_s))],
+            "inflight": [r for inf in self._inflight if (r := inf.record(self.round_limit_s))],
         }
-        record = control_record(self._control, self.comm.round_timeout_s) if self._control is not None else None
+        record = control_record(self._control, self.round_limit_s) if self._control is not None else None
         if record is not None:
             state["control"] = record
         return state

@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RoundResult
-from dreamp2p.sync.base import landed
+from dreamp2p.sync.base import landed, settled
 from dreamp2p.sync.layers import FlatGroup, Layer
 
 
@@ -35,12 +34,9 @@ class InFlight:
         return self.check is not None
 
     def record(self, timeout: float) -> dict[str, Any] | None:
-        """Wait for the sync, then its checkpoint record; None when it failed (everywhere: nobody applies it)."""
-        try:
-            self.fut.result(timeout)
-            if self.check_fut is not None:
-                self.check_fut.result(timeout)
-        except RoundFailed:
+        """Wait for the sync, then its checkpoint record; None when it failed (everywhere: nobody applies it).
+        RoundFailed when a round is still in flight after ``timeout`` (`dreamp2p.sync.base.settled`)."""
+        if not settled(self.fut, timeout) or (self.check_fut is not None and not settled(self.check_fut, timeout)):
             return None
         rec = {
             "land": self.land_step,

@@ -3,8 +3,11 @@ state it checkpoints. Milliseconds per case; the multi-process tests in test_str
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import itertools
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +16,8 @@ import torch
 from torch import nn
 
 from dreamp2p.config.sync import STRATEGIES, SyncConfig
+from dreamp2p.state.donor import StateDonor
+from dreamp2p.sync import base
 from dreamp2p.sync.base import Strategy
 from dreamp2p.sync.groups import GROUP_FLUSH, GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, GROUP_PLAN_BASE
 from dreamp2p.sync.inprocess import InProcessHub
@@ -252,3 +257,31 @@ def test_dreamddp_plans_made_beside_training_are_adopted_at_the_same_steps_every
     assert len(history) >= 2 and all(step % cfg.period == 0 for _, step in history[1:])
     states = each(strategies, lambda rank, s: s.state_dict())
     assert len({repr(st["extra"]["next_plan"]) for st in states}) == 1
+
+
+def test_a_state_request_while_a_round_is_held_waits_for_a_later_step(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A joiner asks for the state while a round the state must record has no outcome yet (here: held because
+    the other member has not stepped): the step completes, no snapshot of unknown consistency is offered, and
+    once the round completes a later step offers it (it used to raise TimeoutError out of ``step``)."""
+    monkeypatch.setattr(base, "ROUND_MARGIN_S", 0.0)
+    hub = InProcessHub(2, round_timeout_s=0.2)
+    a, b = members(hub, config("dreamddp"))
+    train([a, b], 6)  # past warm-up: a control round is launched at the next step
+    donor = StateDonor()
+    a.donor = donor
+    loop = asyncio.new_event_loop()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        request = pool.submit(loop.run_until_complete, donor.manifest(60.0))
+        while not donor.wanted:
+            time.sleep(0.01)
+        with caplog.at_level(logging.WARNING, logger="dreamp2p.sync.base"):
+            local_step(a, 0)  # alone: its new rounds wait for b
+        assert a.step_count == 7 and donor.wanted and donor.publications == 0
+        assert "cannot offer the training state of step 7 yet" in caplog.text
+        local_step(b, 1)  # b joins the held rounds
+        train([a, b], 1)
+        snapshot = request.result(timeout=60)
+    loop.close()
+    assert snapshot.step == 8 and not donor.wanted
