@@ -132,6 +132,7 @@ def _bench_lm(args: argparse.Namespace) -> dict[str, Any]:
         layers=args.depth,
         device=args.device,
         extra_sync=extra,
+        bracket=args.bracket,
     )
 
 
@@ -309,6 +310,11 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--lr", type=float, default=0.05, help="strategies: SGD learning rate (wide models want less)")
     b.add_argument(
         "--device", default="cpu", choices=["cpu", "cuda"], help="strategies: where the trainers run (both peers)"
+    )
+    b.add_argument(
+        "--bracket",
+        action="store_true",
+        help="lm: the ceiling again after every strategy; utilization against the two around it",
     )
     _add_plancheck_parser(b)
     _add_chaos_parser(b)

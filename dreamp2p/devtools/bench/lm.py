@@ -19,7 +19,11 @@ every region has an access link of ``rate`` each way). Otherwise the transport's
 delay ``transport.delay_s = rtt / 2`` (this kernel has no netem).
 
 The ceiling: ``regions`` plain processes started together (same model, data, AdamW loop; no dreamp2p,
-no network) give the steps/s the hardware allows; ``compute_utilization`` = steps_per_s / that.
+no network) give the steps/s the hardware allows; ``compute_utilization`` = steps_per_s / that. On a shared
+host the pace drifts by more than the margins judged (about 10% within one run was measured on the 2-core
+test host); ``bracket=True`` runs the ceiling again after every strategy, and each strategy's
+``compute_utilization`` is then against the mean of the ceilings just before and after it
+(``ceiling_steps_per_s`` in its row; every ceiling run in ``ceiling.steps_per_s_runs``).
 
 Measured per strategy (per region, then combined over regions):
 
@@ -297,18 +301,37 @@ def _run_strategies(
     netns_rate: str | None,
     transport: dict[str, Any],
     timeout: float,
-    ceiling_sps: float,
+    ceilings: list[float],
+    bracket: bool,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, list[list[float]]]]:
-    """Every strategy in turn (in namespaces shaped to ``netns_rate`` when given): rows and loss curves."""
+    """Every strategy in turn (in namespaces shaped to ``netns_rate`` when given): rows and loss curves.
+
+    ``ceilings`` holds the ceiling measured before the first strategy; with ``bracket`` the ceiling runs
+    again after each strategy (appended there) and the strategy's utilization is against its two neighbours.
+    """
     rows: dict[str, dict[str, Any]] = {}
     curves: dict[str, list[list[float]]] = {}
     with contextlib.ExitStack() as stack:
         ns_ctx = stack.enter_context(Namespaces(regions, netns_rate)) if netns_rate is not None else None
         for name in names:
             rows[name], curves[name] = _run_strategy(
-                name, variants[name], period, extra, workload, regions, ns_ctx, transport, timeout, ceiling_sps
+                name, variants[name], period, extra, workload, regions, ns_ctx, transport, timeout, ceilings[-1]
             )
+            if bracket:
+                before = ceilings[-1]
+                ceilings.append(_run_ceiling(regions, workload)[2])
+                rows[name].update(bracketed(rows[name]["steps_per_s"], before, ceilings[-1]))
     return rows, curves
+
+
+def bracketed(steps_per_s: float, before: float, after: float) -> dict[str, Any]:
+    """A strategy's utilization against the mean of the ceilings measured just before and after it."""
+    if not (before > 0 and after > 0):
+        raise ValueError(f"ceilings must be > 0 steps/s, got {before} and {after}")
+    return {
+        "ceiling_steps_per_s": [_r(before), _r(after)],
+        "compute_utilization": _r(2.0 * steps_per_s / (before + after), 3),
+    }
 
 
 def _target(
@@ -342,12 +365,14 @@ def bench_lm(
     netns: bool | None = None,
     extra_sync: dict[str, Any] | None = None,
     target_loss: float | None = None,
+    bracket: bool = False,
 ) -> dict[str, Any]:
     """Run the ceiling, then every strategy, on ``regions`` region processes; a JSON-serialisable report.
 
     ``netns``: None = namespaces with tbf when root, else in-process shaping; True = namespaces (needs root);
     False = in-process shaping. ``extra_sync``: SyncConfig overrides for every strategy (not ``strategy`` or
-    ``period``). Invalid settings raise ValueError before anything starts.
+    ``period``). ``bracket``: the ceiling again after every strategy (see the module docstring). Invalid
+    settings raise ValueError before anything starts.
     """
     names = list(strategies) if strategies is not None else list(STRATEGIES)
     variants = {name: parse_variant(name) for name in names}
@@ -370,8 +395,10 @@ def bench_lm(
     timeout = 600.0 + steps * (2.0 * 4 * params / rate_Bps + 2.0 * rtt_ms / 1000.0 + 5.0)
     t_start = time.perf_counter()
     ceiling_res, ceiling_curve, ceiling_sps = _run_ceiling(regions, workload)
+    ceilings = [ceiling_sps]
+    netns_rate = rate if use_netns else None
     rows, curves = _run_strategies(
-        names, variants, period, extra, workload, regions, rate if use_netns else None, transport, timeout, ceiling_sps
+        names, variants, period, extra, workload, regions, netns_rate, transport, timeout, ceilings, bracket
     )
     target, target_from = _target(target_loss, curves, ceiling_curve)
     for name, curve in curves.items():
@@ -379,6 +406,7 @@ def bench_lm(
     syncing = [n for n in rows if n != "none"] or list(rows)
     winner = max(syncing, key=lambda n: rows[n]["steps_per_s"])
     ceiling = _ceiling_summary(ceiling_res, ceiling_curve, ceiling_sps, steps, target, rows)
+    ceiling["steps_per_s_runs"] = [_r(c) for c in ceilings]
     return {
         "bench": "lm",
         "regions": regions,
@@ -393,6 +421,7 @@ def bench_lm(
         "lr": lr,
         "device": device,
         "extra_sync": extra,
+        "bracket": bracket,
         "eval_every": eval_every(steps),
         "eval_tokens": eval_batches * batch * context,
         "target_loss": _r(target),
