@@ -280,12 +280,8 @@ class DreamDDP(Strategy):
     def _control_round(self, t: int) -> None:
         cfg = self.cfg
         if self._control is not None and self._control[0] <= t:
-            land, fut, gathered, world = self._control
-            self._control = None
-            if self._wait(fut) is not None:
-                # decided as of the agreed landing step, not the step we got here: a node that joined with
-                # this round in flight and started past it adopts the plan with the members' phase
-                self._on_gathered(unpack_control(gathered.work, world, self._blank), land, world)
+            control, self._control = self._control, None
+            self._decide(control)
         start = max(cfg.warmup_steps, 1)
         if self._control is None and t >= start and (t - start) % cfg.control_every == 0:
             links = {s.peer: s for s in self.comm.links()}
@@ -300,6 +296,14 @@ class DreamDDP(Strategy):
             group.snapshot()
             fut = self.comm.allreduce_group(group, GROUP_CONTROL, "fp32", round_id=self._round(), guard_norm=False)
             self._control = (t + cfg.control_lead, fut, group, world)
+
+    def _decide(self, control: Control) -> None:
+        """Decide on a control round that has landed (its result is waited for if need be)."""
+        land, fut, gathered, world = control
+        if self._wait(fut) is not None:
+            # decided as of the agreed landing step, not the step we got here: a node that joined with
+            # this round in flight and started past it adopts the plan with the members' phase
+            self._on_gathered(unpack_control(gathered.work, world, self._blank), land, world)
 
     def _on_gathered(self, g: Gathered, t: int, world: int) -> None:
         """Same inputs on every peer at the same step: the same decision everywhere.
@@ -330,6 +334,18 @@ class DreamDDP(Strategy):
         return self._replanner.report(self.plan, tuple(self.profiler.costs()), self.comm.world)
 
     def _rearm(self) -> None:
+        """Arm the step this node jumped to (a join or a resync, `Strategy.jump_to`).
+
+        A control round restored with the state whose landing step lies before that step is decided first,
+        with the plan in force at its landing step, as every member decided it there: its plan may take
+        effect at or before our first step, and a node that ran that step on the older plan would launch
+        rounds of groups no member runs, which hold everyone until the round deadline.
+        """
+        control = self._control
+        if control is not None and control[0] < self.step_count:
+            self._control = None
+            self._arm(control[0])  # adopt what the members had adopted by the landing step
+            self._decide(control)
         self._arm(self.step_count)
 
     def _training_info(self) -> TrainingInfo:

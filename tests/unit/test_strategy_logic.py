@@ -285,3 +285,22 @@ def test_a_state_request_while_a_round_is_held_waits_for_a_later_step(
         snapshot = request.result(timeout=60)
     loop.close()
     assert snapshot.step == 8 and not donor.wanted
+
+
+def test_a_joiner_past_a_restored_control_rounds_landing_starts_on_the_plan_it_decided() -> None:
+    """A state captured while a control round is in flight carries it; a node that loads that state and
+    jumps past the round's landing step must decide it as the members did there, so that its first step runs
+    the plan the members run (it used to run the older plan for one step: rounds no member runs)."""
+    cfg = config("dreamddp", period=5, warmup_steps=10, control_every=5, control_lead=2)
+    (member,) = members(InProcessHub(1), cfg)
+    for _ in range(12):  # the control round launched at step 10 lands at step 12 and its plan at 15
+        local_step(member, 0)
+    state = member.state_dict()
+    (joiner,) = members(InProcessHub(1), cfg)
+    joiner.load_state_dict(state)
+    joiner.jump_to(16)
+    while member.step_count < 16:
+        local_step(member, 0)
+    assert member.plan_history == [(0, 0), (1, 15)]
+    assert joiner.plan_history == member.plan_history
+    assert joiner.plan == member.plan and joiner.plan_version == 1
