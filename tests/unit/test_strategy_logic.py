@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -259,6 +260,7 @@ def test_dreamddp_plans_made_beside_training_are_adopted_at_the_same_steps_every
     assert len({repr(st["extra"]["next_plan"]) for st in states}) == 1
 
 
+@pytest.mark.timeout(120)  # the hang guard: nothing below is bounded by the clock
 def test_a_state_request_while_a_round_is_held_waits_for_a_later_step(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -273,7 +275,7 @@ def test_a_state_request_while_a_round_is_held_waits_for_a_later_step(
     a.donor = donor
     loop = asyncio.new_event_loop()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        request = pool.submit(loop.run_until_complete, donor.manifest(60.0))
+        request = pool.submit(loop.run_until_complete, donor.manifest(math.inf))
         while not donor.wanted:
             time.sleep(0.01)
         with caplog.at_level(logging.WARNING, logger="dreamp2p.sync.base"):
@@ -282,7 +284,7 @@ def test_a_state_request_while_a_round_is_held_waits_for_a_later_step(
         assert "cannot offer the training state of step 7 yet" in caplog.text
         local_step(b, 1)  # b joins the held rounds
         train([a, b], 1)
-        snapshot = request.result(timeout=60)
+        snapshot = request.result()
     loop.close()
     assert snapshot.step == 8 and not donor.wanted
 
