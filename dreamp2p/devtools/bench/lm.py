@@ -301,14 +301,16 @@ def _run_strategies(
     netns_rate: str | None,
     transport: dict[str, Any],
     timeout: float,
-    ceilings: list[float],
+    ceiling_sps: float,
     bracket: bool,
-) -> tuple[dict[str, dict[str, Any]], dict[str, list[list[float]]]]:
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[list[float]]], list[float]]:
     """Every strategy in turn (in namespaces shaped to ``netns_rate`` when given): rows and loss curves.
 
-    ``ceilings`` holds the ceiling measured before the first strategy; with ``bracket`` the ceiling runs
-    again after each strategy (appended there) and the strategy's utilization is against its two neighbours.
+    ``ceiling_sps``: the ceiling measured before the first strategy; with ``bracket`` the ceiling runs again
+    after each strategy and the strategy's utilization is against its two neighbours. Also returns every
+    ceiling measured, in order.
     """
+    ceilings = [ceiling_sps]
     rows: dict[str, dict[str, Any]] = {}
     curves: dict[str, list[list[float]]] = {}
     with contextlib.ExitStack() as stack:
@@ -321,7 +323,7 @@ def _run_strategies(
                 before = ceilings[-1]
                 ceilings.append(_run_ceiling(regions, workload)[2])
                 rows[name].update(bracketed(rows[name]["steps_per_s"], before, ceilings[-1]))
-    return rows, curves
+    return rows, curves, ceilings
 
 
 def bracketed(steps_per_s: float, before: float, after: float) -> dict[str, Any]:
@@ -395,10 +397,9 @@ def bench_lm(
     timeout = 600.0 + steps * (2.0 * 4 * params / rate_Bps + 2.0 * rtt_ms / 1000.0 + 5.0)
     t_start = time.perf_counter()
     ceiling_res, ceiling_curve, ceiling_sps = _run_ceiling(regions, workload)
-    ceilings = [ceiling_sps]
     netns_rate = rate if use_netns else None
-    rows, curves = _run_strategies(
-        names, variants, period, extra, workload, regions, netns_rate, transport, timeout, ceilings, bracket
+    rows, curves, ceilings = _run_strategies(
+        names, variants, period, extra, workload, regions, netns_rate, transport, timeout, ceiling_sps, bracket
     )
     target, target_from = _target(target_loss, curves, ceiling_curve)
     for name, curve in curves.items():
