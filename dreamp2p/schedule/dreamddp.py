@@ -144,6 +144,8 @@ def _choose_delays(jobs: list[Job], H: int, B: float, F: float, max_delay: int) 
         for g in range(len(current)):
             best_d, best_total = current[g].delay, total
             for d in range(dmax + 1):
+                if best_total <= 0 and d >= best_d:
+                    break  # nothing is exposed below zero, and ties go to the smaller delay: no later d can win
                 if d == current[g].delay:
                     continue
                 trial = list(current)
