@@ -53,7 +53,7 @@ class SyncConfig:
     co2_clip: float = 1.0  # element-wise clip of the outer momentum (0 disables)
     co2_gap_penalty: float = 0.1  # lambda of the staleness-gap penalty
     # DreamDDP
-    warmup_steps: int = 5  # profiled steps before the first measured plan (the even plan runs meanwhile)
+    warmup_steps: int = 5  # profiled steps before the first measured plan (the warm-up plan runs meanwhile)
     # d: a group's sync may land up to d steps after launch (WAN extension); < period. None (default): up to
     # period - 1, so a sync that takes seconds on a WAN can span the period; the planner still picks
     # delay 0 for every group whose sync hides inside one backward pass (ties go to smaller delays)

@@ -118,6 +118,7 @@ __all__ = [
     "plan_dreamddp",
     "predict",
     "simulate",
+    "warmup_plan",
 ]
 
 # The schedules `predict` models (the planner's what-if comparison), not sync strategies: plsgd is no strategy of
@@ -269,7 +270,7 @@ def _plan_from_jobs(jobs: list[Job], prof: Profile, H: int, version: int, effect
 
 
 def even_plan(costs: Sequence[LayerCost], H: int, version: int = 0, effective_step: int = 0, delay: int = 0) -> Plan:
-    """PLSGD baseline and warm-up plan: ceil(L/H) contiguous backward-order layers per iteration, no timing.
+    """PLSGD baseline: ceil(L/H) contiguous backward-order layers per iteration, no timing.
 
     Each iteration's layers form one sync with ``start_s = comm_s = 0`` and no predicted wait; iterations
     beyond the layers (``H > L``) sync nothing. ``delay`` (capped at ``H - 1``) lets every sync land that
@@ -289,6 +290,40 @@ def even_plan(costs: Sequence[LayerCost], H: int, version: int = 0, effective_st
         if i < j:
             syncs.append(GroupSync(h, layers_of(L, i, j), delay, 0.0, 0.0))
     return Plan(version, effective_step, H, prof.names, tuple(syncs), (0.0,) * H, prof.compute_s)
+
+
+def warmup_plan(costs: Sequence[LayerCost], H: int, groups: int = 2, delay: int = 0) -> Plan:
+    """DreamDDP's plan before the first measured one: ``groups`` syncs of about equal bytes, spread evenly.
+
+    Backward-order contiguous layers, group k launched at iteration ``k * H // groups``. Few large rounds
+    rather than the even split's ceil(L/H) layers per iteration: every round costs the comm path a fixed
+    amount of CPU besides its bytes, and before the link is measured nothing favours small ones. Large
+    rounds also measure the link end to end, which the first measured plan is made from.
+    """
+    prof = profile_of(costs)
+    check_H(H)
+    if not is_int(groups) or groups < 1:
+        raise ValueError(f"groups must be an int >= 1, got {groups!r}")
+    if not is_int(delay) or delay < 0:
+        raise ValueError(f"delay must be an int >= 0, got {delay!r}")
+    L = prof.L
+    g = min(groups, L, H)
+    sizes = [prof.nbytes[L - 1 - b] for b in range(L)]  # backward order
+    total = sum(sizes)
+    cuts = [0]
+    acc = 0
+    for b, size in enumerate(sizes):
+        acc += size
+        k = len(cuts)
+        # close group k-1 once it holds its share, leaving at least one layer for each later group
+        if k < g and acc * g >= k * total and L - (b + 1) >= g - k:
+            cuts.append(b + 1)
+    while len(cuts) < g:  # zero-byte tails: give each remaining group one layer
+        cuts.append(cuts[-1] + 1)
+    cuts.append(L)
+    delay = min(delay, H - 1)
+    syncs = tuple(GroupSync(k * H // g, layers_of(L, cuts[k], cuts[k + 1]), delay, 0.0, 0.0) for k in range(g))
+    return Plan(0, 0, H, prof.names, syncs, (0.0,) * H, prof.compute_s)
 
 
 def plan_dreamddp(

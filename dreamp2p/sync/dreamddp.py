@@ -29,7 +29,7 @@ same gathered inputs, so all use the same codec for the rounds of a plan.
 One plan for all: plans are computed only from inputs every peer holds bit-identically, gathered by a
 small control all-reduce every ``control_every`` steps (each peer's link measurements and layer
 profile). Every peer runs the same deterministic planner on them at the same step and adopts the
-result at the next step. Until the first measured plan, the even PLSGD split runs.
+result at the next step. Until the first measured plan, a warm-up plan of two large syncs runs.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 
 from dreamp2p.messages import RingCodecPlan, TrainingInfo
 from dreamp2p.schedule.cost import LayerCost
-from dreamp2p.schedule.dreamddp import even_plan
+from dreamp2p.schedule.dreamddp import warmup_plan
 from dreamp2p.schedule.plan import GroupSync, Plan
 from dreamp2p.sync.base import Strategy
 from dreamp2p.sync.control import (
@@ -70,6 +70,8 @@ log = logging.getLogger(__name__)
 # transport's hand-off rate, this sees through socket buffers and a shaper's token bucket, which absorb
 # the first megabytes of a burst at several times the link's rate.
 RATE_SAMPLE_MIN_BYTES = 256 << 10
+# syncs per period before the first measured plan (see `warmup_plan`)
+WARMUP_GROUPS = 2
 
 
 def plan_summary(s: DreamDDP) -> str:
@@ -95,8 +97,8 @@ class DreamDDP(Strategy):
     def _setup(self) -> None:
         self.profiler = LayerProfiler(self.layers)
         self._blank = [LayerCost(layer.name, 0.0, 0.0, layer.nbytes) for layer in self.layers]
-        # before the link is measured, let warm-up syncs land as late as the WAN extension allows
-        self.plan: Plan = even_plan(self._blank, self.cfg.period, 0, 0, delay=self.cfg.delay_cap)
+        # before the link is measured: a few large syncs, landing as late as the WAN extension allows
+        self.plan: Plan = warmup_plan(self._blank, self.cfg.period, WARMUP_GROUPS, delay=self.cfg.delay_cap)
         self._next_plan: Plan | None = None
         # a plan being made off the training thread: (its request, the future of (plan, codec))
         self._planning: tuple[PlanRequest, concurrent.futures.Future[tuple[Plan, str]]] | None = None

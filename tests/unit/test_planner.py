@@ -24,6 +24,7 @@ from dreamp2p.schedule.dreamddp import (
     plan_dreamddp,
     predict,
     simulate,
+    warmup_plan,
 )
 from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided_fragments
 from dreamp2p.schedule.plan import GroupSync, Plan, total_exposed
@@ -321,6 +322,38 @@ def test_even_plan_delay_is_capped_below_the_period(H: int, delay: int, expected
 def test_even_plan_rejects_bad_delay(delay: Any) -> None:
     with pytest.raises(ValueError, match="delay"):
         even_plan(_table([0.01], [0.02], [100]), 2, delay=delay)
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "H", "groups", "expected", "iterations"),
+    [
+        ([100] * 4, 20, 2, [[2, 3], [0, 1]], [0, 10]),
+        ([300, 100, 100, 100], 20, 2, [[1, 2, 3], [0]], [0, 10]),
+        ([100, 100, 100, 300], 20, 2, [[3], [0, 1, 2]], [0, 10]),
+        ([100] * 6, 9, 3, [[4, 5], [2, 3], [0, 1]], [0, 3, 6]),
+        ([100] * 3, 20, 1, [[0, 1, 2]], [0]),
+        ([100] * 3, 2, 5, [[1, 2], [0]], [0, 1]),  # no more groups than iterations
+        ([100] * 2, 20, 5, [[1], [0]], [0, 10]),  # nor than layers
+        ([0, 0, 0, 100], 4, 2, [[3], [0, 1, 2]], [0, 2]),
+        ([100, 0, 0, 0], 4, 3, [[3], [2], [0, 1]], [0, 1, 2]),  # zero-byte tails still get a layer each
+    ],
+)
+def test_warmup_plan_splits_bytes_evenly_into_few_spread_syncs(
+    nbytes: list[int], H: int, groups: int, expected: list[list[int]], iterations: list[int]
+) -> None:
+    L = len(nbytes)
+    plan = warmup_plan(_table([0.01] * L, [0.02] * L, nbytes), H, groups, delay=3)
+    assert [list(s.layers) for s in plan.syncs] == expected
+    assert [s.iteration for s in plan.syncs] == iterations
+    assert sorted(li for s in plan.syncs for li in s.layers) == list(range(L))
+    assert {s.delay for s in plan.syncs} == {min(3, H - 1)}
+    assert (plan.version, plan.effective_step) == (0, 0)
+
+
+@pytest.mark.parametrize(("groups", "delay"), [(0, 0), (1.5, 0), (True, 0), (2, -1), (2, 0.5)])
+def test_warmup_plan_rejects_bad_arguments(groups: Any, delay: Any) -> None:
+    with pytest.raises(ValueError, match=r"groups|delay"):
+        warmup_plan(_table([0.01], [0.02], [100]), 4, groups, delay=delay)
 
 
 # --------------------------------------------------------------------------------------------- bubble filling
