@@ -225,7 +225,21 @@ class DreamDDP(Strategy):
         checked = self._wait(inf.check_fut, timeout) if inf.check_fut is not None else None
         if res is not None and (inf.check_fut is None or checked is not None):
             self._merge(inf)
-        if res is not None and res.bytes_sent >= RATE_SAMPLE_MIN_BYTES and res.seconds > 0:
+        self._sample_rate(inf)
+
+    def _sample_rate(self, inf: InFlight) -> None:
+        """Fold a finished sync's pace (bytes sent / round seconds) into the link estimate, once.
+
+        Taken as soon as the round is done, not when it lands: a sync launched at step 0 with a long delay
+        would otherwise tell the control rounds nothing until it lands, and the first measured plan would be
+        made from the transport's goodput alone, then re-made once the syncs' pace arrives.
+        """
+        fut = inf.fut
+        if inf.rated or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return
+        inf.rated = True
+        res = fut.result()
+        if res.bytes_sent >= RATE_SAMPLE_MIN_BYTES and res.seconds > 0:
             rate = res.bytes_sent / res.seconds
             old = self._sync_rate
             self._sync_rate = rate if not math.isfinite(old) else 0.5 * old + 0.5 * rate
@@ -291,6 +305,8 @@ class DreamDDP(Strategy):
             world, rank = len(members), members.index(self.comm.node_id)
             succ = members[(rank + 1) % world] if world > 1 else None
             snap = links.get(succ) if succ else None
+            for inf in self._inflight:
+                self._sample_rate(inf)
             bw = snap.goodput_Bps if snap is not None and snap.goodput_Bps > 0 else math.nan
             rtt = snap.rtt_s if snap is not None and snap.rtt_s > 0 else math.nan
             costs = self.profiler.costs() if self.profiler.steps else self._blank

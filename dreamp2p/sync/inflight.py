@@ -28,6 +28,7 @@ class InFlight:
     # pseudo-gradient sync
     check: FlatGroup | None = None
     check_fut: concurrent.futures.Future[RoundResult] | None = None
+    rated: bool = False  # whether its round's pace was taken into the link estimate yet (once per sync)
 
     @property
     def anchor(self) -> bool:

@@ -122,9 +122,11 @@ class InProcessHub:
                 self._residuals[key[0]] = sent - mean
         world = len(contributions)
         wire = cod.encoded_nbytes(mean.numel()) * 2 * (world - 1) // max(world, 1)
+        # the time the round would take on the hub's links: 2(N-1) ring steps of half an RTT each, plus its bytes
+        seconds = (world - 1) * self.rtt_s + wire / self.goodput_Bps if world > 1 else 0.0
         for c in contributions:
             c.out.copy_(mean)
-            c.future.set_result(RoundResult(key[0], key[1], 0.0, wire, wire, mean.numel(), codec, 0, len(finite)))
+            c.future.set_result(RoundResult(key[0], key[1], seconds, wire, wire, mean.numel(), codec, 0, len(finite)))
 
 
 class InProcessCollective:

@@ -19,6 +19,7 @@ from torch import nn
 from dreamp2p.config.sync import STRATEGIES, SyncConfig
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.sync import base
+from dreamp2p.sync import dreamddp as dreamddp_sync
 from dreamp2p.sync.base import Strategy
 from dreamp2p.sync.groups import GROUP_FLUSH, GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, GROUP_PLAN_BASE
 from dreamp2p.sync.inprocess import InProcessHub
@@ -230,6 +231,26 @@ def test_dreamddp_asks_error_feedback_for_its_pseudo_gradients_only(feedback: bo
     assert not any(r.error_feedback for r in anchors)
     each(strategies, lambda rank, s: s.flush())
     assert len({digest(s) for s in strategies}) == 1
+
+
+def test_dreamddp_reports_a_syncs_pace_to_the_control_round_before_the_sync_lands(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The warm-up's first sync (step 0) lands at step 7 here; the control round of step 2 already carries its
+    pace, so the first measured plan is made from it rather than re-made once it lands."""
+    monkeypatch.setattr(dreamddp_sync, "RATE_SAMPLE_MIN_BYTES", 0)  # this model's rounds are a few hundred bytes
+    hub = InProcessHub(2, goodput_Bps=50e6, rtt_s=0.001)
+    cfg = config("dreamddp", period=8, max_delay=7, warmup_steps=2, control_every=4)
+    strategies = members(hub, cfg)
+    train(strategies, 2)
+    for s in strategies:
+        inflight = s._inflight  # type: ignore[attr-defined]
+        assert inflight and inflight[0].land_step == 7
+        inflight[0].fut.result()  # its round is done; it still waits for its landing step
+    train(strategies, 1)  # step 2: the control round
+    for s in strategies:
+        assert math.isfinite(s._sync_rate)  # type: ignore[attr-defined]
+        assert s._inflight[0].land_step == 7  # type: ignore[attr-defined]
 
 
 def test_training_info_reaches_the_collective_every_step() -> None:
