@@ -8,6 +8,7 @@ import concurrent.futures
 import itertools
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,9 @@ from torch import nn
 from dreamp2p.config.sync import STRATEGIES, SyncConfig
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.sync import base
+from dreamp2p.sync import control as control_sync
 from dreamp2p.sync import dreamddp as dreamddp_sync
+from dreamp2p.sync import inflight as inflight_sync
 from dreamp2p.sync.base import Strategy
 from dreamp2p.sync.groups import GROUP_FLUSH, GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, GROUP_PLAN_BASE
 from dreamp2p.sync.inprocess import InProcessHub
@@ -288,8 +291,18 @@ def test_a_state_request_while_a_round_is_held_waits_for_a_later_step(
     """A joiner asks for the state while a round the state must record has no outcome yet (here: held because
     the other member has not stepped): the step completes, no snapshot of unknown consistency is offered, and
     once the round completes a later step offers it (it used to raise TimeoutError out of ``step``)."""
-    monkeypatch.setattr(base, "ROUND_MARGIN_S", 0.0)
-    hub = InProcessHub(2, round_timeout_s=0.2)
+    # no clock: until b steps, a record gives up on a round still in flight at once (as it would after the
+    # round limit); once b has stepped, every round completes and a record waits for it
+    b_stepped = threading.Event()
+
+    def settled(fut: concurrent.futures.Future[Any], timeout: float) -> bool:
+        if b_stepped.is_set():
+            concurrent.futures.wait([fut])
+        return base.settled(fut, 0.0)
+
+    monkeypatch.setattr(inflight_sync, "settled", settled)
+    monkeypatch.setattr(control_sync, "settled", settled)
+    hub = InProcessHub(2)
     a, b = members(hub, config("dreamddp"))
     train([a, b], 6)  # past warm-up: a control round is launched at the next step
     donor = StateDonor()
@@ -303,6 +316,7 @@ def test_a_state_request_while_a_round_is_held_waits_for_a_later_step(
             local_step(a, 0)  # alone: its new rounds wait for b
         assert a.step_count == 7 and donor.wanted and donor.publications == 0
         assert "cannot offer the training state of step 7 yet" in caplog.text
+        b_stepped.set()
         local_step(b, 1)  # b joins the held rounds
         train([a, b], 1)
         snapshot = request.result()
