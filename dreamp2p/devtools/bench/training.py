@@ -189,6 +189,8 @@ def train_job(
         "rounds_skipped": s.rounds_skipped,
         "anchors_healed": getattr(s, "anchors_healed", 0),
         "link_codecs": list(rc.send) if (rc := getattr(s, "ring_codecs", None)) is not None else None,
+        # what the per-link codecs were chosen from: each rank's goodput to its successor (B/s, NaN unknown)
+        "link_bandwidths": list(g.link_bandwidths) if (g := getattr(s, "last_gathered", None)) is not None else None,
     }
 
 
