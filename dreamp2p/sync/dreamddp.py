@@ -57,7 +57,7 @@ from dreamp2p.sync.control import (
     restore_control,
     unpack_control,
 )
-from dreamp2p.sync.groups import GROUP_CONTROL, anchor_check_group, plan_sync_group
+from dreamp2p.sync.groups import GROUP_CONTROL, anchor_check_group, anchor_group, plan_sync_group
 from dreamp2p.sync.inflight import InFlight
 from dreamp2p.sync.layers import FlatGroup
 from dreamp2p.sync.outer import OuterWeights, anchor_verdict
@@ -202,7 +202,11 @@ class DreamDDP(Strategy):
         check.snapshot()
         group.snapshot()
         fut = self.comm.allreduce_group(
-            group, gid, self.ring_codecs or self.plan_codec, plan_version=self.plan.version, round_id=self._round()
+            group,
+            anchor_group(gid),
+            self.ring_codecs or self.plan_codec,
+            plan_version=self.plan.version,
+            round_id=self._round(),
         )
         check_fut = self.comm.allreduce_group(
             check,

@@ -18,10 +18,13 @@ GROUP_CONTROL = 9  # DreamDDP's control round (link and profile gather)
 GROUP_FRAGMENT_BASE = 100  # Streaming DiLoCo fragment p: base + p
 GROUP_PLAN_BASE = 1_000_000  # DreamDDP plan v's sync i: base + v * SYNCS_PER_PLAN + i
 # A plan syncs at most MAX_PLAN_SYNCS groups (a model with that many parameter-owning modules and every
-# one its own all-reduce); its anchor checks take the upper half of the plan's range.
+# one its own all-reduce). Each sync's anchors (parameter averages) and their checks take the second and
+# third part of the plan's range: a parameter average is not a pseudo-gradient round, and the peer keeps
+# per group id what must not mix between the two (the contribution guard's running norm).
 MAX_PLAN_SYNCS = 1 << 13
-SYNCS_PER_PLAN = 2 * MAX_PLAN_SYNCS
-ANCHOR_CHECK_OFFSET = MAX_PLAN_SYNCS  # an anchor's check round: its sync's group id + this
+SYNCS_PER_PLAN = 3 * MAX_PLAN_SYNCS
+ANCHOR_OFFSET = MAX_PLAN_SYNCS  # a sync's anchor rounds: its group id + this
+ANCHOR_CHECK_OFFSET = 2 * MAX_PLAN_SYNCS  # an anchor's check round: its sync's group id + this
 # every group id stays below the peer's retry bit (bit 31)
 MAX_PLAN_VERSION = ((1 << 31) - GROUP_PLAN_BASE) // SYNCS_PER_PLAN - 1
 MAX_FRAGMENTS = GROUP_PLAN_BASE - GROUP_FRAGMENT_BASE
@@ -42,5 +45,11 @@ def plan_sync_group(plan_version: int, index: int) -> int:
     return GROUP_PLAN_BASE + plan_version * SYNCS_PER_PLAN + index
 
 
+def anchor_group(sync_group: int) -> int:
+    """Group id of the parameter averages (anchors) of the sync whose pseudo-gradients use ``sync_group``."""
+    return sync_group + ANCHOR_OFFSET
+
+
 def anchor_check_group(sync_group: int) -> int:
+    """Group id of the outer-weight checks that go with the anchors of ``sync_group``."""
     return sync_group + ANCHOR_CHECK_OFFSET

@@ -5,8 +5,10 @@ and for anyone who writes a strategy. Each member runs on its own thread, as a n
 a round completes when every member has contributed to the same (group id, round id), with the mean
 computed once, in member order, and passed through the round's codec once, so every member gets
 bit-identical values as from the real ring. Rounds are all-or-none like the real ones: ``fail``
-makes chosen rounds raise RoundFailed on every member. Non-finite contributions are left out of the mean
-as the peer's contribution guard does (a round with none left fails everywhere). Nothing here is for production traffic.
+makes chosen rounds raise RoundFailed on every member. Each member's contributions pass the peer's own
+contribution guard (`dreamp2p.peer.guard`): non-finite values always, and norm jumps when the hub is made
+with ``max_norm_ratio``; refused ones are left out of the mean (a round with none left fails everywhere).
+Nothing here is for production traffic.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from dreamp2p.compression import get_codec
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import LinkSnapshot, RingCodecPlan, RoundResult, TrainingInfo
+from dreamp2p.peer.guard import ContributionGuard
 from dreamp2p.sync.layers import FlatGroup
 
 
@@ -34,6 +37,7 @@ class RoundRecord:
     elements: int
     failed: bool
     error_feedback: bool = False
+    contributors: int = 0  # members whose values entered the mean (the others' were refused by their guard)
 
 
 @dataclass
@@ -41,13 +45,19 @@ class _Contribution:
     values: torch.Tensor
     out: torch.Tensor
     future: concurrent.futures.Future[RoundResult]
+    refused: bool
 
 
 class InProcessHub:
     """The shared meeting point of ``world`` in-process members (``hub.member(i)`` is member i's handle)."""
 
     def __init__(
-        self, world: int, round_timeout_s: float = 10.0, goodput_Bps: float = 10e6, rtt_s: float = 0.01
+        self,
+        world: int,
+        round_timeout_s: float = 10.0,
+        goodput_Bps: float = 10e6,
+        rtt_s: float = 0.01,
+        max_norm_ratio: float = 0.0,
     ) -> None:
         if world < 1:
             raise ValueError(f"world must be >= 1, got {world}")
@@ -61,6 +71,8 @@ class InProcessHub:
         self._fail: Callable[[int, int], bool] = lambda group_id, round_id: False
         # error feedback, emulated on the hub's one encode of the mean: what it lost, per group
         self._residuals: dict[int, torch.Tensor] = {}
+        self._max_norm_ratio = max_norm_ratio
+        self._guards = [ContributionGuard(max_norm_ratio) for _ in range(world)]
         self._members = [InProcessCollective(self, i) for i in range(world)]
 
     def member(self, rank: int) -> InProcessCollective:
@@ -69,6 +81,10 @@ class InProcessHub:
     def fail(self, predicate: Callable[[int, int], bool]) -> None:
         """Make every round for which ``predicate(group_id, round_id)`` holds fail on every member."""
         self._fail = predicate
+
+    def restart_guard(self, rank: int) -> None:
+        """Give member ``rank`` a guard with no history, as a restarted or newly joined peer has."""
+        self._guards[rank] = ContributionGuard(self._max_norm_ratio)
 
     def training_steps(self) -> list[int | None]:
         """Each member's last published step (None before its first)."""
@@ -82,18 +98,21 @@ class InProcessHub:
         out: torch.Tensor,
         codec: str,
         error_feedback: bool = False,
+        guard_norm: bool = True,
     ) -> concurrent.futures.Future[RoundResult]:
         future: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
         with self._lock:
             round_ = self._pending.setdefault(key, {})
             if rank in round_:
                 raise RuntimeError(f"member {rank} contributed twice to round {key}")
-            round_[rank] = _Contribution(values, out, future)
+            refused = self._guards[rank].check(key[0], values, guard_norm) is not None
+            round_[rank] = _Contribution(values, out, future, refused)
             if len(round_) < len(self.node_ids):
                 return future
             del self._pending[key]
             failed = self._fail(*key)
-            self.rounds.append(RoundRecord(key[0], key[1], codec, values.numel(), failed, error_feedback))
+            accepted = sum(not c.refused for c in round_.values())
+            self.rounds.append(RoundRecord(key[0], key[1], codec, values.numel(), failed, error_feedback, accepted))
         self._complete(key, round_, codec, failed, error_feedback)
         return future
 
@@ -101,11 +120,11 @@ class InProcessHub:
         self, key: tuple[int, int], round_: dict[int, _Contribution], codec: str, failed: bool, feedback: bool
     ) -> None:
         contributions = [round_[r] for r in sorted(round_)]
-        # the peer's contribution guard: non-finite values are refused at their source and the mean is
-        # over the others; a round where every contribution was refused fails on every member
-        finite = [c for c in contributions if bool(torch.isfinite(c.values).all())]
+        # refused at their source by the member's guard: the mean is over the others, and a round where
+        # every contribution was refused fails on every member
+        finite = [c for c in contributions if not c.refused]
         if failed or not finite:
-            why = "injected by the in-process hub" if failed else "every contribution was refused as non-finite"
+            why = "injected by the in-process hub" if failed else "every contribution was refused by its guard"
             for c in contributions:
                 c.future.set_exception(RoundFailed(key, why))
             return
@@ -178,7 +197,9 @@ class InProcessCollective:
             round_id = self._counters.get(group_id, 0)
             self._counters[group_id] = round_id + 1
         name = codec.gather if isinstance(codec, RingCodecPlan) else (codec or "fp32")
-        return self._hub.contribute(self._rank, (group_id, round_id), source.clone(), group.work, name, error_feedback)
+        return self._hub.contribute(
+            self._rank, (group_id, round_id), source.clone(), group.work, name, error_feedback, guard_norm
+        )
 
     def links(self) -> list[LinkSnapshot]:
         return [

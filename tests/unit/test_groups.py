@@ -12,6 +12,7 @@ from dreamp2p.sync.groups import (
     MAX_PLAN_SYNCS,
     MAX_PLAN_VERSION,
     anchor_check_group,
+    anchor_group,
     fragment_group,
     plan_sync_group,
 )
@@ -20,10 +21,11 @@ RETRY_BIT = 1 << 31
 
 
 @pytest.mark.parametrize("version", [0, 1, 7, MAX_PLAN_VERSION - 1])
-def test_a_plans_syncs_and_anchor_checks_stay_below_the_next_plans_range(version: int) -> None:
+def test_a_plans_syncs_anchors_and_checks_stay_below_the_next_plans_range(version: int) -> None:
     first, last = plan_sync_group(version, 0), plan_sync_group(version, MAX_PLAN_SYNCS - 1)
-    checks = {anchor_check_group(plan_sync_group(version, i)) for i in (0, MAX_PLAN_SYNCS - 1)}
-    assert first < last < min(checks) <= max(checks) < plan_sync_group(version + 1, 0)
+    anchors = [anchor_group(plan_sync_group(version, i)) for i in (0, MAX_PLAN_SYNCS - 1)]
+    checks = [anchor_check_group(plan_sync_group(version, i)) for i in (0, MAX_PLAN_SYNCS - 1)]
+    assert first < last < anchors[0] < anchors[1] < checks[0] < checks[1] < plan_sync_group(version + 1, 0)
 
 
 def test_the_largest_ids_stay_below_the_retry_bit_and_the_ranges_do_not_meet() -> None:
@@ -38,8 +40,9 @@ def test_a_large_models_plan_gets_distinct_ids() -> None:
     # plan, checks at +500) would have collided from sync 500 on
     syncs = 720
     ids = [plan_sync_group(3, i) for i in range(syncs)]
+    anchors = [anchor_group(g) for g in ids]
     checks = [anchor_check_group(g) for g in ids]
-    assert len(set(ids) | set(checks)) == 2 * syncs
+    assert len(set(ids) | set(anchors) | set(checks)) == 3 * syncs
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,14 @@ from dreamp2p.sync import control as control_sync
 from dreamp2p.sync import dreamddp as dreamddp_sync
 from dreamp2p.sync import inflight as inflight_sync
 from dreamp2p.sync.base import Strategy
-from dreamp2p.sync.groups import GROUP_FLUSH, GROUP_FRAGMENT_BASE, GROUP_GRADS, GROUP_PARAMS, GROUP_PLAN_BASE
+from dreamp2p.sync.groups import (
+    ANCHOR_OFFSET,
+    GROUP_FLUSH,
+    GROUP_FRAGMENT_BASE,
+    GROUP_GRADS,
+    GROUP_PARAMS,
+    GROUP_PLAN_BASE,
+)
 from dreamp2p.sync.inprocess import InProcessHub
 from dreamp2p.sync.registry import STRATEGY_CLASSES, strategy_class
 
@@ -232,6 +239,30 @@ def test_dreamddp_asks_error_feedback_for_its_pseudo_gradients_only(feedback: bo
     # parameters (anchors, checks) are never fed back; the pseudo-gradients are exactly when asked
     assert {r.error_feedback for r in deltas} == {feedback}
     assert not any(r.error_feedback for r in anchors)
+    each(strategies, lambda rank, s: s.flush())
+    assert len({digest(s) for s in strategies}) == 1
+
+
+def test_a_member_whose_guard_starts_on_a_pseudo_gradient_still_contributes_to_anchors() -> None:
+    """A joiner's contribution guard has no history. Anchors (parameter averages) and the pseudo-gradient
+    rounds between them keep separate norm histories, so a guard whose first round of a sync was a
+    pseudo-gradient does not take the next anchor's parameters for a norm jump and withhold them."""
+    # this small model's parameter norms are ~30x its pseudo-gradients' norms: a shared history refuses them
+    hub = InProcessHub(2, goodput_Bps=50e6, rtt_s=0.001, max_norm_ratio=5.0)
+    cfg = config("dreamddp", period=4, max_delay=2, anchor_every=2)
+    strategies = members(hub, cfg)
+    train(strategies, 12)  # plan v1 from step 8: anchors in period 2, pseudo-gradients in period 3
+    hub.restart_guard(1)
+    restarted = len(hub.rounds)
+    train(strategies, 12)  # periods 3-5: pseudo-gradients first, then anchors in period 4
+    layer_rounds = [r for r in hub.rounds[restarted:] if r.group_id >= GROUP_PLAN_BASE]
+    anchors = [r for r in layer_rounds if r.codec not in (cfg.delta_codec, "fp32")]
+    deltas = [r for r in layer_rounds if r.codec == cfg.delta_codec]
+    assert anchors and deltas
+    for a in anchors:  # the restarted guard met this sync's pseudo-gradients before its anchor
+        assert any(d.group_id == a.group_id - ANCHOR_OFFSET and d.round_id < a.round_id for d in deltas)
+    assert [r.contributors for r in anchors] == [2] * len(anchors)
+    assert [r.contributors for r in deltas] == [2] * len(deltas)
     each(strategies, lambda rank, s: s.flush())
     assert len({digest(s) for s in strategies}) == 1
 
