@@ -326,7 +326,7 @@ class Peer:
 
     def admit_from(self, round_id: int) -> None:
         """Take part in rounds again, from ``round_id`` on (a joiner that now holds the cluster's state)."""
-        self.rounds.min_round_id = round_id
+        self.rounds.admit_from(round_id)
         self.ready = True
         self.diverged = ()
 

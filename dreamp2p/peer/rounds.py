@@ -57,8 +57,8 @@ class RegistrySnapshot:
 class RoundRegistry:
     def __init__(self, round_timeout_s: float) -> None:
         self.round_timeout_s = round_timeout_s
-        # a joiner refuses rounds from before the step it starts at (see Peer.admit_from)
-        self.min_round_id = 0
+        # a joiner refuses rounds from before the step it starts at (see admit_from)
+        self._min_round_id = 0
         self._open: dict[Key, RingRound] = {}
         self._members: dict[Key, frozenset[str]] = {}
         self._waiters: dict[Key, asyncio.Future[RingRound]] = {}
@@ -124,7 +124,7 @@ class RoundRegistry:
         newest = self._next.get(frame.group_id, 0)
         if (
             frame.round_id == 0
-            or frame.round_id < self.min_round_id
+            or frame.round_id < self._min_round_id
             or frame.round_id in self._closed.get(frame.group_id, ())
             or (frame.round_id <= newest)
         ):
@@ -188,6 +188,10 @@ class RoundRegistry:
         if not group_id & RETRY_GROUP_BIT or base in self._open or round_id > self._next.get(base[0], 0):
             return False
         return all(f.key != base for f in self.failures)
+
+    def admit_from(self, round_id: int) -> None:
+        """Refuse frames of rounds before ``round_id`` from now on (a joiner holds the state of that step)."""
+        self._min_round_id = round_id
 
     def fail_open(self, reason: str, where: Callable[[Key, RingRound], bool] = lambda key, rnd: True) -> None:
         """Fail every open round for which ``where(key, round)`` holds (their tensors stay untouched)."""

@@ -174,6 +174,14 @@ class CommProcess:
         except (OSError, ValueError) as exc:
             raise CommProcessError(f"the comm process of {self.node_id} is gone ({exc})") from None
 
+    def send_donor(self, snapshot: Snapshot | None, static: bool = False) -> None:
+        """Hand the child's state donor a snapshot to serve (its bytes copied), or None to clear it."""
+        if snapshot is None:
+            self._pipe.send(DonorClear())
+            return
+        data = {name: bytes(view) for name, view in snapshot.data.items()}
+        self._pipe.send(DonorSnapshot(snapshot.manifest, data, static))
+
     # ------------------------------------------------------------------ what Node and the daemon use
 
     def connect(
@@ -277,10 +285,9 @@ class RemoteDonor(StateDonor):
         return self._remote_wanted
 
     def install(self, snapshot: Snapshot, static: bool = False) -> None:
-        data = {name: bytes(view) for name, view in snapshot.data.items()}
         self._remote_wanted = False
         self.publications += 1
-        self.comm._pipe.send(DonorSnapshot(snapshot.manifest, data, static or self._static_next))
+        self.comm.send_donor(snapshot, static or self._static_next)
 
     def serve_static(self, state: Any, step: int) -> Snapshot:
         self._static_next = True
@@ -290,7 +297,7 @@ class RemoteDonor(StateDonor):
             self._static_next = False
 
     def clear(self) -> None:
-        self.comm._pipe.send(DonorClear())
+        self.comm.send_donor(None)
 
     async def manifest(self, timeout: float) -> Snapshot:
         raise RuntimeError("a RemoteDonor's snapshots are served by the comm process")
