@@ -237,6 +237,13 @@ class RingRound:
             await self.out.put(frame)
         self._maybe_finish()
 
+    def waiting_for(self) -> str:
+        """How far the round got here, for the message of one that ran out of time: whose frames it awaits."""
+        return (
+            f"received {self._received} of {self._expected} elements from {self.spec.predecessor!r}, "
+            f"sent {self.bytes_sent} bytes"
+        )
+
     @property
     def _own_excluded(self) -> int:
         return 0 if self.spec.contributes else 1

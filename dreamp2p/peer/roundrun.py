@@ -327,7 +327,7 @@ async def _run(rnd: RingRound, out: OutboundStream | None, timeout: float) -> No
         while not (rnd.done.done() and starter.done()):
             left = deadline - loop.time()
             if left <= 0:
-                raise TimeoutError(f"round did not finish within {timeout:.1f} s")
+                raise TimeoutError(f"round did not finish within {timeout:.1f} s: {rnd.waiting_for()}")
             done, _ = await asyncio.wait(waiters, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             for fut in done:
                 if fut.cancelled():  # a part of the round, not our caller, was cancelled: it cannot finish
