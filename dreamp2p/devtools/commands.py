@@ -133,6 +133,7 @@ def _bench_lm(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         extra_sync=extra,
         bracket=args.bracket,
+        rounds=args.rounds,
     )
 
 
@@ -315,6 +316,12 @@ def add_bench_parser(sub: Any) -> None:
         "--bracket",
         action="store_true",
         help="lm: the ceiling again after every strategy; utilization against the two around it",
+    )
+    b.add_argument(
+        "--rounds",
+        type=int_at_least(1),
+        default=1,
+        help="lm: every strategy this many times, order rotated each round; means and paired 95%% intervals",
     )
     _add_plancheck_parser(b)
     _add_chaos_parser(b)

@@ -47,3 +47,33 @@ def test_bench_lm_tiny_report() -> None:
     assert out["strategies"]["none"]["mb_sent"] == 0  # in process: round payload, and none sends no rounds
     assert out["strategies"]["none"]["identical_replicas"] is False  # different shards, never averaged
     assert out["winner_steps_per_s"] == "dreamddp"  # the only strategy that synchronizes
+    assert out["rounds"] == 1
+    assert out["paired"]["winner"] == "dreamddp" and out["paired"]["against"] == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bench_lm_rounds_combine_and_pair() -> None:
+    out = bench_lm(strategies=("dreamddp", "streaming"), netns=False, rounds=2, **TINY)  # type: ignore[arg-type]
+    assert json.loads(json.dumps(out)) == out
+    assert out["rounds"] == 2
+    for name, row in out["strategies"].items():
+        runs = row["runs"]
+        assert len(runs) == 2, name
+        assert row["steps_per_s"] == pytest.approx(sum(r["steps_per_s"] for r in runs) / 2, abs=1e-4), name
+        assert row["heldout_loss"] == pytest.approx(sum(r["heldout_loss"] for r in runs) / 2, abs=1e-4), name
+        assert row["curve"][-1][0] == 6 and row["curve"][-1][2] == pytest.approx(row["heldout_loss"], abs=1e-4)
+    winner = out["winner_steps_per_s"]
+    other = "streaming" if winner == "dreamddp" else "dreamddp"
+    pair = out["paired"]["against"][other]
+    assert pair["rounds"] == 2 and pair["verdict"] in ("ahead", "tie", "behind")
+    ours = [r["compute_utilization"] for r in out["strategies"][winner]["runs"]]
+    theirs = [r["compute_utilization"] for r in out["strategies"][other]["runs"]]
+    assert pair["diffs"] == pytest.approx([a - b for a, b in zip(ours, theirs, strict=True)], abs=1e-3)
+    lo, hi = pair["ci95"]
+    assert lo <= pair["mean"] <= hi
+
+
+def test_bench_lm_refuses_zero_rounds() -> None:
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        bench_lm(strategies=("none",), netns=False, rounds=0, **TINY)  # type: ignore[arg-type]

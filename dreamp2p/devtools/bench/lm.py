@@ -48,7 +48,14 @@ Measured per strategy (per region, then combined over regions):
   held-out loss of ``none``, or of the ceiling if ``none`` is not run, times 1.02). To keep evaluation out
   of the timing, the loop only copies the parameters at those steps (its clock paused meanwhile) and the
   copies are evaluated after the loop: evaluating in the loop would also give in-flight rounds free time;
-- ``winner_steps_per_s``: the fastest strategy that synchronizes (``none`` only if it is the only one).
+- ``winner_steps_per_s``: the fastest strategy that synchronizes (``none`` only if it is the only one);
+- ``paired``: the winner's ``compute_utilization`` minus each other syncing strategy's, round by round
+  (`dreamp2p.devtools.bench.rounds.paired`): mean, standard error, Student's t 95% interval and a verdict
+  ("ahead", "tie", "behind"; "one round" without ``rounds`` > 1, where no spread can be estimated).
+
+Rounds (``rounds`` > 1): every strategy runs once per round, the order rotated by one each round, so a
+host that drifts does not favour whichever runs first; each row's figures are then means over its rounds
+(each round's under ``runs``), its curve the rounds' mean curve, and ``time_to_target_s`` is read off that.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ from typing import Any
 from dreamp2p.config import PeerConfig, parse_rate
 from dreamp2p.config.sync import STRATEGIES, SyncConfig
 from dreamp2p.devtools.bench.lmwork import JOB, VOCAB, count_params, eval_every, run_ceiling
+from dreamp2p.devtools.bench.rounds import AVERAGED, combine_rows, mean_curve, paired, round_order
 from dreamp2p.devtools.launch import run_local
 from dreamp2p.devtools.netns import Namespaces
 
@@ -303,27 +311,65 @@ def _run_strategies(
     timeout: float,
     ceiling_sps: float,
     bracket: bool,
+    rounds: int = 1,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, list[list[float]]], list[float]]:
     """Every strategy in turn (in namespaces shaped to ``netns_rate`` when given): rows and loss curves.
 
     ``ceiling_sps``: the ceiling measured before the first strategy; with ``bracket`` the ceiling runs again
-    after each strategy and the strategy's utilization is against its two neighbours. Also returns every
-    ceiling measured, in order.
+    after each strategy and the strategy's utilization is against its two neighbours. With ``rounds`` > 1
+    every strategy runs once per round, the order rotated each round (`rounds.round_order`), and its row
+    and curve combine its rounds (`rounds.combine_rows`, `rounds.mean_curve`). Also returns every ceiling
+    measured, in order.
     """
     ceilings = [ceiling_sps]
-    rows: dict[str, dict[str, Any]] = {}
-    curves: dict[str, list[list[float]]] = {}
+    runs: dict[str, list[tuple[dict[str, Any], list[list[float]]]]] = {name: [] for name in names}
     with contextlib.ExitStack() as stack:
         ns_ctx = stack.enter_context(Namespaces(regions, netns_rate)) if netns_rate is not None else None
-        for name in names:
-            rows[name], curves[name] = _run_strategy(
-                name, variants[name], period, extra, workload, regions, ns_ctx, transport, timeout, ceilings[-1]
-            )
-            if bracket:
-                before = ceilings[-1]
-                ceilings.append(_run_ceiling(regions, workload)[2])
-                rows[name].update(bracketed(rows[name]["steps_per_s"], before, ceilings[-1]))
+        for k in range(rounds):
+            for name in round_order(names, k):
+                row, curve = _run_strategy(
+                    name, variants[name], period, extra, workload, regions, ns_ctx, transport, timeout, ceilings[-1]
+                )
+                if bracket:
+                    before = ceilings[-1]
+                    ceilings.append(_run_ceiling(regions, workload)[2])
+                    row.update(bracketed(row["steps_per_s"], before, ceilings[-1]))
+                runs[name].append((row, curve))
+    rows: dict[str, dict[str, Any]] = {}
+    curves: dict[str, list[list[float]]] = {}
+    for name, done in runs.items():
+        rows[name], curves[name] = done[0] if rounds == 1 else _combined(done)
     return rows, curves, ceilings
+
+
+def _combined(done: list[tuple[dict[str, Any], list[list[float]]]]) -> tuple[dict[str, Any], list[list[float]]]:
+    """One strategy's rounds as one row (means, each round under ``runs``) and their mean loss curve."""
+    curve = mean_curve([c for _, c in done])
+    row = combine_rows([r for r, _ in done])
+    for key in AVERAGED:
+        if row.get(key) is not None:
+            row[key] = _r(row[key], 3 if key in ("compute_utilization", "hidden_fraction") else 4)
+    row["curve"] = [[s, _r(t, 3), _r(loss)] for s, t, loss in curve]
+    return row, curve
+
+
+def _paired_report(rows: dict[str, dict[str, Any]], winner: str) -> dict[str, Any]:
+    """The winner's compute utilization against every other syncing strategy's, round by round."""
+    others = {}
+    for name, row in rows.items():
+        if name in ("none", winner):
+            continue
+        mine = [r["compute_utilization"] for r in rows[winner].get("runs", [rows[winner]])]
+        theirs = [r["compute_utilization"] for r in row.get("runs", [row])]
+        d = paired(mine, theirs)
+        others[name] = {
+            **d,
+            "mean": _r(d["mean"], 4),
+            "diffs": [_r(x, 4) for x in d["diffs"]],
+            "stderr": _r(d["stderr"], 4) if d["stderr"] is not None else None,
+            "ci95": [_r(x, 4) for x in d["ci95"]] if d["ci95"] is not None else None,
+        }
+    return {"figure": "compute_utilization", "winner": winner, "against": others}
 
 
 def bracketed(steps_per_s: float, before: float, after: float) -> dict[str, Any]:
@@ -368,13 +414,16 @@ def bench_lm(
     extra_sync: dict[str, Any] | None = None,
     target_loss: float | None = None,
     bracket: bool = False,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     """Run the ceiling, then every strategy, on ``regions`` region processes; a JSON-serialisable report.
 
     ``netns``: None = namespaces with tbf when root, else in-process shaping; True = namespaces (needs root);
     False = in-process shaping. ``extra_sync``: SyncConfig overrides for every strategy (not ``strategy`` or
-    ``period``). ``bracket``: the ceiling again after every strategy (see the module docstring). Invalid
-    settings raise ValueError before anything starts.
+    ``period``). ``bracket``: the ceiling again after every strategy (see the module docstring). ``rounds``:
+    every strategy that many times, the order rotated each round; rows are means over the rounds and
+    ``paired`` compares the winner with each other syncing strategy round by round. Invalid settings raise
+    ValueError before anything starts.
     """
     names = list(strategies) if strategies is not None else list(STRATEGIES)
     variants = {name: parse_variant(name) for name in names}
@@ -391,6 +440,8 @@ def bench_lm(
         "device": device,
     }
     _check_lm(names, variants, extra, period, regions, workload, rtt_ms)
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     rate_Bps, use_netns, transport = _shaping(rate, netns, rtt_ms)
     params = count_params(width, layers, heads, context)
     # the slowest strategy (ssgd) moves about twice the model per step over the link
@@ -399,7 +450,7 @@ def bench_lm(
     ceiling_res, ceiling_curve, ceiling_sps = _run_ceiling(regions, workload)
     netns_rate = rate if use_netns else None
     rows, curves, ceilings = _run_strategies(
-        names, variants, period, extra, workload, regions, netns_rate, transport, timeout, ceiling_sps, bracket
+        names, variants, period, extra, workload, regions, netns_rate, transport, timeout, ceiling_sps, bracket, rounds
     )
     target, target_from = _target(target_loss, curves, ceiling_curve)
     for name, curve in curves.items():
@@ -423,6 +474,7 @@ def bench_lm(
         "device": device,
         "extra_sync": extra,
         "bracket": bracket,
+        "rounds": rounds,
         "eval_every": eval_every(steps),
         "eval_tokens": eval_batches * batch * context,
         "target_loss": _r(target),
@@ -430,5 +482,6 @@ def bench_lm(
         "ceiling": ceiling,
         "strategies": rows,
         "winner_steps_per_s": winner,
+        "paired": _paired_report(rows, winner),
         "total_s": _r(time.perf_counter() - t_start, 1),
     }
