@@ -42,7 +42,7 @@ class TransportConfig:
     max_message_bytes: int = 64 << 20
     keepalive_time_s: float = 20.0
     keepalive_timeout_s: float = 10.0
-    streams_per_link: int = 2
+    streams_per_link: int = 2  # data connections per link (a round's frames); one more carries control calls
     rpc_deadline_s: float = 30.0
     connect_timeout_s: float = 60.0
     round_timeout_s: float = 300.0

@@ -1,10 +1,14 @@
 """Client side of one link: channels to a neighbour, chunk streams with backpressure, probes, stats.
 
-A :class:`Link` owns ``streams_per_link`` channels (separate TCP connections) to one peer, and handshakes
-on each of them (the server counts frames and votes only from a connection that handshook under the id
-they claim, see `transport.callcap`). A round's frames leave through an
-:class:`~dreamp2p.transport.outbound.OutboundStream` the link opens over them, paced by the link's
-optional token bucket (WAN emulation) and metered for goodput. Every call has a deadline.
+A :class:`Link` owns one control channel and ``streams_per_link`` data channels to one peer, each a TCP
+connection of its own, and handshakes on each of them (the server counts frames and votes only from a
+connection that handshook under the id they claim, see `transport.callcap`). The control channel carries
+only small calls (handshakes, heartbeats, votes, status, state manifests): on a data connection they
+would queue behind the frames already in its socket buffer, seconds of them on a slow link, and a member
+busy sending would be counted dead. A round's frames leave through an
+:class:`~dreamp2p.transport.outbound.OutboundStream` the link opens over the data channels, paced by the
+link's optional token bucket (WAN emulation) and metered for goodput; probes and state transfers use the
+first data channel. Every call has a deadline.
 """
 
 from __future__ import annotations
@@ -50,8 +54,11 @@ class Link:
         self.dest = dest
         self.cfg = cfg
         self._metadata = token_metadata(token)
-        self._channels = [open_channel(dest.address, cfg, tls) for _ in range(cfg.streams_per_link)]
+        # channel 0: control; 1..: data (see the module docstring). gRPC connects a channel at its first
+        # call, so a data channel nobody pushes on costs nothing
+        self._channels = [open_channel(dest.address, cfg, tls) for _ in range(1 + cfg.streams_per_link)]
         self._stubs = [pb_grpc.PeerStub(ch) for ch in self._channels]
+        self._control, self._data = self._stubs[0], self._stubs[1]
         # Push bypasses the generated serializer: frames are written with one payload copy (serde)
         self._push = [
             ch.stream_unary(
@@ -59,7 +66,7 @@ class Link:
                 request_serializer=serde.frame_to_wire,
                 response_deserializer=pb.PushAck.FromString,
             )
-            for ch in self._channels
+            for ch in self._channels[1:]
         ]
         self.stats = LinkEstimator()
         self.meter = BusyMeter()
@@ -87,7 +94,7 @@ class Link:
         while True:
             left = deadline - time.monotonic()
             try:
-                reply = await self._stubs[0].Handshake(
+                reply = await self._control.Handshake(
                     request,
                     timeout=max(0.1, min(self.cfg.rpc_deadline_s, left)),
                     metadata=self._metadata,
@@ -117,7 +124,7 @@ class Link:
 
     async def status(self) -> PeerStatus:
         try:
-            reply = await self._stubs[0].Status(
+            reply = await self._control.Status(
                 pb.StatusRequest(), timeout=self.cfg.rpc_deadline_s, metadata=self._metadata
             )
         except aio.AioRpcError as exc:
@@ -135,7 +142,7 @@ class Link:
         request = serde.vote_request(self.me, group_id, round_id, view_id, commit, ev)
         for again in (True, False):
             try:
-                await self._stubs[0].Vote(
+                await self._control.Vote(
                     request, timeout=max(0.05, deadline - time.monotonic()), metadata=self._metadata
                 )
                 return
@@ -155,7 +162,7 @@ class Link:
         """
         t0 = time.perf_counter()
         try:
-            resp = await self._stubs[0].Probe(
+            resp = await self._control.Probe(
                 serde.probe_request(next(_nonces), b"", 0, self.me), timeout=timeout, metadata=self._metadata
             )
         except aio.AioRpcError as exc:
@@ -172,7 +179,7 @@ class Link:
         if burst and self.bucket is not None:  # the emulated link's pacing is part of what we measure
             await self.bucket.acquire(len(burst))
         try:
-            await self._stubs[0].Probe(
+            await self._data.Probe(
                 serde.probe_request(next(_nonces), burst, 0, self.me),
                 timeout=self.cfg.rpc_deadline_s,
                 metadata=self._metadata,
@@ -214,7 +221,7 @@ class Link:
     async def state_manifest(self, timeout: float) -> StateManifest:
         """The state snapshot this peer offers; it may wait up to ``timeout`` for its trainer to publish one."""
         try:
-            reply = await self._stubs[0].GetStateManifest(
+            reply = await self._control.GetStateManifest(
                 serde.state_manifest_request(self.me), timeout=max(0.05, timeout), metadata=self._metadata
             )
         except aio.AioRpcError as exc:
@@ -224,7 +231,7 @@ class Link:
     async def fetch_state_range(self, snapshot_id: int, tensor: str, offset: int, length: int, timeout: float) -> bytes:
         """Bytes ``[offset, offset + length)`` of one snapshot tensor; PeerError unless exactly those arrive."""
         request = serde.state_chunk_request(StateRange(self.me, snapshot_id, tensor, offset, length))
-        call = self._stubs[0].FetchState(request, timeout=max(0.05, timeout), metadata=self._metadata)
+        call = self._data.FetchState(request, timeout=max(0.05, timeout), metadata=self._metadata)
         parts: list[bytes] = []
         got = 0
         try:

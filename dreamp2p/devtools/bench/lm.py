@@ -356,10 +356,10 @@ def _combined(done: list[tuple[dict[str, Any], list[list[float]]]]) -> tuple[dic
 def _paired_report(rows: dict[str, dict[str, Any]], winner: str) -> dict[str, Any]:
     """The winner's compute utilization against every other syncing strategy's, round by round."""
     others = {}
+    mine = [r["compute_utilization"] for r in rows[winner].get("runs", [rows[winner]])]
     for name, row in rows.items():
         if name in ("none", winner):
             continue
-        mine = [r["compute_utilization"] for r in rows[winner].get("runs", [rows[winner]])]
         theirs = [r["compute_utilization"] for r in row.get("runs", [row])]
         d = paired(mine, theirs)
         others[name] = {
