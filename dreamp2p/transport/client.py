@@ -54,8 +54,7 @@ class Link:
         self.dest = dest
         self.cfg = cfg
         self._metadata = token_metadata(token)
-        # channel 0: control; 1..: data (see the module docstring). gRPC connects a channel at its first
-        # call, so a data channel nobody pushes on costs nothing
+        # channel 0: control; 1..: data (see the module docstring)
         self._channels = [open_channel(dest.address, cfg, tls) for _ in range(1 + cfg.streams_per_link)]
         self._stubs = [pb_grpc.PeerStub(ch) for ch in self._channels]
         self._control, self._data = self._stubs[0], self._stubs[1]
