@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 # The wire protocol's version, sent in every handshake: peers that differ refuse each other
 # (VERSION_MISMATCH). Raised only when a change of meaning cannot be expressed by new proto fields.
-# 2: plan group ids span 2 * MAX_PLAN_SYNCS per version (was 1000); 3: anchors get group ids of their own
-PROTOCOL_VERSION = 3
+# 2: plan group ids span 2 * MAX_PLAN_SYNCS per version (was 1000); 3: anchors get group ids of their own;
+# 4: DreamDDP control rounds space out while the link holds steady (sync.control_backoff)
+PROTOCOL_VERSION = 4
 
 
 class Phase(enum.IntEnum):

@@ -60,6 +60,11 @@ class SyncConfig:
     max_delay: int | None = None
     control_every: int = 10  # steps between control rounds (gather link stats and profiles)
     control_lead: int = 2  # steps a control round may travel before its result is used
+    # while the link holds steady, control rounds space out: every control_every steps after a change or a
+    # re-plan, twice that after one quiet round, ... up to control_backoff x control_every (1: never space
+    # out): each round costs about 7 ms of comm CPU on the trainer's cores (bench lm, 2-core host), which
+    # a steady link does not repay. A round that sees a change brings the next one back to control_every
+    control_backoff: int = 4
     # relative change of the slowest link that counts as a change: a link shaped by a token bucket reads
     # up to ~2x its rate for a while (bursts absorbed by the bucket and socket buffers), and each re-plan
     # costs a sync's worth of disturbance, so only a large change that lasts re-plans
@@ -108,7 +113,15 @@ class SyncConfig:
         for name in ("bubble_fill", "error_feedback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sync.{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("period", "fragments", "control_every", "control_lead", "replan_sustain", "anchor_every"):
+        for name in (
+            "period",
+            "fragments",
+            "control_every",
+            "control_lead",
+            "control_backoff",
+            "replan_sustain",
+            "anchor_every",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"sync.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("stream_delay", "warmup_steps"):

@@ -13,6 +13,7 @@ link bandwidths instead.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import math
@@ -37,6 +38,7 @@ from dreamp2p.sync.layers import FlatGroup
 log = logging.getLogger(__name__)
 A = TypeVar("A")
 R = TypeVar("R")
+SEEN_KEPT = 64  # control rounds a Replanner remembers for the run report
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,13 @@ def in_background(fn: Callable[[A], R], arg: A) -> concurrent.futures.Future[R]:
     return fut
 
 
+def control_interval(every: int, backoff: int, quiet: int) -> int:
+    """Steps between control rounds after ``quiet`` steady ones in a row: ``every``, doubling per quiet round
+    up to ``backoff`` x ``every``. A steady link needs no round every few steps, and each costs comm CPU on
+    the trainer's cores; a change resets ``quiet``, so a drifting link is watched at the full pace again."""
+    return every * min(backoff, 1 << min(quiet, 30))
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     """Everything a new plan is made from, fixed when the members decided to re-plan."""
@@ -117,7 +126,8 @@ class Replanner:
     """Decides, from each gathered view, whether to re-plan and which plan and codec follow.
 
     Holds the decision's memory (the bandwidth the plan in force was made for, how many control rounds in
-    a row saw it changed) and the per-link codecs; every member holds the same and decides alike.
+    a row saw it changed, how many in a row saw nothing to do) and the per-link codecs; every member holds
+    the same and decides alike.
     """
 
     def __init__(self, cfg: SyncConfig) -> None:
@@ -125,6 +135,8 @@ class Replanner:
         self.ratio = wire_ratio(cfg.codec)
         self.basis_bw = math.nan
         self.changed = 0
+        self.quiet = 0  # control rounds in a row, since the last change or re-plan, that saw the link steady
+        self._seen: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=SEEN_KEPT)
         self.last_gathered: Gathered | None = None
         # per-link codecs (bandwidth-aware compression), re-chosen at every control round; until the first
         # one every link sends the base codec, but rounds already accept (and are laid out for) all of them
@@ -133,12 +145,22 @@ class Replanner:
         )
 
     def state(self) -> dict[str, Any]:
-        """Checkpoint entries: the re-planning memory (``basis_bw``, ``changed``)."""
-        return {"basis_bw": self.basis_bw, "changed": self.changed}
+        """Checkpoint entries: the re-planning memory (``basis_bw``, ``changed``, ``quiet``)."""
+        return {"basis_bw": self.basis_bw, "changed": self.changed, "quiet": self.quiet}
 
     def load(self, state: dict[str, Any]) -> None:
         self.basis_bw = float(state.get("basis_bw", math.nan))
         self.changed = int(state.get("changed", 0))
+        self.quiet = int(state.get("quiet", 0))
+
+    def seen(self) -> list[tuple[int, float, float]]:
+        """The last `SEEN_KEPT` decided control rounds, oldest first: (landing step, the bandwidth the planner
+        would use, the slowest link's transport goodput), in B/s (the difference is the syncs' own pace)."""
+        return list(self._seen)
+
+    def control_interval(self) -> int:
+        """Steps from a control round launched now to the next one (`control_interval`, on agreed memory)."""
+        return control_interval(self.cfg.control_every, self.cfg.control_backoff, self.quiet)
 
     def report(self, plan: Plan, profiled: tuple[LayerCost, ...], world: int) -> dict[str, Any]:
         """``plan`` with the layer costs and link it was made from (``profiled`` before any was gathered)."""
@@ -166,6 +188,8 @@ class Replanner:
         """
         cfg = self.cfg
         self.last_gathered = g
+        goodputs = [b for b in g.link_bandwidths if math.isfinite(b)]
+        self._seen.append((t, g.bandwidth_Bps, min(goodputs) if goodputs else math.nan))
         bandwidth = g.bandwidth_Bps
         if self.ring_codecs is not None and g.link_bandwidths:
             self.ring_codecs = plan_ring_codecs(cfg.codec, cfg.link_codecs, g.link_bandwidths, cfg.link_codec_tolerance)
@@ -181,6 +205,8 @@ class Replanner:
             changed = not math.isfinite(basis) or abs(g.bandwidth_Bps / basis - 1.0) > cfg.replan_threshold
             self.changed = self.changed + 1 if changed else 0
             replan = self.changed >= cfg.replan_sustain
+        # only a measured plan kept on a steady link counts as quiet: until then every round may decide
+        self.quiet = self.quiet + 1 if not replan and self.changed == 0 and next_version > 1 else 0
         if not replan:
             return None
         link = LinkModel(

@@ -28,8 +28,9 @@ same gathered inputs, so all use the same codec for the rounds of a plan.
 
 One plan for all: plans are computed only from inputs every peer holds bit-identically, gathered by a
 small control all-reduce every ``control_every`` steps (each peer's link measurements and layer
-profile). Every peer runs the same deterministic planner on them at the same step and adopts the
-result at the next step. Until the first measured plan, a warm-up plan of two large syncs runs.
+profile), spaced out up to ``control_backoff`` times that while the link holds steady. Every peer runs the
+same deterministic planner on them at the same step and adopts the result at the next step. Until the
+first measured plan, a warm-up plan of two large syncs runs.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 from dreamp2p.messages import RingCodecPlan, TrainingInfo
 from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.schedule.dreamddp import warmup_plan
+from dreamp2p.schedule.pace import PaceFilter
 from dreamp2p.schedule.plan import GroupSync, Plan
 from dreamp2p.sync.base import Strategy
 from dreamp2p.sync.control import (
@@ -110,7 +112,10 @@ class DreamDDP(Strategy):
         self._pending: dict[int, int] = {}
         # (landing step, round, buffer, members it was packed for)
         self._control: Control | None = None
-        self._sync_rate = math.nan  # EWMA of bytes sent / seconds of this member's landed layer syncs
+        # the step the next control round launches at: agreed memory (checkpointed), since its spacing
+        # follows what the control rounds decided (`control_interval`)
+        self._next_control = max(self.cfg.warmup_steps, 1)
+        self._pace = PaceFilter()  # bytes sent / seconds of this member's recent layer syncs
         self._replanner = Replanner(self.cfg)
         # (plan, link codecs) -> plan_summary text and the plan's digest
         self._summary: tuple[object, str, int] = (None, "", 0)
@@ -244,9 +249,7 @@ class DreamDDP(Strategy):
         inf.rated = True
         res = fut.result()
         if res.bytes_sent >= RATE_SAMPLE_MIN_BYTES and res.seconds > 0:
-            rate = res.bytes_sent / res.seconds
-            old = self._sync_rate
-            self._sync_rate = rate if not math.isfinite(old) else 0.5 * old + 0.5 * rate
+            self._pace.add(res.bytes_sent / res.seconds)
 
     def _merge(self, inf: InFlight) -> None:
         """Apply a landed sync: the outer step per layer, then params = theta + local progress."""
@@ -268,6 +271,16 @@ class DreamDDP(Strategy):
     def basis_bw(self) -> float:
         """The bandwidth (B/s) the latest plan was made for (NaN before the first measured plan)."""
         return self._replanner.basis_bw
+
+    @property
+    def next_control_step(self) -> int:
+        """The step the next control round launches at (agreed by every member)."""
+        return self._next_control
+
+    @property
+    def controls_seen(self) -> list[tuple[int, float, float]]:
+        """The latest control rounds' (landing step, planner's bandwidth, slowest goodput) in B/s, oldest first."""
+        return self._replanner.seen()
 
     @property
     def last_gathered(self) -> Gathered | None:
@@ -302,8 +315,8 @@ class DreamDDP(Strategy):
         if self._control is not None and self._control[0] <= t:
             control, self._control = self._control, None
             self._decide(control)
-        start = max(cfg.warmup_steps, 1)
-        if self._control is None and t >= start and (t - start) % cfg.control_every == 0:
+        if self._control is None and t >= self._next_control:
+            self._next_control = t + self._replanner.control_interval()
             links = {s.peer: s for s in self.comm.links()}
             members = self.comm.members  # read once: the view may change on the comm thread meanwhile
             world, rank = len(members), members.index(self.comm.node_id)
@@ -314,7 +327,7 @@ class DreamDDP(Strategy):
             bw = snap.goodput_Bps if snap is not None and snap.goodput_Bps > 0 else math.nan
             rtt = snap.rtt_s if snap is not None and snap.rtt_s > 0 else math.nan
             costs = self.profiler.costs() if self.profiler.steps else self._blank
-            group = FlatGroup([pack_control(rank, world, bw, rtt, costs, self._sync_rate)])
+            group = FlatGroup([pack_control(rank, world, bw, rtt, costs, self._pace.rate)])
             group.snapshot()
             fut = self.comm.allreduce_group(group, GROUP_CONTROL, "fp32", round_id=self._round(), guard_norm=False)
             self._control = (t + cfg.control_lead, fut, group, world)
@@ -326,6 +339,11 @@ class DreamDDP(Strategy):
             # decided as of the agreed landing step, not the step we got here: a node that joined with
             # this round in flight and started past it adopts the plan with the members' phase
             self._on_gathered(unpack_control(gathered.work, world, self._blank), land, world)
+            if not self._replanner.quiet:
+                # the link moved or a plan was made: the rounds that confirm the change (replan_sustain) or
+                # watch the new plan come at the full pace
+                launched = land - self.cfg.control_lead
+                self._next_control = min(self._next_control, launched + self.cfg.control_every)
 
     def _on_gathered(self, g: Gathered, t: int, world: int) -> None:
         """Same inputs on every peer at the same step: the same decision everywhere.
@@ -368,6 +386,10 @@ class DreamDDP(Strategy):
             self._control = None
             self._arm(control[0])  # adopt what the members had adopted by the landing step
             self._decide(control)
+        # the members launched the control rounds we skipped: those that included us failed (we refused
+        # their frames), deciding nothing, so each spaced the next as the memory we hold says
+        while self._next_control < self.step_count:
+            self._next_control += self._replanner.control_interval()
         self._arm(self.step_count)
 
     def _training_info(self) -> TrainingInfo:
@@ -390,6 +412,11 @@ class DreamDDP(Strategy):
             lag_steps=2 * (plan.period + self.cfg.delay_cap),
         )
 
+    def _fixed_control_step(self, step: int) -> int:
+        """The first control step at or after ``step`` on the fixed grid of checkpoints that predate spacing."""
+        start, every = max(self.cfg.warmup_steps, 1), self.cfg.control_every
+        return start + max(0, -(-(step - start) // every)) * every
+
     def _forget_old_groups(self) -> None:
         live = {f.key for f in self._inflight}
         for key in [k for k in self._groups if k[0] != self.plan.version and k not in live]:
@@ -411,6 +438,7 @@ class DreamDDP(Strategy):
     def _extra_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
             "plan": self.plan.to_dict(),
+            "next_control": self._next_control,
             "next_plan": queued.to_dict() if (queued := self._collect_plan()) is not None else None,
             **self._replanner.state(),
             "history": [list(h) for h in self.plan_history],
@@ -440,4 +468,5 @@ class DreamDDP(Strategy):
             control = state.get("control")
             if control is not None:
                 self._control = restore_control(control, self.comm.world)
+            self._next_control = int(state.get("next_control", self._fixed_control_step(self.step_count)))
             self._arm(self.step_count)

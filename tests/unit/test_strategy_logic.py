@@ -283,7 +283,7 @@ def test_dreamddp_reports_a_syncs_pace_to_the_control_round_before_the_sync_land
         inflight[0].fut.result()  # its round is done; it still waits for its landing step
     train(strategies, 1)  # step 2: the control round
     for s in strategies:
-        assert math.isfinite(s._sync_rate)  # type: ignore[attr-defined]
+        assert math.isfinite(s._pace.rate)  # type: ignore[attr-defined]
         assert s._inflight[0].land_step == 7  # type: ignore[attr-defined]
 
 

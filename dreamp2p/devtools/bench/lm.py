@@ -135,6 +135,8 @@ def _summarize(res: list[dict[str, Any]], steps: int, wire_run: list[int] | None
         row["plan_history"] = res[0]["plan_history"]
         row["plan"] = res[0]["plan_summary"]
         row["plan_report"] = res[0]["plan_report"]
+        # per control round: [landing step, the planner's MB/s, the slowest link's transport goodput MB/s]
+        row["controls"] = res[0]["controls"]
     return row
 
 

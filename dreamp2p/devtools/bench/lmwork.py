@@ -224,11 +224,18 @@ def lm_job(
     if isinstance(sync, DreamDDP):  # its plans, for the report only
         out["plan_history"] = [list(h) for h in sync.plan_history]
         out["plan_summary"] = plan_summary(sync)
+        # what each control round gathered: when they ran, and the link every re-plan decision saw
+        out["controls"] = [[step, _mb(bw), _mb(goodput)] for step, bw, goodput in sync.controls_seen]
         # the plan in force, the profile and link it was made from, and its codec: `bench plancheck`
         # replays the planner's prediction on exactly these inputs
         out["plan_report"] = {**sync.plan_report(), "codec": sync.plan_codec}
     sync.close()
     return w.evaluate(out)
+
+
+def _mb(bps: float) -> float | None:
+    """B/s as MB/s for the report (None where nothing was measured)."""
+    return round(bps / 1e6, 3) if math.isfinite(bps) else None
 
 
 def _exposed_by_plan(history: Sequence[Any]) -> dict[str, list[float]]:
