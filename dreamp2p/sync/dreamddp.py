@@ -114,7 +114,7 @@ class DreamDDP(Strategy):
         self._control: Control | None = None
         # the step the next control round launches at: agreed memory (checkpointed), since its spacing
         # follows what the control rounds decided (`control_interval`)
-        self._next_control = max(self.cfg.warmup_steps, 1)
+        self._next_control = self._fixed_control_step(0)
         self._pace = PaceFilter()  # bytes sent / seconds of this member's recent layer syncs
         self._replanner = Replanner(self.cfg)
         # (plan, link codecs) -> plan_summary text and the plan's digest
@@ -413,7 +413,8 @@ class DreamDDP(Strategy):
         )
 
     def _fixed_control_step(self, step: int) -> int:
-        """The first control step at or after ``step`` on the fixed grid of checkpoints that predate spacing."""
+        """The first control step at or after ``step`` on the fixed grid: the first control round of a run,
+        and where a checkpoint that predates spacing resumes."""
         start, every = max(self.cfg.warmup_steps, 1), self.cfg.control_every
         return start + max(0, -(-(step - start) // every)) * every
 
