@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 # The wire protocol's version, sent in every handshake: peers that differ refuse each other
 # (VERSION_MISMATCH). Raised only when a change of meaning cannot be expressed by new proto fields.
 # 2: plan group ids span 2 * MAX_PLAN_SYNCS per version (was 1000); 3: anchors get group ids of their own;
-# 4: DreamDDP control rounds space out while the link holds steady (sync.control_backoff)
-PROTOCOL_VERSION = 4
+# 4: DreamDDP control rounds space out while the link holds steady (sync.control_backoff); 5: DreamDDP's
+# every anchor_every-th period checks its pseudo-gradients instead of averaging parameters (anchors only
+# in the first period and where a check found the outer weights different)
+PROTOCOL_VERSION = 5
 
 
 class Phase(enum.IntEnum):

@@ -82,10 +82,12 @@ class SyncConfig:
     # resolved at attach to plain averaging (see with_outer_defaults)
     group_outer_lr: float | None = None
     group_outer_momentum: float | None = None
-    # DreamDDP pseudo-gradients: between anchors, layer syncs average theta - params (how far each replica
-    # moved since the layer's outer weights theta) with ``delta_codec``; every ``anchor_every``-th period
-    # they average the parameters themselves with the plan's codec and check that every member holds the
-    # same theta (a partition or a lost round is healed there). Empty delta_codec: always parameters.
+    # DreamDDP pseudo-gradients: layer syncs average theta - params (how far each replica moved since the
+    # layer's outer weights theta) with ``delta_codec``; every ``anchor_every``-th period a 17-element round
+    # beside them checks that every member holds the same theta, and where one does not (a partition or a
+    # lost round), the layer's next sync is an anchor: it averages the parameters themselves with the plan's
+    # codec and resets theta to their mean. The first period's syncs are anchors. Empty delta_codec: every
+    # sync averages parameters.
     delta_codec: str = "int4"
     anchor_every: int = 4
     # error feedback on those pseudo-gradient syncs: what delta_codec lost in one round is added to the
@@ -101,7 +103,7 @@ class SyncConfig:
     # plan uses the least lossy one that hides with the link busy at most codec_link_budget of the period.
     # Empty: every layer sync uses ``codec``. Ignored when link_codecs is set (per-link codecs instead).
     # These codecs carry the anchors' parameters (4 bits of a weight, not of an update, are too coarse);
-    # the pseudo-gradients between anchors use delta_codec. int8 alone by default: on a 20 Mbit/s link
+    # the pseudo-gradients use delta_codec. int8 alone by default: on a 20 Mbit/s link
     # bf16 or fp32 anchors would hide but cost 1.3-2.5x Streaming DiLoCo's bytes (bench lm); add them,
     # least lossy first, where bytes are cheap.
     plan_codecs: tuple[str, ...] = ("int8",)

@@ -13,12 +13,15 @@ default: a lossy codec then errs in proportion to the update, not to the weights
 Nesterov step per layer, theta -= lr * (g + mu * m) with g the mean pseudo-gradient (lr 1, momentum 0 is
 plain averaging), and params = theta + the local progress made while the sync travelled.
 
-Anchors: every ``anchor_every``-th period (by the launch step, so every member agrees without asking) a
-layer's sync averages the parameters themselves with the plan's codec, and a 17-element round beside it
-carries a flag and 16 bits of a digest of each member's theta and momentum. Where all agree, g = theta -
-mean(params) feeds the same outer step; where any differs (a partition, each side averaging alone; a
-round one member lost; a fresh node), every member resets theta to the parameter mean and the momentum to
-zero, identically. Pseudo-gradients would otherwise need theta bit-identical on every member for good.
+Checks and anchors: every ``anchor_every``-th period (by the launch step, so every member agrees without
+asking) a layer's pseudo-gradient sync carries a 17-element round beside it: a flag and 16 bits of a digest
+of each member's theta and momentum. Where all agree, the sync lands as any other. Where any differs (a
+partition, each side averaging alone; a round one member lost; a fresh node), nobody applies it, and the
+layer's next sync is an anchor: it averages the parameters themselves with the plan's codec, with a check
+of its own, and every member resets theta to the parameter mean and the momentum to zero, identically. The
+syncs of the first period are anchors too (every theta is fresh there). Pseudo-gradients would otherwise
+need theta bit-identical on every member for good; checking first keeps the anchors' parameter bytes (twice
+a 4-bit pseudo-gradient's) off the wire while the members agree, which is nearly always.
 
 Codec per plan (bandwidth-aware compression, arXiv 2408.14736): with ``plan_codecs`` (least lossy first),
 every plan is made for each candidate's wire size and the least lossy candidate is taken whose plan hides
@@ -42,7 +45,7 @@ from typing import Any
 
 import torch
 
-from dreamp2p.messages import RingCodecPlan, TrainingInfo
+from dreamp2p.messages import RingCodecPlan, RoundResult, TrainingInfo
 from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.schedule.dreamddp import warmup_plan
 from dreamp2p.schedule.pace import PaceFilter
@@ -123,6 +126,9 @@ class DreamDDP(Strategy):
         # parameters and made equal on every member at the first anchor (see the module docstring)
         lr, mu = self.cfg.group_outer
         self._weights = OuterWeights(self.layers, lr, mu)
+        # layers whose outer weights a check found different: their next sync is an anchor (agreed memory:
+        # the checks' results are the same on every member; checkpointed)
+        self._repair: set[int] = set()
         # codec of each plan's layer syncs (plan version -> name); warm-up syncs use the most compressive
         # candidate, since the link is not measured yet
         self._plan_codecs: dict[int, str] = {0: self.cfg.plan_codecs[-1] if self.cfg.plan_codecs else self.cfg.codec}
@@ -178,7 +184,7 @@ class DreamDDP(Strategy):
             group = FlatGroup([p for li in sync.layers for p in self.layers[li].params], pin=self.pin)
             self._groups[key] = group
         gid = plan_sync_group(self.plan.version, idx)
-        if self._is_anchor(self.step_count):
+        if self._averages_params(sync.layers, self.step_count):
             self._launch_anchor(sync, key, group, gid)
             return
         group.snapshot()
@@ -196,15 +202,35 @@ class DreamDDP(Strategy):
             prepare=pseudo_gradient,
             error_feedback=self.cfg.error_feedback,
         )
-        self._inflight.append(InFlight(self.step_count + sync.delay, key, group, sync.layers, fut))
+        check, check_fut = self._check_round(sync.layers, gid) if self._is_check(self.step_count) else (None, None)
+        self._inflight.append(InFlight(self.step_count + sync.delay, key, group, sync.layers, fut, check, check_fut))
 
-    def _is_anchor(self, step: int) -> bool:
-        """Whether a sync launched at ``step`` averages parameters (decided from the step: agreed by all)."""
-        return not self.cfg.delta_codec or (step // self.cfg.period) % self.cfg.anchor_every == 0
+    def _is_check(self, step: int) -> bool:
+        """Whether a sync launched at ``step`` checks the outer weights (decided from the step: agreed by all)."""
+        return (step // self.cfg.period) % self.cfg.anchor_every == 0
+
+    def _averages_params(self, layers: tuple[int, ...], step: int) -> bool:
+        """Whether a sync of ``layers`` launched at ``step`` is an anchor, from agreed memory only: always
+        without a delta codec; in the first period, where every theta is fresh; where a check asked for it."""
+        return not self.cfg.delta_codec or step < self.cfg.period or not self._repair.isdisjoint(layers)
+
+    def _check_round(
+        self, layers: tuple[int, ...], gid: int
+    ) -> tuple[FlatGroup, concurrent.futures.Future[RoundResult]]:
+        """The 17-element round of (flag, digest bits) that checks ``layers``' outer weights on every member."""
+        check = FlatGroup([self._weights.check_vector(layers)])
+        check.snapshot()
+        fut = self.comm.allreduce_group(
+            check,
+            anchor_check_group(gid),
+            "fp32",
+            plan_version=self.plan.version,
+            round_id=self._round(),
+            guard_norm=False,
+        )
+        return check, fut
 
     def _launch_anchor(self, sync: GroupSync, key: tuple[int, int], group: FlatGroup, gid: int) -> None:
-        check = FlatGroup([self._weights.check_vector(sync.layers)])
-        check.snapshot()
         group.snapshot()
         fut = self.comm.allreduce_group(
             group,
@@ -213,15 +239,9 @@ class DreamDDP(Strategy):
             plan_version=self.plan.version,
             round_id=self._round(),
         )
-        check_fut = self.comm.allreduce_group(
-            check,
-            anchor_check_group(gid),
-            "fp32",
-            plan_version=self.plan.version,
-            round_id=self._round(),
-            guard_norm=False,
-        )
-        self._inflight.append(InFlight(self.step_count + sync.delay, key, group, sync.layers, fut, check, check_fut))
+        check, check_fut = self._check_round(sync.layers, gid)
+        inf = InFlight(self.step_count + sync.delay, key, group, sync.layers, fut, check, check_fut, anchor=True)
+        self._inflight.append(inf)
 
     @property
     def plan_codec(self) -> str:
@@ -252,15 +272,34 @@ class DreamDDP(Strategy):
             self._pace.add(res.bytes_sent / res.seconds)
 
     def _merge(self, inf: InFlight) -> None:
-        """Apply a landed sync: the outer step per layer, then params = theta + local progress."""
+        """Apply a landed sync: the outer step per layer, then params = theta + local progress.
+
+        A pseudo-gradient whose check found the members' outer weights different is applied nowhere (the
+        layers keep their local values, as after a failed round) and makes the layers' next sync an anchor.
+        """
         verdict = anchor_verdict(inf.check.work) if inf.check is not None else "agree"
+        if not inf.anchor and verdict != "agree":
+            log.warning(
+                "layers %s: outer weights differ between members (%s); their next sync is an anchor",
+                inf.layers,
+                verdict,
+            )
+            self._repair.update(inf.layers)
+            return
         self._weights.land(inf.group.work, inf.layers, anchor=inf.anchor, verdict=verdict)
+        if inf.anchor:
+            self._repair.difference_update(inf.layers)
         inf.group.merge()
 
     @property
     def anchors_healed(self) -> int:
         """Anchors that found the members' outer weights different (and reset them)."""
         return self._weights.anchors_healed
+
+    @property
+    def repair_layers(self) -> tuple[int, ...]:
+        """Layers whose next sync is an anchor because a check found the members' outer weights different."""
+        return tuple(sorted(self._repair))
 
     @property
     def ring_codecs(self) -> RingCodecPlan | None:
@@ -445,6 +484,7 @@ class DreamDDP(Strategy):
             "history": [list(h) for h in self.plan_history],
             **self._weights.state(),
             "plan_codecs": dict(self._plan_codecs),
+            "repair": sorted(self._repair),
             "inflight": [r for inf in self._inflight if (r := inf.record(self.round_limit_s))],
         }
         record = control_record(self._control, self.round_limit_s) if self._control is not None else None
@@ -465,6 +505,7 @@ class DreamDDP(Strategy):
             self.plan_history = [(int(v), int(e)) for v, e in state.get("history", [])]
             self._weights.load(state)
             self._plan_codecs.update({int(v): str(c) for v, c in state.get("plan_codecs", {}).items()})
+            self._repair = {int(li) for li in state.get("repair", [])}
             self._inflight = [InFlight.restore(rec, self.layers, self.pin) for rec in state.get("inflight", [])]
             control = state.get("control")
             if control is not None:

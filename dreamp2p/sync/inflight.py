@@ -24,15 +24,12 @@ class InFlight:
     group: FlatGroup
     layers: tuple[int, ...]
     fut: concurrent.futures.Future[RoundResult]
-    # anchors only: the round of (flag, 16 digest bits) beside the parameter average; None for a
-    # pseudo-gradient sync
+    # anchors and checked pseudo-gradients: the round of (flag, 16 digest bits) beside the sync; None for
+    # an unchecked pseudo-gradient sync
     check: FlatGroup | None = None
     check_fut: concurrent.futures.Future[RoundResult] | None = None
+    anchor: bool = False  # whether it averages the parameters themselves (else pseudo-gradients)
     rated: bool = False  # whether its round's pace was taken into the link estimate yet (once per sync)
-
-    @property
-    def anchor(self) -> bool:
-        return self.check is not None
 
     def record(self, timeout: float) -> dict[str, Any] | None:
         """Wait for the sync, then its checkpoint record; None when it failed (everywhere: nobody applies it).
@@ -45,6 +42,7 @@ class InFlight:
             "layers": list(self.layers),
             "mean": self.group.work.clone(),
             "snap": self.group.snap.clone(),
+            "anchor": self.anchor,
         }
         if self.check is not None:
             rec["check"] = self.check.work.clone()
@@ -58,7 +56,10 @@ class InFlight:
         group.snap.copy_(rec["snap"])
         group.work.copy_(rec["mean"])
         key = (int(rec["key"][0]), int(rec["key"][1]))
-        inf = cls(int(rec["land"]), key, group, layers, landed(group.numel))
+        # records from before checked pseudo-gradients: every checked sync was an anchor
+        inf = cls(
+            int(rec["land"]), key, group, layers, landed(group.numel), anchor=bool(rec.get("anchor", "check" in rec))
+        )
         if "check" in rec:
             inf.check = FlatGroup([rec["check"].clone()])
             inf.check.work.copy_(rec["check"])

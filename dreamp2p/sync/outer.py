@@ -5,10 +5,11 @@ Pseudo-gradients between anchors (DiLoCo, Douillard et al., arXiv 2311.08105; St
 takes a Nesterov step per layer, theta -= lr * (g + mu * m), with g the mean pseudo-gradient (lr 1,
 momentum 0 is plain averaging).
 
-Anchors: a layer's anchor sync averages the parameters themselves, and a 17-element round beside it
-carries a reset flag and 16 bits of a digest of each member's theta and momentum. Where all agree,
-g = theta - mean(params) feeds the same outer step; where any differs, every member resets theta to the
-parameter mean and the momentum to zero, identically (see `dreamp2p.sync.dreamddp`).
+Checks and anchors: a 17-element round beside a layer sync carries a reset flag and 16 bits of a digest
+of each member's theta and momentum (`anchor_verdict` reads the mean). An anchor sync averages the
+parameters themselves: where the check agrees, g = theta - mean(params) feeds the same outer step; where
+any differs, every member resets theta to the parameter mean and the momentum to zero, identically (see
+`dreamp2p.sync.dreamddp` for when each runs).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class OuterWeights:
         for li in layers:
             n = self._layers[li].numel
             a = mean[offset : offset + n]
+            self.theta(li)  # a sync restored with a checkpoint that had no outer weights: fresh from here
             theta, mom = self._outer[li]
             offset += n
             if reset:

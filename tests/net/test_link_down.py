@@ -60,9 +60,10 @@ def test_link_down_30s_both_sides_train_on_and_resync(tmp_path: Path) -> None:
                 "steps": 1300,
                 "sync": sync,
                 "step_sleep": 0.04,
-                # pseudo-gradient syncs keep each side's outer weights; the next anchor (every 4th
-                # period by default) finds them different and resets both to the parameter mean
-                "quiet_steps": 5 * sync["period"] + sync["max_delay"] + 1,
+                # pseudo-gradient syncs keep each side's outer weights; the next check (every 4th
+                # period by default) finds them different, and the period after it an anchor resets both
+                # to the parameter mean
+                "quiet_steps": 6 * sync["period"] + sync["max_delay"] + 1,
                 "step_times": True,
                 "started_file": str(started),
             },

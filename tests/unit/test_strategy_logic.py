@@ -251,10 +251,14 @@ def test_a_member_whose_guard_starts_on_a_pseudo_gradient_still_contributes_to_a
     hub = InProcessHub(2, goodput_Bps=50e6, rtt_s=0.001, max_norm_ratio=5.0)
     cfg = config("dreamddp", period=4, max_delay=2, anchor_every=2)
     strategies = members(hub, cfg)
-    train(strategies, 12)  # plan v1 from step 8: anchors in period 2, pseudo-gradients in period 3
+    train(strategies, 12)  # plan v1 from step 8: checked pseudo-gradients in period 2
     hub.restart_guard(1)
+    # its outer weights drift (as after a lost round): period 4's check sees it, period 5's syncs are anchors
+    state = strategies[1].state_dict()
+    state["extra"]["outer"][0][0].add_(1e-4)
+    strategies[1].load_state_dict(state)
     restarted = len(hub.rounds)
-    train(strategies, 12)  # periods 3-5: pseudo-gradients first, then anchors in period 4
+    train(strategies, 16)  # periods 3-6: pseudo-gradients first, then anchors in period 5
     layer_rounds = [r for r in hub.rounds[restarted:] if r.group_id >= GROUP_PLAN_BASE]
     anchors = [r for r in layer_rounds if r.codec not in (cfg.delta_codec, "fp32")]
     deltas = [r for r in layer_rounds if r.codec == cfg.delta_codec]

@@ -94,8 +94,9 @@ class ChaosRun:
     @property
     def quiet_steps(self) -> int:
         # every layer syncs once a period and lands up to `delay` later; pseudo-gradient syncs keep each
-        # member's outer weights, so the next anchor (every 4th period) must fall inside: five periods
-        return 5 * self.period + self.delay + 1
+        # member's outer weights, so the next check (every 4th period) and the anchor it calls for in the
+        # period after must fall inside: six periods
+        return 6 * self.period + self.delay + 1
 
 
 def _flaps_off_reason(run: ChaosRun) -> str | None:
