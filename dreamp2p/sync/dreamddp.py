@@ -126,9 +126,6 @@ class DreamDDP(Strategy):
         # parameters and made equal on every member at the first anchor (see the module docstring)
         lr, mu = self.cfg.group_outer
         self._weights = OuterWeights(self.layers, lr, mu)
-        # layers whose outer weights a check found different: their next sync is an anchor (agreed memory:
-        # the checks' results are the same on every member; checkpointed)
-        self._repair: set[int] = set()
         # codec of each plan's layer syncs (plan version -> name); warm-up syncs use the most compressive
         # candidate, since the link is not measured yet
         self._plan_codecs: dict[int, str] = {0: self.cfg.plan_codecs[-1] if self.cfg.plan_codecs else self.cfg.codec}
@@ -212,7 +209,7 @@ class DreamDDP(Strategy):
     def _averages_params(self, layers: tuple[int, ...], step: int) -> bool:
         """Whether a sync of ``layers`` launched at ``step`` is an anchor, from agreed memory only: always
         without a delta codec; in the first period, where every theta is fresh; where a check asked for it."""
-        return not self.cfg.delta_codec or step < self.cfg.period or not self._repair.isdisjoint(layers)
+        return not self.cfg.delta_codec or step < self.cfg.period or self._weights.needs_anchor(layers)
 
     def _check_round(
         self, layers: tuple[int, ...], gid: int
@@ -278,18 +275,8 @@ class DreamDDP(Strategy):
         layers keep their local values, as after a failed round) and makes the layers' next sync an anchor.
         """
         verdict = anchor_verdict(inf.check.work) if inf.check is not None else "agree"
-        if not inf.anchor and verdict != "agree":
-            log.warning(
-                "layers %s: outer weights differ between members (%s); their next sync is an anchor",
-                inf.layers,
-                verdict,
-            )
-            self._repair.update(inf.layers)
-            return
-        self._weights.land(inf.group.work, inf.layers, anchor=inf.anchor, verdict=verdict)
-        if inf.anchor:
-            self._repair.difference_update(inf.layers)
-        inf.group.merge()
+        if self._weights.land(inf.group.work, inf.layers, anchor=inf.anchor, verdict=verdict):
+            inf.group.merge()
 
     @property
     def anchors_healed(self) -> int:
@@ -299,7 +286,7 @@ class DreamDDP(Strategy):
     @property
     def repair_layers(self) -> tuple[int, ...]:
         """Layers whose next sync is an anchor because a check found the members' outer weights different."""
-        return tuple(sorted(self._repair))
+        return self._weights.repair_layers
 
     @property
     def ring_codecs(self) -> RingCodecPlan | None:
@@ -484,7 +471,6 @@ class DreamDDP(Strategy):
             "history": [list(h) for h in self.plan_history],
             **self._weights.state(),
             "plan_codecs": dict(self._plan_codecs),
-            "repair": sorted(self._repair),
             "inflight": [r for inf in self._inflight if (r := inf.record(self.round_limit_s))],
         }
         record = control_record(self._control, self.round_limit_s) if self._control is not None else None
@@ -505,7 +491,6 @@ class DreamDDP(Strategy):
             self.plan_history = [(int(v), int(e)) for v, e in state.get("history", [])]
             self._weights.load(state)
             self._plan_codecs.update({int(v): str(c) for v, c in state.get("plan_codecs", {}).items()})
-            self._repair = {int(li) for li in state.get("repair", [])}
             self._inflight = [InFlight.restore(rec, self.layers, self.pin) for rec in state.get("inflight", [])]
             control = state.get("control")
             if control is not None:

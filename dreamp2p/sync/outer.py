@@ -55,6 +55,9 @@ class OuterWeights:
         self._mu = momentum
         self._outer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._fresh: set[int] = set()  # layers whose theta is local only: the next anchor resets them
+        # layers a check found apart: their next sync is an anchor (agreed memory: every member reads the
+        # same check, and the set is checkpointed)
+        self._repair: set[int] = set()
         self.anchors_healed = 0  # anchors that found the members' thetas different
 
     def theta(self, li: int) -> torch.Tensor:
@@ -78,13 +81,36 @@ class OuterWeights:
             digest.update(mom.numpy().tobytes())
         return anchor_check_vector(bool(self._fresh & set(layers)), digest.intdigest())
 
-    def land(self, mean: torch.Tensor, layers: tuple[int, ...], anchor: bool, verdict: str) -> None:
-        """Apply a landed sync's ``mean`` to theta, then write the new theta into ``mean`` in place."""
+    def needs_anchor(self, layers: Sequence[int]) -> bool:
+        """Whether a check found any of ``layers`` apart since their last anchor."""
+        return not self._repair.isdisjoint(layers)
+
+    @property
+    def repair_layers(self) -> tuple[int, ...]:
+        """Layers whose next sync is an anchor because a check found the members' outer weights different."""
+        return tuple(sorted(self._repair))
+
+    def land(self, mean: torch.Tensor, layers: tuple[int, ...], anchor: bool, verdict: str) -> bool:
+        """Apply a landed sync's ``mean`` to theta, then write the new theta into ``mean`` in place; whether
+        it was applied.
+
+        A pseudo-gradient whose check found the members apart is applied nowhere (the layers keep their
+        local values, as after a failed round) and makes the layers' next sync an anchor.
+        """
+        if not anchor and verdict != "agree":
+            log.warning(
+                "layers %s: outer weights differ between members (%s); their next sync is an anchor", layers, verdict
+            )
+            self._repair.update(layers)
+            return False
         reset = verdict != "agree"
         if verdict == "differ":
             self.anchors_healed += 1
             log.warning("layers %s: outer weights differed between members; reset to the parameter mean", layers)
         self._outer_step(mean, layers, anchor=anchor, reset=reset)
+        if anchor:
+            self._repair.difference_update(layers)
+        return True
 
     def _outer_step(self, mean: torch.Tensor, layers: tuple[int, ...], anchor: bool, reset: bool) -> None:
         """Turn ``mean`` (of parameters at an anchor, of pseudo-gradients otherwise) into the new theta, in place."""
@@ -110,12 +136,14 @@ class OuterWeights:
             a.copy_(theta)
 
     def state(self) -> dict[str, Any]:
-        """Checkpoint entries (``outer``, ``fresh``), copies."""
+        """Checkpoint entries (``outer``, ``fresh``, ``repair``), copies."""
         return {
             "outer": {li: (theta.clone(), mom.clone()) for li, (theta, mom) in self._outer.items()},
             "fresh": sorted(self._fresh),
+            "repair": sorted(self._repair),
         }
 
     def load(self, state: dict[str, Any]) -> None:
         self._outer = {int(li): (theta.clone(), mom.clone()) for li, (theta, mom) in state.get("outer", {}).items()}
         self._fresh = {int(li) for li in state.get("fresh", [])}
+        self._repair = {int(li) for li in state.get("repair", [])}
