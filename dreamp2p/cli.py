@@ -73,7 +73,7 @@ def _plan_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
             run = SyncConfig()
             args.period = run.period if args.period is None else args.period
-            args.codec = (run.plan_codecs or (run.codec,))[0] if args.codec is None else args.codec
+            args.codec = (run.delta_codec or (run.plan_codecs or (run.codec,))[0]) if args.codec is None else args.codec
             args.max_delay = args.period - 1 if args.max_delay is None else args.max_delay
     if args.period is not None:
         check_delay(parser, args)
@@ -365,7 +365,8 @@ def _add_plan_parser(sub: Any) -> None:
         type=str.lower,
         choices=CODEC_NAMES,
         default=None,
-        help="DreamDDP's plan codec, int8 (--target-cu: searched among fp32, bf16, int8)",
+        help="codec DreamDDP's layer syncs are priced at: a run's int4 pseudo-gradients (--target-cu: searched "
+        "among fp32, bf16, int8, every sync in it)",
     )
     pl.add_argument(
         "--max-delay",

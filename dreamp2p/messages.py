@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 # 2: plan group ids span 2 * MAX_PLAN_SYNCS per version (was 1000); 3: anchors get group ids of their own;
 # 4: DreamDDP control rounds space out while the link holds steady (sync.control_backoff); 5: DreamDDP's
 # every anchor_every-th period checks its pseudo-gradients instead of averaging parameters (anchors only
-# in the first period and where a check found the outer weights different)
-PROTOCOL_VERSION = 5
+# in the first period and where a check found the outer weights different); 6: DreamDDP's first period
+# sends checked pseudo-gradients too (theta starts at attach), and plans are priced at delta_codec's size
+PROTOCOL_VERSION = 6
 
 
 class Phase(enum.IntEnum):

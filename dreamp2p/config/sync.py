@@ -86,8 +86,9 @@ class SyncConfig:
     # layer's outer weights theta) with ``delta_codec``; every ``anchor_every``-th period a 17-element round
     # beside them checks that every member holds the same theta, and where one does not (a partition or a
     # lost round), the layer's next sync is an anchor: it averages the parameters themselves with the plan's
-    # codec and resets theta to their mean. The first period's syncs are anchors. Empty delta_codec: every
-    # sync averages parameters.
+    # codec and resets theta to their mean. Theta starts at attach from rank 0's broadcast parameters, so
+    # the first period sends (checked) pseudo-gradients too, and plans are priced at delta_codec's size.
+    # Empty delta_codec: every sync averages parameters.
     delta_codec: str = "int4"
     anchor_every: int = 4
     # error feedback on those pseudo-gradient syncs: what delta_codec lost in one round is added to the

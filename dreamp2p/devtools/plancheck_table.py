@@ -6,10 +6,11 @@ its defaults, the ceiling measured in the same run). Two predictions are compare
 * **plan** (the one users see): what ``dreamp2p plan`` predicts for dreamddp from what a user would give it:
   the measured ceiling step time as ``--step-time``, the parameter count, the layers dreamp2p schedules
   (``sync.layers.discover_layers``: 28 for the default model), ``--peers`` = regions, ``--link`` = the rate,
-  ``--rtt``, ``--period``, and dreamddp's defaults as ``--max-delay period-1 --codec int8`` (``delay_cap``
-  and ``plan_codecs``). It is `schedule.whatif.what_if`, the function behind the command;
+  ``--rtt``, ``--period``, and dreamddp's defaults as ``--max-delay period-1 --codec int4`` (``delay_cap``
+  and ``delta_codec``, the pseudo-gradients' codec the run's planner prices its syncs at). It is
+  `schedule.whatif.what_if`, the function behind the command;
 * **adopted**: the plan dreamddp itself adopted in the run, replayed by `schedule.dreamddp.simulate` on the
-  profile and link it was made from (``plan_report`` in the bench report), with its chosen codec's bytes.
+  profile and link it was made from (``plan_report`` in the bench report), with its syncs' codec's bytes.
   Its compute time is the in-run profile, not the ceiling, so it shows how much of the error is compute.
 
 Both are compared on step time (1 / measured steps/s) and compute utilization (measured steps/s / ceiling
@@ -35,7 +36,8 @@ from dreamp2p.schedule.whatif import what_if
 
 TOLERANCE = 0.15
 RUN_DEFAULTS = SyncConfig()  # the planner settings of a dreamddp run with defaults
-DEFAULT_CODEC = "int8"  # dreamddp's default plan_codecs: the codec its layer syncs are planned with
+# the codec a dreamddp run's layer syncs are priced at: its pseudo-gradients' (anchors follow only a failed check)
+DEFAULT_CODEC = RUN_DEFAULTS.delta_codec or RUN_DEFAULTS.plan_codecs[0]
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,18 @@ the period's compute) while the link is busy at most ``link_budget`` of the peri
 headroom for what the timing model leaves out: every byte also costs CPU (encoding, checksums, copies,
 framing) on cores the trainer shares, and links vary. If no candidate qualifies, the one with the least
 exposed wait is taken (ties: the one that keeps the link busy least, since the budget is exceeded anyway).
-Pure: no I/O, no torch.
+
+Where the plan's syncs send pseudo-gradients in a fixed codec (DreamDDP's ``delta_codec``), the plan is made
+for that codec's size and the candidates only carry the rare anchors (parameters, after a check found the
+members apart): `choose_anchor_codec` takes the least lossy one whose syncs, all anchors at once, would keep
+the link busy at most the budget. Pure: no I/O, no torch.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel, ring_comm_time
 from dreamp2p.schedule.plan import Plan, total_exposed
@@ -64,3 +68,27 @@ def choose_plan_codec(
             return choice
         choices.append(choice)
     return min(choices, key=lambda c: (c.exposed_s, c.busy_fraction))
+
+
+def choose_anchor_codec(
+    candidates: Sequence[tuple[str, float]],
+    costs: Sequence[LayerCost],
+    link: LinkModel,
+    H: int,
+    plan: Plan,
+    link_budget: float,
+) -> str:
+    """The least lossy of ``candidates`` (least lossy first) whose anchors, every sync of ``plan`` at once,
+    keep the link busy at most ``link_budget`` of the period; the most compressive if none does.
+
+    ``plan`` was made for the pseudo-gradients' size: an anchor may outlast its delay, but anchors follow
+    only a failed check, so the link's share is what bounds the choice, not hiding.
+    """
+    if not candidates:
+        raise ValueError("no candidate codecs")
+    if not 0.0 < link_budget <= 1.0:
+        raise ValueError(f"link_budget must be in (0, 1], got {link_budget!r}")
+    for name, ratio in candidates:
+        if link_busy_fraction(costs, replace(link, codec_ratio=ratio), H, plan) <= link_budget:
+            return name
+    return candidates[-1][0]

@@ -8,7 +8,8 @@ deterministic planner on them at the same step, so no plan needs to be sent.
 Codec per plan (bandwidth-aware compression, arXiv 2408.14736): with ``plan_codecs`` (least lossy first),
 a plan is made for each candidate's wire size and the least lossy candidate is taken whose plan hides
 every sync within the link budget; per-link codecs (``link_codecs``) are re-chosen from the gathered
-link bandwidths instead.
+link bandwidths instead. With pseudo-gradients (``delta_codec``) the plan is made for their size and the
+plan codecs carry only the anchors.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import plan_dreamddp
 from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs, wire_ratio
 from dreamp2p.schedule.plan import Plan
-from dreamp2p.schedule.plancodec import choose_plan_codec
+from dreamp2p.schedule.plancodec import choose_anchor_codec, choose_plan_codec
 from dreamp2p.sync.base import settled
 from dreamp2p.sync.groups import GROUP_CONTROL
 from dreamp2p.sync.layers import FlatGroup
@@ -132,7 +133,9 @@ class Replanner:
 
     def __init__(self, cfg: SyncConfig) -> None:
         self.cfg = cfg
-        self.ratio = wire_ratio(cfg.codec)
+        # wire bytes per fp32 byte the plan's syncs are priced at: the pseudo-gradients' codec where they
+        # are on (anchors, in the plan codecs, follow only a failed check), else the base codec
+        self.ratio = wire_ratio(cfg.delta_codec or cfg.codec)
         self.basis_bw = math.nan
         self.changed = 0
         self.quiet = 0  # control rounds in a row, since the last change or re-plan, that saw the link steady
@@ -240,6 +243,16 @@ class Replanner:
                 round_cost_s=cfg.round_cost_s,
             )
 
+        if cfg.delta_codec:
+            # the plan's syncs are pseudo-gradients in delta_codec: plan for their size; the plan codecs carry
+            # only the anchors that follow a failed check
+            plan = make_plan(req.link)  # priced at delta_codec's size (`self.ratio`)
+            if not cfg.plan_codecs or cfg.link_codecs:
+                return plan, cfg.codec
+            candidates = [(c, wire_ratio(c)) for c in cfg.plan_codecs]
+            anchor = choose_anchor_codec(candidates, list(req.costs), req.link, cfg.period, plan, cfg.codec_link_budget)
+            log.info("plan v%d: pseudo-gradients in %s, anchors in %s", req.version, cfg.delta_codec, anchor)
+            return plan, anchor
         if not cfg.plan_codecs or cfg.link_codecs:  # per-link codecs replace the per-plan choice
             return make_plan(req.link), cfg.codec
         candidates = [(c, wire_ratio(c)) for c in cfg.plan_codecs]

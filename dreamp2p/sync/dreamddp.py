@@ -18,8 +18,9 @@ asking) a layer's pseudo-gradient sync carries a 17-element round beside it: a f
 of each member's theta and momentum. Where all agree, the sync lands as any other. Where any differs (a
 partition, each side averaging alone; a round one member lost; a fresh node), nobody applies it, and the
 layer's next sync is an anchor: it averages the parameters themselves with the plan's codec, with a check
-of its own, and every member resets theta to the parameter mean and the momentum to zero, identically. The
-syncs of the first period are anchors too (every theta is fresh there). Pseudo-gradients would otherwise
+of its own, and every member resets theta to the parameter mean and the momentum to zero, identically.
+Theta starts at attach from the parameters rank 0 broadcast, so the first period sends pseudo-gradients too
+(and checks them: a member that skipped the broadcast is found there). Pseudo-gradients would otherwise
 need theta bit-identical on every member for good; checking first keeps the anchors' parameter bytes (twice
 a 4-bit pseudo-gradient's) off the wire while the members agree, which is nearly always.
 
@@ -90,6 +91,8 @@ def plan_summary(s: DreamDDP) -> str:
         lines.append(f"h{h}: " + (", ".join(parts) if parts else "-"))
     if s.ring_codecs is not None and s.ring_codecs.send:
         lines.append(f"link codecs: {', '.join(s.ring_codecs.send)}; all-gather {s.ring_codecs.gather}")
+    elif s.sync_codec != s.plan_codec:
+        lines.append(f"codec: {s.sync_codec} pseudo-gradients, {s.plan_codec} anchors")
     else:
         lines.append(f"codec: {s.plan_codec}")
     return "\n".join(lines)
@@ -122,10 +125,11 @@ class DreamDDP(Strategy):
         self._replanner = Replanner(self.cfg)
         # (plan, link codecs) -> plan_summary text and the plan's digest
         self._summary: tuple[object, str, int] = (None, "", 0)
-        # per layer: outer weights theta and momentum; created at the layer's first launch from the local
-        # parameters and made equal on every member at the first anchor (see the module docstring)
+        # per layer: outer weights theta and momentum, from the parameters rank 0 just broadcast: equal on
+        # every member, which the first period's checks confirm (see the module docstring)
         lr, mu = self.cfg.group_outer
         self._weights = OuterWeights(self.layers, lr, mu)
+        self._weights.start()
         # codec of each plan's layer syncs (plan version -> name); warm-up syncs use the most compressive
         # candidate, since the link is not measured yet
         self._plan_codecs: dict[int, str] = {0: self.cfg.plan_codecs[-1] if self.cfg.plan_codecs else self.cfg.codec}
@@ -181,7 +185,7 @@ class DreamDDP(Strategy):
             group = FlatGroup([p for li in sync.layers for p in self.layers[li].params], pin=self.pin)
             self._groups[key] = group
         gid = plan_sync_group(self.plan.version, idx)
-        if self._averages_params(sync.layers, self.step_count):
+        if self._averages_params(sync.layers):
             self._launch_anchor(sync, key, group, gid)
             return
         group.snapshot()
@@ -206,10 +210,10 @@ class DreamDDP(Strategy):
         """Whether a sync launched at ``step`` checks the outer weights (decided from the step: agreed by all)."""
         return (step // self.cfg.period) % self.cfg.anchor_every == 0
 
-    def _averages_params(self, layers: tuple[int, ...], step: int) -> bool:
-        """Whether a sync of ``layers`` launched at ``step`` is an anchor, from agreed memory only: always
-        without a delta codec; in the first period, where every theta is fresh; where a check asked for it."""
-        return not self.cfg.delta_codec or step < self.cfg.period or self._weights.needs_anchor(layers)
+    def _averages_params(self, layers: tuple[int, ...]) -> bool:
+        """Whether a sync of ``layers`` is an anchor, from agreed memory only: always without a delta codec;
+        otherwise where a check asked for it."""
+        return not self.cfg.delta_codec or self._weights.needs_anchor(layers)
 
     def _check_round(
         self, layers: tuple[int, ...], gid: int
@@ -242,8 +246,13 @@ class DreamDDP(Strategy):
 
     @property
     def plan_codec(self) -> str:
-        """The codec of the layer syncs of the plan in force."""
+        """The codec of the plan in force's anchors (of all its layer syncs without a delta codec)."""
         return self._plan_codecs.get(self.plan.version, self.cfg.codec)
+
+    @property
+    def sync_codec(self) -> str:
+        """The codec nearly all layer syncs use, the one plans are priced at: the pseudo-gradients'."""
+        return self.cfg.delta_codec or self.plan_codec
 
     def _land(self, inf: InFlight, timeout: float | None = None) -> None:
         """Wait for a sync (and an anchor's check round) and merge it; a failed one is skipped everywhere."""

@@ -47,7 +47,8 @@ def anchor_verdict(mean: torch.Tensor) -> str:
 
 
 class OuterWeights:
-    """Theta and momentum of each layer, created from the local parameters at the layer's first use."""
+    """Theta and momentum of each layer: from the parameters at attach (`start`), or from the local
+    parameters at the layer's first use after a resume that had none (then fresh)."""
 
     def __init__(self, layers: Sequence[Layer], lr: float, momentum: float) -> None:
         self._layers = layers
@@ -59,6 +60,19 @@ class OuterWeights:
         # same check, and the set is checkpointed)
         self._repair: set[int] = set()
         self.anchors_healed = 0  # anchors that found the members' thetas different
+
+    def start(self) -> None:
+        """Theta of every layer from the current parameters, as agreed memory (not fresh).
+
+        Called once at attach, right after rank 0's parameters were broadcast, so every member starts from
+        the same theta and the first period's syncs can send pseudo-gradients. Where a member did not take
+        the broadcast (different initial parameters), the first period's checks see the digests differ and
+        the layers' next syncs are anchors, as after any drift.
+        """
+        for li in range(len(self._layers)):
+            if li not in self._outer:
+                self.theta(li)
+                self._fresh.discard(li)
 
     def theta(self, li: int) -> torch.Tensor:
         """Layer ``li``'s outer weights, created from the local parameters on first use (then fresh)."""

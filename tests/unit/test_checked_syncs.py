@@ -1,6 +1,6 @@
 """DreamDDP's checked pseudo-gradients: every ``anchor_every``-th period a layer sync sends its 4-bit
 pseudo-gradient with a 17-element check of the members' outer weights, and the parameters themselves travel
-(an anchor) only in the first period and in the next sync of layers whose check found the members apart."""
+(an anchor) only in the next sync of layers whose check found the members apart."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from dreamp2p.sync.dreamddp import DreamDDP
+from dreamp2p.sync.dreamddp import DreamDDP, plan_summary
 from dreamp2p.sync.groups import GROUP_PLAN_BASE, MAX_PLAN_SYNCS, SYNCS_PER_PLAN
 from dreamp2p.sync.inflight import InFlight
 from dreamp2p.sync.inprocess import InProcessHub, RoundRecord
@@ -42,19 +42,48 @@ def set_apart(s: DreamDDP, how: str) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_members_that_agree_send_no_parameters_after_the_first_period(world: int) -> None:
+def test_members_that_agree_never_send_parameters(world: int) -> None:
     hub = InProcessHub(world, goodput_Bps=50e6, rtt_s=0.001)
     cfg = config("dreamddp", period=4, max_delay=2, anchor_every=2)
     strategies = members(hub, cfg)
-    train(strategies, 4)  # period 0: every theta is fresh, so its syncs are anchors
+    train(strategies, 4)  # period 0: theta comes from the (equal) parameters at attach, and is checked
     first = len(hub.rounds)
-    assert {kind(r) for r in layer_rounds(hub)} == {"anchor", "check"}
+    assert {kind(r) for r in layer_rounds(hub)} == {"pseudo-gradient", "check"}
     train(strategies, 28)  # periods 1-7: checks in the even ones
     later = layer_rounds(hub, first)
     assert {kind(r) for r in later} == {"pseudo-gradient", "check"}
-    assert {r.codec for r in later if kind(r) == "pseudo-gradient"} == {cfg.delta_codec}
+    assert {r.codec for r in layer_rounds(hub) if kind(r) == "pseudo-gradient"} == {cfg.delta_codec}
     assert 0 < sum(kind(r) == "check" for r in later) < sum(kind(r) == "pseudo-gradient" for r in later)
     assert all(isinstance(s, DreamDDP) and not s.repair_layers and s.anchors_healed == 0 for s in strategies)
+    each(strategies, lambda rank, s: s.flush())
+    assert len({digest(s) for s in strategies}) == 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_members_that_start_from_different_parameters_are_found_in_the_first_period(world: int) -> None:
+    """No broadcast at attach (``broadcast=False`` with unequal inits): the first period's checks see the
+    outer weights differ, nothing is applied, and the next syncs are anchors that make the members equal."""
+    hub = InProcessHub(world, goodput_Bps=50e6, rtt_s=0.001)
+    cfg = config("dreamddp", period=4, max_delay=2, anchor_every=2)
+    strategies = []
+    for rank in range(world):
+        model = make_model()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * rank)
+        strategies.append(DreamDDP(model, torch.optim.SGD(model.parameters(), lr=0.05), hub.member(rank), cfg))
+    train(strategies, 4)
+    assert "anchor" not in {kind(r) for r in layer_rounds(hub)}
+    since = len(hub.rounds)
+    train(strategies, 8)  # the checks land within their delay; the layers' next syncs are anchors
+    assert "anchor" in {kind(r) for r in layer_rounds(hub, since)}
+    assert all(not s.repair_layers for s in strategies)
+    healed = {s.anchors_healed for s in strategies}
+    assert len(healed) == 1 and healed.pop() > 0  # every member counted the same drift
+    thetas = [outer_weights(s) for s in strategies]
+    for other in thetas[1:]:
+        for got, want in zip(other, thetas[0], strict=True):
+            assert torch.equal(got, want)
     each(strategies, lambda rank, s: s.flush())
     assert len({digest(s) for s in strategies}) == 1
 
@@ -124,3 +153,13 @@ def test_a_restored_sync_keeps_what_it_averaged(extra: dict[str, Any], anchor: b
     assert (inf.check is not None) is ("check" in extra)
     rec = inf.record(1.0)
     assert rec is not None and rec["anchor"] is anchor
+
+
+@pytest.mark.parametrize(
+    ("delta", "line"), [("int4", "codec: int4 pseudo-gradients, int8 anchors"), ("", "codec: int8")]
+)
+def test_the_status_plan_summary_names_what_the_syncs_send(delta: str, line: str) -> None:
+    s = members(InProcessHub(1), config("dreamddp", delta_codec=delta, plan_codecs=("int8",)))[0]
+    assert isinstance(s, DreamDDP)
+    assert plan_summary(s).splitlines()[-1] == line
+    assert s.sync_codec == (delta or "int8")

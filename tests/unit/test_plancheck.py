@@ -130,7 +130,7 @@ def test_plan_args_are_what_a_user_gives_for_dreamddp_defaults() -> None:
         "rtt": "80ms",
         "period": 20,
         "max-delay": 19,
-        "codec": "int8",
+        "codec": "int4",  # the pseudo-gradients' codec, which a run's planner prices its syncs at
     }
     assert pt.plan_command(args).startswith("dreamp2p plan --params 3323648 --layers 28 --step-time 0.4 ")
 
@@ -152,7 +152,7 @@ def test_user_prediction_falls_with_the_link() -> None:
     # nothing exposed on 10 Gbit/s: the step is compute plus the round cost of 2 staggered groups per period
     assert fast.step_s == pytest.approx(1 / 3.0 + pt.RUN_DEFAULTS.round_cost_s * 2 / 20)
     assert fast.utilization > 0.95
-    # 1 Mbit/s carries int8's ~3.5 MB of a 20-step period in ~28 s against 6.7 s of compute
+    # 1 Mbit/s carries int4's ~1.9 MB of a 20-step period in ~15 s against 6.7 s of compute
     assert slow.utilization < 0.5
     assert slow.step_s > 2 * fast.step_s
 

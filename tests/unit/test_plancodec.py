@@ -1,4 +1,5 @@
-"""The per-plan codec choice of DreamDDP (pure): least lossy candidate that hides within the link budget."""
+"""The per-plan codec choice of DreamDDP (pure): least lossy candidate that hides within the link budget; with
+pseudo-gradients, the anchors' codec for a plan made for the pseudo-gradients' size."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import plan_dreamddp
 from dreamp2p.schedule.plan import Plan
-from dreamp2p.schedule.plancodec import choose_plan_codec
+from dreamp2p.schedule.plancodec import choose_anchor_codec, choose_plan_codec, link_busy_fraction
 
 CANDIDATES = [("fp32", 1.0), ("bf16", 0.5), ("int8", 0.265625), ("int4", 0.140625)]
 # 16 layers of 0.83 MB (a 3.3M-parameter model), 25 ms fwd + 50 ms bwd each: 1.2 s per step
@@ -55,3 +56,33 @@ def test_choice_is_the_first_candidate_that_qualifies() -> None:
 def test_bad_arguments_are_refused(candidates: list[tuple[str, float]], budget: float) -> None:
     with pytest.raises(ValueError):
         choose_plan_codec(candidates, COSTS, LinkModel(1e6, 0.0, 2), H, _plan(COSTS), budget)
+
+
+@pytest.mark.parametrize(
+    ("bandwidth_Bps", "budget", "expected"),
+    [
+        (1e9, 0.25, "fp32"),
+        # the int4 plan's syncs at 20 Mbit/s, 80 ms RTT: all anchors in fp32 would keep the link 36% busy
+        (2.5e6, 0.25, "bf16"),
+        (2.5e6, 0.16, "int8"),
+        (2.5e6, 0.05, "int4"),  # nothing within the budget: the most compressive
+        (0.2e6, 0.25, "int4"),
+    ],
+)
+def test_anchor_codec_is_the_least_lossy_within_budget_for_the_pseudo_gradient_plan(
+    bandwidth_Bps: float, budget: float, expected: str
+) -> None:
+    link = LinkModel(bandwidth_Bps, 0.08, 2, codec_ratio=CANDIDATES[-1][1], margin=1.3)
+    plan = _plan(COSTS)(link)  # made for int4 pseudo-gradients
+    codec = choose_anchor_codec(CANDIDATES, COSTS, link, H, plan, budget)
+    assert codec == expected
+    ratio = dict(CANDIDATES)[codec]
+    busy = link_busy_fraction(COSTS, LinkModel(bandwidth_Bps, 0.08, 2, codec_ratio=ratio, margin=1.3), H, plan)
+    assert busy <= budget or codec == CANDIDATES[-1][0]
+
+
+@pytest.mark.parametrize(("candidates", "budget"), [([], 0.25), (CANDIDATES, 0.0), (CANDIDATES, 1.5)])
+def test_anchor_codec_refuses_bad_arguments(candidates: list[tuple[str, float]], budget: float) -> None:
+    link = LinkModel(1e6, 0.0, 2)
+    with pytest.raises(ValueError):
+        choose_anchor_codec(candidates, COSTS, link, H, _plan(COSTS)(link), budget)

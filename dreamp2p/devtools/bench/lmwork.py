@@ -228,7 +228,7 @@ def lm_job(
         out["controls"] = [[step, _mb(bw), _mb(goodput)] for step, bw, goodput in sync.controls_seen]
         # the plan in force, the profile and link it was made from, and its codec: `bench plancheck`
         # replays the planner's prediction on exactly these inputs
-        out["plan_report"] = {**sync.plan_report(), "codec": sync.plan_codec}
+        out["plan_report"] = {**sync.plan_report(), "codec": sync.sync_codec, "anchor_codec": sync.plan_codec}
     sync.close()
     return w.evaluate(out)
 
