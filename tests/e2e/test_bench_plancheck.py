@@ -27,7 +27,7 @@ def test_plancheck_tiny_point(tmp_path: Path) -> None:
     assert row["measured_step_s"] > 0 and row["ceiling_step_s"] > 0
     assert 0 < row["plan_cu"] <= 1
     assert row["measured_cu"] == pytest.approx(row["ceiling_step_s"] / row["measured_step_s"], rel=1e-2)
-    assert "--peers 2 --link 100mbit --rtt 0ms --period 3 --max-delay 2 --codec int8" in row["plan_command"]
+    assert "--peers 2 --link 100mbit --rtt 0ms --period 3 --max-delay 2 --codec int4" in row["plan_command"]
     assert row["adopted_step_s"] >= 0  # the plan in force at the end, replayed
     assert row["ceiling_drift"] > -1  # the ceiling measured again after the point
     assert res["summary"]["points"] == 1
