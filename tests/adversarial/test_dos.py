@@ -139,6 +139,7 @@ class Flood:
         self.pool_full = asyncio.Event()
         self.connection_full = asyncio.Event()
         self.silent_closed = asyncio.Event()
+        self.claim_refused = asyncio.Event()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -157,12 +158,21 @@ class Flood:
                     self.connection_full.set()
                 if what.endswith(" first_frame_timeout_s"):
                     self.silent_closed.set()
+                if what.endswith(" claim"):
+                    self.claim_refused.set()
             await asyncio.sleep(2.0)  # holding is the attack, not a flood of new calls
 
     async def start(self, silent: int, claiming: int) -> None:
-        """Open every call: first those of one connection, until its cap refuses some, then all others."""
+        """Open every call: first those of one connection, until its cap refuses some, then all others.
+        Silent and claiming calls interleave, so both kinds are among the first the shared pool admits (a
+        claiming call opened only after the pool filled could be refused for the pool every time)."""
         forged = [data_frame("p0", 900)]
-        slots = [(i, [] if i < silent else forged) for i in range(silent + claiming)]
+        total = silent + claiming
+
+        def claims(i: int) -> bool:  # exactly ``claiming`` of the ``total``, evenly spread
+            return (i + 1) * claiming // total > i * claiming // total
+
+        slots = [(i, forged if claims(i) else []) for i in range(total)]
         n = len(self.channels)
         for first in (True, False):
             for i, frames in slots:
@@ -217,10 +227,12 @@ async def test_members_train_through_a_token_holders_flood() -> None:
         flood = Flood(victim.address, connections=16)
         try:
             await flood.start(silent=400, claiming=300)
-            # the attack in full swing: the shared pool is full, and silent streams it held have been closed
+            # the attack in full swing: the shared pool is full, silent streams it held have been closed,
+            # and a call claiming p0 has been refused for its claim
             # (no time limit of their own: the module's pytest timeout is the hang guard)
             await flood.pool_full.wait()
             await flood.silent_closed.wait()
+            await flood.claim_refused.wait()
             for step in range(2, 8):
                 # forged "failed" votes for the next round, before it opens: counted, they would fail it
                 votes = await forge_votes(victim.address, step, 100, 16)
