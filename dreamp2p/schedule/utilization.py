@@ -239,7 +239,9 @@ PAPER_WORKLOADS = (
 
 
 def paper_methods(period: int = PAPER_PERIOD, tau: int = PAPER_OVERLAP, delay: int | None = None) -> tuple[Method, ...]:
-    """The table's rows: data-parallel fp32/bf16, DiLoCo, Streaming DiLoCo fp32/4-bit, DreamDDP (delay <= H-1)."""
+    """The table's rows: data-parallel fp32/bf16, DiLoCo, Streaming DiLoCo fp32/4-bit, DreamDDP fp32/4-bit
+    (delay <= H-1). DreamDDP's 4-bit row is what a dreamp2p run sends between its rare anchors: 4-bit
+    pseudo-gradients."""
     d = period - 1 if delay is None else delay
     return (
         Method("data-parallel fp32", "data-parallel", RATIO_FP32),
@@ -248,6 +250,7 @@ def paper_methods(period: int = PAPER_PERIOD, tau: int = PAPER_OVERLAP, delay: i
         Method(f"Streaming DiLoCo fp32 H={period} tau={tau}", "streaming", RATIO_FP32, period, overlap=tau),
         Method(f"Streaming DiLoCo 4-bit H={period} tau={tau}", "streaming", RATIO_4BIT, period, overlap=tau),
         Method(f"DreamDDP fp32 H={period} d<={d}", "dreamddp", RATIO_FP32, period, overlap=d),
+        Method(f"DreamDDP 4-bit H={period} d<={d}", "dreamddp", RATIO_4BIT, period, overlap=d),
     )
 
 
