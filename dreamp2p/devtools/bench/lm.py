@@ -43,6 +43,10 @@ Measured per strategy (per region, then combined over regions):
   process's CPU time with ``comm=process`` (a variant key routed to ``[node] comm``); and
   ``comm_cpu_s_per_mb`` = total comm CPU / total ``mb_sent`` (null below 0.1 MB); ``comm``: "thread" or
   "process", where the peer ran;
+- ``train_cpu_s``: CPU time of the training thread during the loop, mean over regions (the ceiling's too):
+  against the ceiling's, what the trainer itself does more per run (hooks, launching and landing syncs, and
+  compute made slower by caches and memory bandwidth shared with the comm path); wall time beyond it is
+  time the trainer waited for a core or the GIL, or for an exposed sync;
 - ``time_to_target_s``: the first loop time (slowest region's clock) at which the region-mean held-out loss,
   evaluated every ``eval_every`` = ceil(steps / 10) steps, is <= ``target_loss`` (default: the final
   held-out loss of ``none``, or of the ceiling if ``none`` is not run, times 1.02). To keep evaluation out
@@ -122,6 +126,7 @@ def _summarize(res: list[dict[str, Any]], steps: int, wire_run: list[int] | None
         "mb_sent": _r(mb / len(res), 3),
         "payload_mb_sent": _r(sum(r["bytes_sent"] for r in res) / 1e6 / len(res), 3),
         "comm_cpu_s": _r(cpu / len(res), 3),
+        "train_cpu_s": _r(_mean([r["train_cpu_s"] for r in res]), 3),
         "comm_cpu_s_per_mb": _r(cpu / mb, 4) if mb >= 0.1 else None,
         "comm": res[0]["comm"],  # where the peer ran: "thread" or "process" ([node] comm)
         "identical_replicas": len({r["digest"] for r in res}) == 1,
@@ -269,6 +274,7 @@ def _ceiling_summary(
         "heldout_loss": _r(ceiling_curve[-1][2]),
         "heldout_loss_regions": [_r(r["heldout_loss"]) for r in ceiling_res],
         "train_loss_last10": _r(_mean([r["train_loss_last10"] for r in ceiling_res])),
+        "train_cpu_s": _r(_mean([r["train_cpu_s"] for r in ceiling_res]), 3),
         "time_to_target_s": _r(_time_to(ceiling_curve, target), 3),
         "curve": [[s, _r(t, 3), _r(loss)] for s, t, loss in ceiling_curve],
     }

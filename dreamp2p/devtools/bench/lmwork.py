@@ -149,7 +149,7 @@ class _Workload:
         steps, device, every = a["steps"], a["device"], eval_every(a["steps"])
         snaps: list[tuple[int, float, list[torch.Tensor]]] = []
         losses: list[float] = []
-        clock = 0.0
+        clock = copies = 0.0
         wire0 = read_tx_bytes(wire_dev) if wire_dev else 0
         cpu0, thread0 = time.process_time(), time.thread_time()
         t = time.perf_counter()
@@ -163,17 +163,22 @@ class _Workload:
             if (k + 1) % every == 0 and k + 1 < steps:
                 _sync_device(device)
                 clock += time.perf_counter() - t
+                copy0 = time.thread_time()
                 snaps.append((k + 1, clock, [p.detach().clone() for p in model.parameters()]))
+                copies += time.thread_time() - copy0  # not training: off the trainer's CPU as off its clock
                 t = time.perf_counter()
         _sync_device(device)
         clock += time.perf_counter() - t
-        comm_cpu = (time.process_time() - cpu0) - (time.thread_time() - thread0)
+        thread = time.thread_time() - thread0
+        comm_cpu = (time.process_time() - cpu0) - thread
+        train_cpu = thread - copies
         wire = read_tx_bytes(wire_dev) - wire0 if wire_dev else None
         snaps.append((steps, clock, [p.detach().clone() for p in model.parameters()]))
         tail = losses[-10:]
         return {
             "wall_s": clock,
             "comm_cpu_s": max(0.0, comm_cpu),
+            "train_cpu_s": train_cpu,
             "wire_bytes": wire,
             "train_loss_last10": sum(tail) / len(tail) if tail else None,
             "snaps": snaps,

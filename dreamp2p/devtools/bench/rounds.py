@@ -33,6 +33,7 @@ AVERAGED = (
     "mb_sent",
     "payload_mb_sent",
     "comm_cpu_s",
+    "train_cpu_s",
 )
 # what each round's entry in a combined row's ``runs`` keeps
 PER_ROUND = ("steps_per_s", "compute_utilization", "heldout_loss", "mb_sent", "ceiling_steps_per_s")
