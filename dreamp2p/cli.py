@@ -181,16 +181,17 @@ def _plan_target(args: argparse.Namespace) -> int:
 
     from dreamp2p.compression import get_codec
     from dreamp2p.config import parse_duration, parse_rate
-    from dreamp2p.config.sync import SyncConfig
+    from dreamp2p.config.sync import SyncConfig, dreamddp_settings
     from dreamp2p.schedule.cost import LinkModel
     from dreamp2p.schedule.linkcodec import wire_ratio
-    from dreamp2p.schedule.recommend import SEARCH_CODECS, SEARCH_PERIODS, recommend
+    from dreamp2p.schedule.recommend import SEARCH_PERIODS, recommend
     from dreamp2p.schedule.whatif import uniform_costs
 
     run = SyncConfig()  # a recommendation must keep the headroom a dreamddp run demands of its plans
     costs = uniform_costs(args.params, args.layers, args.step_time)
     link = LinkModel(parse_rate(args.link), parse_duration(args.rtt), args.peers, margin=run.link_margin)
-    codecs = [get_codec(c).name for c in ((args.codec,) if args.codec else SEARCH_CODECS)]
+    # unpinned: what a run sends by default (4-bit pseudo-gradients), the fewest bytes at the same loss
+    codecs = [get_codec(c).name for c in ((args.codec,) if args.codec else (run.delta_codec,))]
     periods = (args.period,) if args.period else SEARCH_PERIODS
     rec = recommend(
         costs,
@@ -202,10 +203,12 @@ def _plan_target(args: argparse.Namespace) -> int:
         round_cost_s=run.round_cost_s if args.round_cost is None else args.round_cost,
         link_budget=run.codec_link_budget,
     )
+    settings = dreamddp_settings(rec.best.codec, rec.best.period, rec.best.delay) if rec.best else None
     result = {
         "target_cu": rec.target,
         "reached": rec.best is not None,
         "recommendation": asdict(rec.best) if rec.best else None,
+        "sync": settings,  # the [sync] table that runs it
         "closest": asdict(rec.closest) if rec.closest else None,
         "needed_gbit_s": None if rec.needed_Bps is None else round(rec.needed_Bps * 8 / 1e9, 6),
         "needed_for": rec.needed_for,
@@ -222,19 +225,22 @@ def _plan_target(args: argparse.Namespace) -> int:
         grid = ", ".join(map(str, sorted(set(periods))))
         print(
             f"searched DreamDDP settings: codecs {', '.join(codecs)}; periods {grid}; delays {delays} "
-            f"({rec.evaluated} planner runs; preferred: the least lossy codec, then the smallest period, then the "
-            "smallest delay)"
+            f"({rec.evaluated} planner runs; preferred: the smallest period, then the smallest delay)"
         )
-        if rec.best:
+        if rec.best and settings:
             b = rec.best
+            what = "pseudo-gradients" if settings["delta_codec"] else "parameters"
             print(
-                f"recommended: codec {b.codec}, period {b.period}, max delay {b.delay}, {b.fragments} fragments "
-                "(all-reduce groups per period)"
+                f"recommended: codec {b.codec} ({what}), period {b.period}, max delay {b.delay}, {b.fragments} "
+                "fragments (all-reduce groups per period)"
             )
             print(
                 f"predicted: utilization {b.utilization:.3f}, step {b.step_time_s:.3f} s, "
                 f"{b.bytes_per_step / 1e6:.2f} MB/step per peer"
             )
+            print("as a node's settings:\n[sync]")
+            for key, value in settings.items():
+                print(f"{key} = {json.dumps(value)}")
         else:
             print(rec.message)
     print(json.dumps(result))
@@ -365,8 +371,8 @@ def _add_plan_parser(sub: Any) -> None:
         type=str.lower,
         choices=CODEC_NAMES,
         default=None,
-        help="codec DreamDDP's layer syncs are priced at: a run's int4 pseudo-gradients (--target-cu: searched "
-        "among fp32, bf16, int8, every sync in it)",
+        help="codec DreamDDP's layer syncs are priced at: a run's int4 pseudo-gradients (--target-cu too, unless "
+        "given: 4-bit and sparse codecs carry pseudo-gradients, fp32/fp16/bf16/int8 the parameters themselves)",
     )
     pl.add_argument(
         "--max-delay",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from dreamp2p.config.codecs import CODEC_NAMES, check_link_codecs, is_sparse
+from dreamp2p.config.codecs import CODEC_NAMES, canonical_codec, check_link_codecs, is_sparse, wire_rank
 
 STRATEGIES = ("none", "ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp")
 # How model buffers (BatchNorm running statistics, any registered buffer) are kept equal across members
@@ -252,3 +252,25 @@ class SyncConfig:
         if unknown:
             raise ValueError(f"unknown key sync.{unknown[0]}; allowed keys: {', '.join(sorted(known))}")
         return SyncConfig(**data)
+
+
+def dreamddp_settings(codec: str, period: int, max_delay: int) -> dict[str, Any]:
+    """The ``[sync]`` settings that run DreamDDP's layer syncs in ``codec`` every ``period`` steps, landing at
+    most ``max_delay`` steps late (what ``dreamp2p plan --target-cu`` recommends, in a user's words).
+
+    A 4-bit or sparse codec carries pseudo-gradients (``delta_codec``, the default mode; a sparse one only
+    with error feedback): 4 bits of a weight are too coarse, 4 bits of an update are not. A wider codec
+    averages the parameters themselves (``delta_codec = ""``, ``plan_codecs = [codec]``).
+    """
+    name = canonical_codec(codec)
+    out: dict[str, Any] = {"strategy": "dreamddp", "period": period, "max_delay": max_delay}
+    if wire_rank(name) >= wire_rank("int4"):
+        out["delta_codec"] = name
+        if is_sparse(name):
+            out["error_feedback"] = True
+    else:
+        out.update(delta_codec="", plan_codecs=[name])
+    if period <= SyncConfig.stream_delay:  # checked for every strategy: Streaming DiLoCo's delay < the period
+        out["stream_delay"] = 0
+    SyncConfig.from_dict(out)  # a ValueError here, not in the run it is pasted into
+    return out

@@ -53,10 +53,8 @@ RATIO_FP32, RATIO_BF16, RATIO_4BIT = 1.0, 0.5, 0.125
 # Bisection brackets in bytes/s: 1 B/s .. 1e30 B/s (a stand-in for "infinite" that LinkModel accepts).
 _LOW_BPS, _INFINITE_BPS = 1.0, 1e30
 _BISECT_REL = 1e-9
-# Periods the target search tries when --period does not pin one; DreamDDP codec candidates, least lossy first
-# (the same order as SyncConfig.plan_codecs: raw weights are averaged, so no 4-bit codec).
+# Periods the target search tries when --period does not pin one.
 SEARCH_PERIODS = (1, 2, 5, 10, 20, 50, 100)
-SEARCH_CODECS = ("fp32", "bf16", "int8")
 
 
 def _real(name: str, value: float, low: float, high: float = math.inf, open_low: bool = True) -> None:

@@ -43,6 +43,16 @@ def test_plancheck_target_cu_runs_the_recommendation() -> None:
     assert best is not None  # 100 Mbit/s carries the tiny model at any period
     assert "--target-cu 0.5" in row["recommendation"]["command"]
     assert row["steps"] >= 5 * best["period"]
+    # run as the [sync] settings plan --target-cu prints: the default mode, 4-bit pseudo-gradients
+    assert best["codec"] == "int4"
+    assert row["sync"] == {
+        "strategy": "dreamddp",
+        "period": best["period"],
+        "max_delay": best["delay"],
+        "delta_codec": "int4",
+        **({"stream_delay": 0} if best["period"] == 1 else {}),
+    }
+    assert "int4 pseudo-gradients" in row["plan"]
     assert row["measured_cu"] > 0
     assert row["met"] is (row["measured_cu"] >= 0.45)
     assert row["own_cu"] is not None and row["ceiling_after_steps_per_s"] > 0

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from dreamp2p.config import PeerConfig, TransportConfig, parse_duration, parse_rate
+from dreamp2p.config.sync import SyncConfig, dreamddp_settings
 
 
 @pytest.mark.parametrize(
@@ -154,3 +156,37 @@ def test_link_codecs_from_a_toml_array_become_a_tuple() -> None:
 
     cfg = SyncConfig.from_dict({"link_codecs": ["fp32", "bf16", "int8"]})
     assert cfg.link_codecs == ("fp32", "bf16", "int8")
+
+
+@pytest.mark.parametrize(
+    ("codec", "period", "delay", "expected"),
+    [
+        ("int4", 20, 4, {"delta_codec": "int4"}),
+        ("E3M0", 10, 9, {"delta_codec": "e3m0"}),
+        ("topk", 10, 2, {"delta_codec": "topk", "error_feedback": True}),
+        ("int8", 20, 19, {"delta_codec": "", "plan_codecs": ["int8"]}),
+        ("fp32", 50, 0, {"delta_codec": "", "plan_codecs": ["fp32"]}),
+        ("bf16", 1, 0, {"delta_codec": "", "plan_codecs": ["bf16"], "stream_delay": 0}),
+    ],
+)
+def test_dreamddp_settings_say_which_field_carries_the_codec(
+    codec: str, period: int, delay: int, expected: dict[str, object]
+) -> None:
+    settings = dreamddp_settings(codec, period, delay)
+    assert settings == {"strategy": "dreamddp", "period": period, "max_delay": delay, **expected}
+    cfg = SyncConfig.from_dict(settings)  # what a node would load from them
+    assert (cfg.period, cfg.delay_cap) == (period, delay)
+    assert cfg.delta_codec == expected["delta_codec"]
+
+
+@pytest.mark.parametrize(
+    ("codec", "period", "delay", "message"),
+    [
+        ("int4", 5, 5, "sync.max_delay (5) must be < sync.period (5)"),
+        ("int4", 0, 0, "sync.period must be >= 1"),
+        ("zstd9", 20, 4, "unknown codec 'zstd9'"),
+    ],
+)
+def test_dreamddp_settings_refuse_what_a_run_would(codec: str, period: int, delay: int, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dreamddp_settings(codec, period, delay)

@@ -7,10 +7,12 @@ import json
 import math
 import subprocess
 import sys
+import tomllib
 from typing import Any
 
 import pytest
 
+from dreamp2p.config.sync import SyncConfig
 from dreamp2p.schedule.cost import LinkModel
 from dreamp2p.schedule.dreamddp import predict
 from dreamp2p.schedule.recommend import recommend
@@ -186,7 +188,7 @@ def test_bad_inputs_are_refused(bad: Any, message: str) -> None:
 
 
 def _all_settings(costs: list[Any], link: LinkModel, periods: tuple[int, ...]) -> list[tuple[int, int, int, float]]:
-    """(codec rank, period, delay, utilization) of every grid setting, planned exhaustively.
+    """(period, codec rank, delay, utilization) of every grid setting, planned exhaustively.
 
     The grid's delays are 0, the powers of two below H - 1, and H - 1 (the search does not try 3, 5, 6, ...).
     """
@@ -196,14 +198,24 @@ def _all_settings(costs: list[Any], link: LinkModel, periods: tuple[int, ...]) -
         for H in periods:
             for d in sorted({0, H - 1} | {2**i for i in range(H) if 2**i < H - 1}):
                 cu = predict(costs, lk, H, "dreamddp", max_delay=d, bubble_fill=False)["compute_utilization"]
-                out.append((rank, H, d, cu))
+                out.append((H, rank, d, cu))
     return out
 
 
 @pytest.mark.parametrize(
     ("rate_Bps", "rtt_s", "target"),
-    # chosen to land on every codec, several periods and delays: fp32 2/0, fp32 4/2, fp32 8/4, bf16 8/2, int8 8/1
-    [(1e9, 0.0, 0.95), (1e8, 0.05, 0.9), (5e7, 0.05, 0.95), (2e7, 0.0, 0.8), (2e7, 0.05, 0.9), (1e7, 0.0, 0.6)],
+    # chosen to land on every codec, several periods and delays: fp32 1/0, fp32 2/1, bf16 1/0, bf16 2/1, int8 2/1,
+    # int8 4/1, int8 8/1 (period first: a slower link takes a smaller codec before a longer period)
+    [
+        (2e9, 0.0, 0.95),
+        (3e8, 0.05, 0.9),
+        (1e9, 0.0, 0.95),
+        (1e8, 0.0, 0.9),
+        (1e8, 0.05, 0.9),
+        (5e7, 0.05, 0.95),
+        (2e7, 0.05, 0.9),
+        (1e7, 0.0, 0.6),
+    ],
 )
 def test_recommend_meets_the_target_and_takes_the_preferred_setting(
     rate_Bps: float, rtt_s: float, target: float
@@ -220,10 +232,19 @@ def test_recommend_meets_the_target_and_takes_the_preferred_setting(
     assert again["compute_utilization"] >= target
     assert again["compute_utilization"] == pytest.approx(best.utilization, rel=1e-9)
     assert 1 <= best.fragments <= 6 and best.delay < best.period
-    # the first setting in preference order (least lossy codec, smallest period, smallest delay) that reaches it
+    # the first setting in preference order (smallest period, codecs in the order given, smallest delay)
     reaching = [s for s in _all_settings(costs, link, periods) if s[3] >= target]
-    rank, H, d, _ = min(reaching)
+    H, rank, d, _ = min(reaching)
     assert (CODECS[rank][0], H, d) == (best.codec, best.period, best.delay)
+
+
+def test_recommend_takes_a_smaller_codec_before_a_longer_period() -> None:
+    # int8 reaches the target at period 2; fp32 only at 8: the period is what moves the loss
+    rec = recommend(uniform_costs(2e7, 6, 0.3), LinkModel(5e7, 0.0, 3), 0.9, CODECS, (1, 2, 4, 8))
+    assert rec.best is not None
+    assert (rec.best.codec, rec.best.period) == ("int8", 2)
+    fp32 = recommend(uniform_costs(2e7, 6, 0.3), LinkModel(5e7, 0.0, 3), 0.9, CODECS[:1], (1, 2, 4, 8))
+    assert fp32.best is not None and fp32.best.period > 2
 
 
 def test_recommend_prefers_a_fast_link_synced_every_step() -> None:
@@ -324,17 +345,31 @@ def test_cli_target_cu_recommends_a_setting_that_reaches_it() -> None:
     }
     assert rec["link_busy"] <= 0.25  # the run's codec_link_budget
     assert rec["utilization"] >= 0.9 and rec["delay"] < rec["period"]
-    assert result["searched"]["codecs"] == ["fp32", "bf16", "int8"]
+    # unpinned, the search is over what a run sends by default: 4-bit pseudo-gradients
+    assert result["searched"]["codecs"] == ["int4"] and rec["codec"] == "int4"
+    assert result["sync"] == {
+        "strategy": "dreamddp",
+        "period": rec["period"],
+        "max_delay": rec["delay"],
+        "delta_codec": "int4",
+    }
 
 
 def test_cli_target_cu_pins_the_given_dimensions_and_reads_readably() -> None:
     model = ["--params", "1e8", "--layers", "8", "--step-time", "0.5"]
     proc = _cli(*model, "--link", "1gbit", "--target-cu", "0.9", "--codec", "bf16", "--period", "20")
     assert proc.returncode == 0, proc.stderr
-    assert "recommended: codec bf16, period 20, max delay" in proc.stdout
+    assert "recommended: codec bf16 (parameters), period 20, max delay" in proc.stdout
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["searched"]["codecs"] == ["bf16"] and result["searched"]["periods"] == [20]
     assert result["recommendation"]["utilization"] >= 0.9
+    # the settings as a node's TOML: a 16-bit codec averages the parameters, no pseudo-gradients
+    lines = proc.stdout.splitlines()
+    table = lines[lines.index("[sync]") : -1]
+    sync = tomllib.loads("\n".join(table))["sync"]
+    assert sync == result["sync"]
+    assert sync["delta_codec"] == "" and sync["plan_codecs"] == ["bf16"] and sync["period"] == 20
+    assert SyncConfig.from_dict(sync).delay_cap == result["recommendation"]["delay"]
 
 
 def test_cli_target_cu_unreachable_says_what_bandwidth_it_needs() -> None:

@@ -10,9 +10,10 @@ file at once, so a long grid that is stopped keeps what it measured; ``reports``
 outputs or such rows again without running anything.
 
 ``target_cu`` mode checks ``dreamp2p plan --target-cu``: per point a short ceiling run measures the step
-time a user would give, the recommendation (codec, period, max delay) is run through `bench lm` as
-dreamddp with exactly those settings (every layer sync in that codec: ``plan_codecs = [codec]``, no
-pseudo-gradient codec), and the measured utilization is held against the target (>= target - 0.05).
+time a user would give, the recommendation is run through `bench lm` as dreamddp with exactly the ``[sync]``
+settings ``plan --target-cu`` prints for it (`dreamddp_settings`: period, max delay, and the codec as the
+pseudo-gradients' ``delta_codec``, or as ``plan_codecs`` with parameter averaging for a wide codec), and the
+measured utilization is held against the target (>= target - 0.05).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from dreamp2p.config import parse_rate
+from dreamp2p.config.sync import dreamddp_settings
 from dreamp2p.devtools import plancheck_table as pt
 from dreamp2p.devtools.bench.lm import bench_lm
 from dreamp2p.devtools.bench.lmwork import make_model, run_ceiling
 from dreamp2p.schedule.cost import LinkModel
 from dreamp2p.schedule.linkcodec import wire_ratio
-from dreamp2p.schedule.recommend import SEARCH_CODECS, SEARCH_PERIODS, recommend
+from dreamp2p.schedule.recommend import SEARCH_PERIODS, recommend
 from dreamp2p.schedule.whatif import uniform_costs
 from dreamp2p.sync.layers import discover_layers
 
@@ -206,7 +208,7 @@ def _recommendation(point: pt.GridPoint, target: float, layers: int) -> dict[str
     costs = uniform_costs(params, layers, step_s)
     run = pt.RUN_DEFAULTS  # what `dreamp2p plan --target-cu` passes: a dreamddp run's own headroom
     link = LinkModel(parse_rate(point.rate), point.rtt_ms / 1e3, point.regions, margin=run.link_margin)
-    codecs = [(c, wire_ratio(c)) for c in SEARCH_CODECS]
+    codecs = [(run.delta_codec, wire_ratio(run.delta_codec))]  # what plan --target-cu searches unpinned
     rec = recommend(
         costs,
         link,
@@ -236,15 +238,15 @@ def _target_mode(
             row["met"] = None  # nothing to run: the planner says the target is out of reach here
         else:
             H = int(best["period"])
-            extra: dict[str, Any] = {"max_delay": int(best["delay"]), "plan_codecs": [best["codec"]], "delta_codec": ""}
-            if H == 1:
-                extra["stream_delay"] = 0  # every strategy's config needs stream_delay < period
+            settings = dreamddp_settings(best["codec"], H, int(best["delay"]))
+            extra = {k: v for k, v in settings.items() if k not in ("strategy", "period")}  # bench lm's own args
             n = max(steps, MIN_PERIODS * H)
             report = _lm(point, n, H, netns, extra_sync=extra)
             report["ceiling"]["after_steps_per_s"] = round(1.0 / _ceiling_step_s(point, n), 4)
             dd, m = report["strategies"]["dreamddp"], pt.measured(report)
             bracketed, own = m.bracketed_utilization, m.own_utilization
             row.update(
+                sync=settings,
                 steps=n,
                 ceiling_steps_per_s=report["ceiling"]["steps_per_s"],
                 ceiling_after_steps_per_s=report["ceiling"]["after_steps_per_s"],
