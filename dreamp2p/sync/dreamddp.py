@@ -49,7 +49,7 @@ import torch
 from dreamp2p.messages import RingCodecPlan, RoundResult, TrainingInfo
 from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.schedule.dreamddp import warmup_plan
-from dreamp2p.schedule.pace import PaceFilter
+from dreamp2p.schedule.pace import PaceFilter, delivery_rate
 from dreamp2p.schedule.plan import GroupSync, Plan
 from dreamp2p.sync.base import Strategy
 from dreamp2p.sync.control import (
@@ -122,6 +122,9 @@ class DreamDDP(Strategy):
         # follows what the control rounds decided (`control_interval`)
         self._next_control = self._fixed_control_step(0)
         self._pace = PaceFilter()  # bytes sent / seconds of this member's recent layer syncs
+        # (members, RTT to the next member) as the latest control round read them: a sync's latency chain,
+        # taken off its pace (`delivery_rate`); unknown (NaN) until the first control round
+        self._ring_latency: tuple[int, float] = (self.comm.world, math.nan)
         self._replanner = Replanner(self.cfg)
         # (plan, link codecs) -> plan_summary text and the plan's digest
         self._summary: tuple[object, str, int] = (None, "", 0)
@@ -275,7 +278,8 @@ class DreamDDP(Strategy):
         inf.rated = True
         res = fut.result()
         if res.bytes_sent >= RATE_SAMPLE_MIN_BYTES and res.seconds > 0:
-            self._pace.add(res.bytes_sent / res.seconds)
+            world, rtt = self._ring_latency
+            self._pace.add(delivery_rate(res.bytes_sent, res.seconds, world, rtt))
 
     def _merge(self, inf: InFlight) -> None:
         """Apply a landed sync: the outer step per layer, then params = theta + local progress.
@@ -357,10 +361,11 @@ class DreamDDP(Strategy):
             world, rank = len(members), members.index(self.comm.node_id)
             succ = members[(rank + 1) % world] if world > 1 else None
             snap = links.get(succ) if succ else None
-            for inf in self._inflight:
-                self._sample_rate(inf)
             bw = snap.goodput_Bps if snap is not None and snap.goodput_Bps > 0 else math.nan
             rtt = snap.rtt_s if snap is not None and snap.rtt_s > 0 else math.nan
+            self._ring_latency = (world, rtt)
+            for inf in self._inflight:
+                self._sample_rate(inf)
             costs = self.profiler.costs() if self.profiler.steps else self._blank
             group = FlatGroup([pack_control(rank, world, bw, rtt, costs, self._pace.rate)])
             group.snapshot()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dreamp2p.schedule.pace import PaceFilter
+from dreamp2p.schedule.pace import PaceFilter, delivery_rate
 
 
 @pytest.mark.parametrize(
@@ -31,3 +31,35 @@ def test_pace_is_the_best_of_the_last_window_samples(samples: list[float], windo
 def test_pace_window_must_hold_a_sample() -> None:
     with pytest.raises(ValueError, match="pace window must be >= 1"):
         PaceFilter(0)
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "seconds", "world", "rtt", "want"),
+    [
+        (1_000_000, 1.0, 2, 0.0, 1e6),  # no latency measured: the raw rate
+        (1_000_000, 1.0, 2, math.nan, 1e6),
+        (1_000_000, 1.0, 1, 0.2, 1e6),  # alone: no ring, no chain
+        (1_000_000, 1.0, 2, 0.2, 1e6 / 0.8),  # 2 hops of 0.1 s taken off
+        (1_000_000, 1.0, 3, 0.2, 1e6 / 0.6),  # 4 hops of 0.1 s
+        (1_000_000, 1.0, 2, 0.8, 2e6),  # a chain beyond half the round: at most twice the raw rate
+        (1_000_000, 1.0, 5, 10.0, 2e6),
+        (1_000_000, 0.0, 2, 0.1, math.nan),  # no time: says nothing
+        (1_000_000, math.inf, 2, 0.1, math.nan),
+    ],
+)
+def test_delivery_rate_takes_the_rings_latency_chain_off(
+    nbytes: int, seconds: float, world: int, rtt: float, want: float
+) -> None:
+    got = delivery_rate(nbytes, seconds, world, rtt)
+    assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, rel=1e-12)
+
+
+def test_a_corrected_rate_prices_a_round_as_long_as_it_took() -> None:
+    """Fed back to the planner's cost model (bytes / bandwidth + the chain), the corrected rate predicts the
+    round's own time; the raw rate would add the chain a second time."""
+    link_bw, rtt, world, nbytes = 1.25e6, 0.08, 2, 930_000
+    seconds = nbytes / link_bw + (world - 1) * rtt  # what a round takes on that link
+    rate = delivery_rate(nbytes, seconds, world, rtt)
+    assert rate == pytest.approx(link_bw)
+    raw = nbytes / seconds
+    assert nbytes / raw + (world - 1) * rtt > seconds * 1.08  # double-counted: 9% too slow

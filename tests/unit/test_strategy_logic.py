@@ -291,6 +291,23 @@ def test_dreamddp_reports_a_syncs_pace_to_the_control_round_before_the_sync_land
         assert s._inflight[0].land_step == 7  # type: ignore[attr-defined]
 
 
+def test_dreamddp_pace_is_the_links_rate_without_the_rings_latency(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hub's rounds take (N-1) RTT plus their bytes at its goodput; the pace a member reports is that
+    goodput, since the planner charges the latency chain on its own (`delivery_rate`)."""
+    monkeypatch.setattr(dreamddp_sync, "RATE_SAMPLE_MIN_BYTES", 0)
+    goodput, rtt = 2000.0, 0.05  # slow enough that a sync's bytes take longer than its chain
+    hub = InProcessHub(2, goodput_Bps=goodput, rtt_s=rtt)
+    cfg = config("dreamddp", period=8, max_delay=7, warmup_steps=2, control_every=4)
+    strategies = members(hub, cfg)
+    train(strategies, 2)
+    done = [s._inflight[0].fut.result() for s in strategies]  # type: ignore[attr-defined]
+    train(strategies, 1)  # step 2: the control round reads the RTT, then samples the finished sync
+    for s, res in zip(strategies, done, strict=True):
+        assert res.seconds > 2 * rtt  # the correction is not clipped at half the round
+        assert s._pace.rate == pytest.approx(goodput, rel=1e-6)  # type: ignore[attr-defined]
+        assert s._pace.rate > res.bytes_sent / res.seconds * 1.01  # type: ignore[attr-defined]
+
+
 def test_training_info_reaches_the_collective_every_step() -> None:
     hub = InProcessHub(2)
     strategies = members(hub, config("localsgd"))
