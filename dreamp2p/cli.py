@@ -203,7 +203,13 @@ def _plan_target(args: argparse.Namespace) -> int:
         round_cost_s=run.round_cost_s if args.round_cost is None else args.round_cost,
         link_budget=run.codec_link_budget,
     )
-    settings = dreamddp_settings(rec.best.codec, rec.best.period, rec.best.delay) if rec.best else None
+    settings = None
+    if rec.best:
+        # the delay cap stays the run's default (period - 1) unless pinned: the run's planner takes the smallest
+        # delays that hide on the link it measures, and a cap at the predicted delay leaves it no slack when the
+        # link delivers less than --link says (a cap of 2 measured 0.84 where 0.96 was predicted)
+        cap = None if args.max_delay is None else min(args.max_delay, rec.best.period - 1)
+        settings = dreamddp_settings(rec.best.codec, rec.best.period, cap)
     result = {
         "target_cu": rec.target,
         "reached": rec.best is not None,
@@ -232,7 +238,8 @@ def _plan_target(args: argparse.Namespace) -> int:
             what = "pseudo-gradients" if settings["delta_codec"] else "parameters"
             print(
                 f"recommended: codec {b.codec} ({what}), period {b.period}, max delay {b.delay}, {b.fragments} "
-                "fragments (all-reduce groups per period)"
+                "fragments (all-reduce groups per period; the delay is the plan's, a run's cap stays period - 1 "
+                "unless --max-delay is given)"
             )
             print(
                 f"predicted: utilization {b.utilization:.3f}, step {b.step_time_s:.3f} s, "

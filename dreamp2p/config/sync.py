@@ -254,16 +254,19 @@ class SyncConfig:
         return SyncConfig(**data)
 
 
-def dreamddp_settings(codec: str, period: int, max_delay: int) -> dict[str, Any]:
+def dreamddp_settings(codec: str, period: int, max_delay: int | None = None) -> dict[str, Any]:
     """The ``[sync]`` settings that run DreamDDP's layer syncs in ``codec`` every ``period`` steps, landing at
-    most ``max_delay`` steps late (what ``dreamp2p plan --target-cu`` recommends, in a user's words).
+    most ``max_delay`` steps late (None: left out, so the default cap, period - 1) — what ``dreamp2p plan
+    --target-cu`` recommends, in a user's words.
 
     A 4-bit or sparse codec carries pseudo-gradients (``delta_codec``, the default mode; a sparse one only
     with error feedback): 4 bits of a weight are too coarse, 4 bits of an update are not. A wider codec
     averages the parameters themselves (``delta_codec = ""``, ``plan_codecs = [codec]``).
     """
     name = canonical_codec(codec)
-    out: dict[str, Any] = {"strategy": "dreamddp", "period": period, "max_delay": max_delay}
+    out: dict[str, Any] = {"strategy": "dreamddp", "period": period}
+    if max_delay is not None:
+        out["max_delay"] = max_delay
     if wire_rank(name) >= wire_rank("int4"):
         out["delta_codec"] = name
         if is_sparse(name):

@@ -48,7 +48,6 @@ def test_plancheck_target_cu_runs_the_recommendation() -> None:
     assert row["sync"] == {
         "strategy": "dreamddp",
         "period": best["period"],
-        "max_delay": best["delay"],
         "delta_codec": "int4",
         **({"stream_delay": 0} if best["period"] == 1 else {}),
     }

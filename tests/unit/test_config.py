@@ -167,15 +167,17 @@ def test_link_codecs_from_a_toml_array_become_a_tuple() -> None:
         ("int8", 20, 19, {"delta_codec": "", "plan_codecs": ["int8"]}),
         ("fp32", 50, 0, {"delta_codec": "", "plan_codecs": ["fp32"]}),
         ("bf16", 1, 0, {"delta_codec": "", "plan_codecs": ["bf16"], "stream_delay": 0}),
+        ("int4", 20, None, {"delta_codec": "int4"}),  # no cap given: the default, period - 1
     ],
 )
 def test_dreamddp_settings_say_which_field_carries_the_codec(
-    codec: str, period: int, delay: int, expected: dict[str, object]
+    codec: str, period: int, delay: int | None, expected: dict[str, object]
 ) -> None:
     settings = dreamddp_settings(codec, period, delay)
-    assert settings == {"strategy": "dreamddp", "period": period, "max_delay": delay, **expected}
+    capped = {} if delay is None else {"max_delay": delay}
+    assert settings == {"strategy": "dreamddp", "period": period, **capped, **expected}
     cfg = SyncConfig.from_dict(settings)  # what a node would load from them
-    assert (cfg.period, cfg.delay_cap) == (period, delay)
+    assert (cfg.period, cfg.delay_cap) == (period, period - 1 if delay is None else delay)
     assert cfg.delta_codec == expected["delta_codec"]
 
 

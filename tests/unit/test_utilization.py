@@ -347,12 +347,8 @@ def test_cli_target_cu_recommends_a_setting_that_reaches_it() -> None:
     assert rec["utilization"] >= 0.9 and rec["delay"] < rec["period"]
     # unpinned, the search is over what a run sends by default: 4-bit pseudo-gradients
     assert result["searched"]["codecs"] == ["int4"] and rec["codec"] == "int4"
-    assert result["sync"] == {
-        "strategy": "dreamddp",
-        "period": rec["period"],
-        "max_delay": rec["delay"],
-        "delta_codec": "int4",
-    }
+    # the delay cap stays the run's default: the run's planner takes the delays its measured link needs
+    assert result["sync"] == {"strategy": "dreamddp", "period": rec["period"], "delta_codec": "int4"}
 
 
 def test_cli_target_cu_pins_the_given_dimensions_and_reads_readably() -> None:
@@ -369,7 +365,12 @@ def test_cli_target_cu_pins_the_given_dimensions_and_reads_readably() -> None:
     sync = tomllib.loads("\n".join(table))["sync"]
     assert sync == result["sync"]
     assert sync["delta_codec"] == "" and sync["plan_codecs"] == ["bf16"] and sync["period"] == 20
-    assert SyncConfig.from_dict(sync).delay_cap == result["recommendation"]["delay"]
+    assert "max_delay" not in sync and SyncConfig.from_dict(sync).delay_cap == 19 >= result["recommendation"]["delay"]
+    # a pinned cap is kept (below the period)
+    pinned = _cli(*model, "--link", "1gbit", "--target-cu", "0.9", "--period", "20", "--max-delay", "3", "--json")
+    assert pinned.returncode == 0, pinned.stderr
+    got = json.loads(pinned.stdout.strip().splitlines()[-1])
+    assert got["sync"]["max_delay"] == 3 and got["recommendation"]["delay"] <= 3
 
 
 def test_cli_target_cu_unreachable_says_what_bandwidth_it_needs() -> None:

@@ -11,9 +11,9 @@ outputs or such rows again without running anything.
 
 ``target_cu`` mode checks ``dreamp2p plan --target-cu``: per point a short ceiling run measures the step
 time a user would give, the recommendation is run through `bench lm` as dreamddp with exactly the ``[sync]``
-settings ``plan --target-cu`` prints for it (`dreamddp_settings`: period, max delay, and the codec as the
-pseudo-gradients' ``delta_codec``, or as ``plan_codecs`` with parameter averaging for a wide codec), and the
-measured utilization is held against the target (>= target - 0.05).
+settings ``plan --target-cu`` prints for it (`dreamddp_settings`: the period, the default delay cap, and the
+codec as the pseudo-gradients' ``delta_codec``, or as ``plan_codecs`` with parameter averaging for a wide
+codec), and the measured utilization is held against the target (>= target - 0.05).
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def _target_mode(
             row["met"] = None  # nothing to run: the planner says the target is out of reach here
         else:
             H = int(best["period"])
-            settings = dreamddp_settings(best["codec"], H, int(best["delay"]))
+            settings = dreamddp_settings(best["codec"], H)  # as plan --target-cu prints it: the default delay cap
             extra = {k: v for k, v in settings.items() if k not in ("strategy", "period")}  # bench lm's own args
             n = max(steps, MIN_PERIODS * H)
             report = _lm(point, n, H, netns, extra_sync=extra)
