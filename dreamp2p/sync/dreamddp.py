@@ -122,8 +122,9 @@ class DreamDDP(Strategy):
         # follows what the control rounds decided (`control_interval`)
         self._next_control = self._fixed_control_step(0)
         self._pace = PaceFilter()  # bytes sent / seconds of this member's recent layer syncs
-        # (members, RTT to the next member) as the latest control round read them: a sync's latency chain,
-        # taken off its pace (`delivery_rate`); unknown (NaN) until the first control round
+        # (members, the least RTT to the next member any control round read): a sync's latency chain, taken
+        # off its pace (`delivery_rate`). The least: an RTT read while syncs queue on the link includes that
+        # queueing, which the pace must keep. Unknown (NaN) until the first control round
         self._ring_latency: tuple[int, float] = (self.comm.world, math.nan)
         self._replanner = Replanner(self.cfg)
         # (plan, link codecs) -> plan_summary text and the plan's digest
@@ -363,7 +364,8 @@ class DreamDDP(Strategy):
             snap = links.get(succ) if succ else None
             bw = snap.goodput_Bps if snap is not None and snap.goodput_Bps > 0 else math.nan
             rtt = snap.rtt_s if snap is not None and snap.rtt_s > 0 else math.nan
-            self._ring_latency = (world, rtt)
+            least = min((r for r in (self._ring_latency[1], rtt) if math.isfinite(r)), default=math.nan)
+            self._ring_latency = (world, least)
             for inf in self._inflight:
                 self._sample_rate(inf)
             costs = self.profiler.costs() if self.profiler.steps else self._blank

@@ -308,6 +308,25 @@ def test_dreamddp_pace_is_the_links_rate_without_the_rings_latency(monkeypatch: 
         assert s._pace.rate > res.bytes_sent / res.seconds * 1.01  # type: ignore[attr-defined]
 
 
+def test_dreamddp_pace_keeps_queueing_an_rtt_reading_grew_by(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the least RTT a control round read comes off a sync's time: a larger reading (queueing behind the
+    syncs themselves, gone by the next round) taken off a round that did not wait it would make the pace read
+    faster than the link."""
+    monkeypatch.setattr(dreamddp_sync, "RATE_SAMPLE_MIN_BYTES", 0)
+    goodput, rtt = 2000.0, 0.05
+    hub = InProcessHub(2, goodput_Bps=goodput, rtt_s=rtt)
+    cfg = config("dreamddp", period=8, max_delay=7, warmup_steps=2, control_every=4, control_backoff=1)
+    strategies = members(hub, cfg)
+    train(strategies, 3)  # step 2: the first control round reads 0.05 s
+    hub.rtt_s = 0.2  # a queue on the link: the control round of step 6 reads 0.2 s
+    train(strategies, 4)
+    hub.rtt_s = rtt  # drained: later rounds wait the 0.05 s chain again
+    train(strategies, 10)  # steps 7-16: their syncs are sampled
+    for s in strategies:
+        assert s._ring_latency[1] == pytest.approx(rtt)  # type: ignore[attr-defined]
+        assert s._pace.rate == pytest.approx(goodput, rel=1e-6)  # type: ignore[attr-defined]
+
+
 def test_training_info_reaches_the_collective_every_step() -> None:
     hub = InProcessHub(2)
     strategies = members(hub, config("localsgd"))
