@@ -20,6 +20,8 @@ from __future__ import annotations
 import collections
 import math
 
+from dreamp2p.transport.linkstats import rate_past_latency
+
 # samples the maximum is taken over: two periods of a plan of two syncs per period, the shape DreamDDP's
 # planner picks on a WAN; a slower link is reported once this many syncs have seen it
 PACE_WINDOW = 4
@@ -46,12 +48,11 @@ class PaceFilter:
 def delivery_rate(nbytes: int, seconds: float, world: int, rtt_s: float) -> float:
     """Bytes per second the link carried in a ring round of ``world`` members that sent ``nbytes`` in ``seconds``.
 
-    The round's latency chain, 2(world-1) hops of ``rtt_s`` / 2, is taken off its time, but never more than
-    half of it: an RTT estimate that queueing inflated cannot make a sample read more than twice its raw rate
-    (the transport's bandwidth probe bounds its own RTT correction the same way). An unknown RTT (NaN, 0)
-    leaves the raw rate; NaN when the round had no time.
+    The round's latency chain, 2(world-1) hops of ``rtt_s`` / 2, is taken off its time, at most half of it, as
+    the transport's bandwidth probe takes off its RTT (`rate_past_latency`). An unknown RTT (NaN, 0) leaves the
+    raw rate; NaN when the round had no time.
     """
     if not seconds > 0 or not math.isfinite(seconds):
         return math.nan
     chain = (world - 1) * rtt_s if world > 1 and math.isfinite(rtt_s) and rtt_s > 0 else 0.0
-    return nbytes / max(seconds - chain, 0.5 * seconds)
+    return rate_past_latency(nbytes, seconds, chain)

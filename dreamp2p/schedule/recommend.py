@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel, ring_comm_time, ring_wire_bytes
 from dreamp2p.schedule.dreamddp import plan_dreamddp, rounds_per_step, simulate
@@ -184,9 +184,9 @@ def recommend(
     budget = math.inf if link_budget is None else link_budget
     grid = sorted(set(periods))
     evaluated, closest, bound = 0, None, 0.0
+    links = [(name, replace(link, codec_ratio=ratio)) for name, ratio in codecs]
     for H in grid:
-        for name, ratio in codecs:
-            lk = LinkModel(link.bandwidth_Bps, link.rtt_s, link.world, ratio, link.per_hop_overhead_s, link.margin)
+        for name, lk in links:
             limit = _throughput_bound(costs, lk, H)
             bound = max(bound, limit)
             if limit < target:

@@ -28,7 +28,7 @@ from dreamp2p.statemeta import StateManifest, StateRange
 from dreamp2p.transport import serde
 from dreamp2p.transport.auth import token_metadata
 from dreamp2p.transport.limiter import TokenBucket
-from dreamp2p.transport.linkstats import BusyMeter, LinkEstimator
+from dreamp2p.transport.linkstats import BusyMeter, LinkEstimator, rate_past_latency
 from dreamp2p.transport.options import channel_credentials, channel_options
 from dreamp2p.transport.outbound import OutboundStream
 from dreamp2p.transport.rpcerror import rpc_error
@@ -199,7 +199,7 @@ class Link:
         """Send a burst of ``nbytes`` and time it (minus one RTT); returns and records bytes/s."""
         elapsed = await self._timed_probe(bytes(nbytes))
         rtt = self.stats.min_rtt_s if self.stats.rtt_samples else 0.0
-        rate = nbytes / max(elapsed - rtt, elapsed * 0.5)
+        rate = rate_past_latency(nbytes, elapsed, rtt)
         self.stats.observe_transfer(nbytes, nbytes / rate)
         self.stats.bytes_sent += nbytes
         return rate

@@ -9,6 +9,15 @@ import math
 from dataclasses import dataclass
 
 
+def rate_past_latency(nbytes: int, seconds: float, latency_s: float) -> float:
+    """Bytes per second of a transfer of ``nbytes`` that took ``seconds``, ``latency_s`` of which were latency.
+
+    The latency comes off at most half the time: a latency estimate that queueing inflated cannot make a
+    sample read more than twice its raw rate.
+    """
+    return nbytes / max(seconds - latency_s, 0.5 * seconds)
+
+
 @dataclass
 class LinkEstimator:
     """EWMA of a link's goodput (bytes/s) and RTT (seconds), plus traffic counters."""
