@@ -193,10 +193,11 @@ class DreamDDP(Strategy):
             self._launch_anchor(sync, key, group, gid)
             return
         group.snapshot()
-        theta = torch.cat([self._weights.theta(li) for li in sync.layers])
+        # theta is read here, on the training thread that alone changes it; `work` is ours until launch
+        self._weights.copy_theta(sync.layers, group.work)
 
         def pseudo_gradient() -> None:  # on the comm thread, once the snapshot has landed
-            group.work.copy_(theta).sub_(group.snap)
+            group.work.sub_(group.snap)
 
         fut = self.comm.allreduce_group(
             group,

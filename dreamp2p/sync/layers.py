@@ -94,7 +94,11 @@ class FlatGroup:
                 n = p.numel()
                 avg = self.work[offset : offset + n].view(p.shape)
                 snap = self.snap[offset : offset + n].view(p.shape)
-                if p.device.type == "cpu":
+                if p.device.type == "cpu" and p.dtype == torch.float32:
+                    # in place, no temporaries: p - snap rounds as before, and adding avg to it is
+                    # bit-identical to avg + (p - snap) (IEEE addition commutes)
+                    p.detach().sub_(snap).add_(avg)
+                elif p.device.type == "cpu":
                     _assign(p, avg + (p.detach().to(torch.float32) - snap))
                 else:
                     # on the accelerator: two uploads from (pinned) host memory, queued on the current stream

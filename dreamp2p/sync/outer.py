@@ -84,6 +84,15 @@ class OuterWeights:
             self._fresh.add(li)
         return state[0]
 
+    def copy_theta(self, layers: Sequence[int], out: torch.Tensor) -> None:
+        """Write the outer weights of ``layers``, concatenated in that order, into the flat ``out``."""
+        offset = 0
+        for li in layers:
+            theta = self.theta(li)
+            n = theta.numel()
+            out[offset : offset + n].copy_(theta)
+            offset += n
+
     def check_vector(self, layers: Sequence[int]) -> torch.Tensor:
         """This member's anchor check for ``layers``: reset flag and digest of their theta and momentum."""
         for li in layers:
@@ -91,8 +100,9 @@ class OuterWeights:
         digest = xxhash.xxh3_64()
         for li in layers:
             theta, mom = self._outer[li]
-            digest.update(theta.numpy().tobytes())
-            digest.update(mom.numpy().tobytes())
+            # the arrays' own memory (buffer protocol), not a copy of it
+            digest.update(theta.numpy().data)
+            digest.update(mom.numpy().data)
         return anchor_check_vector(bool(self._fresh & set(layers)), digest.intdigest())
 
     def needs_anchor(self, layers: Sequence[int]) -> bool:
@@ -141,7 +151,8 @@ class OuterWeights:
                 mom.zero_()
                 self._fresh.discard(li)
                 continue
-            g = theta - a if anchor else a.clone()
+            # a pseudo-gradient's mean serves as the step's scratch: it is overwritten with theta below
+            g = theta - a if anchor else a
             if lr == 1.0 and mu == 0.0 and anchor:
                 theta.copy_(a)  # plain averaging: exactly the mean
             else:
