@@ -88,6 +88,8 @@ def _bench_allreduce(args: argparse.Namespace) -> dict[str, Any]:
         codecs=args.codecs,
         rounds=args.repeats,
         streams=args.streams,
+        netns=args.netns,
+        rate=args.rate,
     )
 
 
@@ -277,9 +279,12 @@ def add_bench_parser(sub: Any) -> None:
     )
     b.add_argument("--seconds", type=float, default=6.0, help="transport: measuring time")
     b.add_argument("--streams", type=int, default=2, help="parallel streams (TCP connections) per link")
-    b.add_argument("--netns", action="store_true", help="transport: run across two tbf-shaped namespaces (root)")
+    b.add_argument("--netns", action="store_true", help="transport, allreduce: run across tbf-shaped namespaces (root)")
     b.add_argument(
-        "--rate", type=link_rate, default=None, help="link rate, e.g. 20mbit (transport --netns: 100mbit; lm: 20mbit)"
+        "--rate",
+        type=link_rate,
+        default=None,
+        help="link rate, e.g. 20mbit (transport, allreduce --netns: 100mbit; lm: 20mbit)",
     )
     b.add_argument("--regions", type=int_at_least(1), default=2, help="lm: regions (one process each); regions: 2")
     b.add_argument("--ranks", type=int_at_least(2), default=2, help="regions: local ranks per region (2)")

@@ -41,6 +41,21 @@ def test_bench_codec_small(capsys: pytest.CaptureFixture[str]) -> None:
     assert codecs["int4"]["ratio"] > codecs["int8"]["ratio"] > 3
 
 
+@pytest.mark.parametrize("netns", [False, True], ids=["loopback", "tbf"])
+def test_bench_allreduce_reports_cpu_per_round(netns: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    if netns and os.geteuid() != 0:
+        pytest.skip("shaped namespaces need root")
+    args = ["bench", "allreduce", "--json", "--peers", "2", "--mbytes", "0.5", "--repeats", "2", "--codecs", "int4"]
+    assert main([*args, *(["--netns", "--rate", "100mbit"] if netns else [])]) == 0
+    result = last_json(capsys.readouterr().out)
+    assert result["netns"] is netns and result.get("rate") == ("100mbit" if netns else None)
+    row = result["codecs"]["int4"]  # type: ignore[index]
+    # each of 2 peers sends half the buffer twice (reduce-scatter, all-gather) at 4 bits plus a scale per 64
+    assert row["wire_MB_per_peer"] == pytest.approx(0.5 / 7.11, rel=0.1)
+    assert row["cpu_ms_per_round"] > 0 and row["tiny_cpu_ms_per_round"] > 0
+    assert row["cpu_ms_per_input_MB"] == pytest.approx(row["cpu_ms_per_round"] / 0.5, abs=0.01)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -79,25 +79,49 @@ def _compare(tensors: list[torch.Tensor], expect: list[torch.Tensor]) -> tuple[f
 
 
 async def allreduce_timing(
-    peer: Peer, rank: int, world: int, mbytes: float, codecs: list[str], rounds: int = 3, warmup: int = 1
+    peer: Peer,
+    rank: int,
+    world: int,
+    mbytes: float,
+    codecs: list[str],
+    rounds: int = 3,
+    warmup: int = 1,
+    tiny_elems: int = 1024,
 ) -> dict[str, Any]:
-    """Time ring all-reduce of one ``mbytes`` MB fp32 buffer per codec (median of ``rounds``)."""
+    """Time ring all-reduce of one ``mbytes`` MB fp32 buffer per codec (median of ``rounds``), and its CPU.
+
+    CPU is this process's (every thread: the loop, gRPC's, the kernel's work in our syscalls) per round,
+    for the buffer and for a ``tiny_elems`` round, whose CPU is the fixed cost a round pays whatever its size.
+    """
     n = int(mbytes * 1e6 // 4)
     buf = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    tiny = torch.randn(tiny_elems, generator=torch.Generator().manual_seed(rank))
     out: dict[str, Any] = {}
     for codec in codecs:
         times = []
         sent = 0
+        cpu = 0.0
         for i in range(warmup + rounds):
+            c0 = time.process_time()
             res = await peer.allreduce([buf], codec=codec)
             if i >= warmup:
+                cpu += time.process_time() - c0
                 times.append(res.seconds)
                 sent += res.bytes_sent
+        chunk_bytes = res.chunk_bytes
+        tiny_cpu = 0.0
+        for i in range(warmup + rounds):
+            c0 = time.process_time()
+            await peer.allreduce([tiny], group_id=1, codec=codec)
+            if i >= warmup:
+                tiny_cpu += time.process_time() - c0
         times.sort()
         out[codec] = {
             "seconds": times[len(times) // 2],
             "bytes_sent_per_round": sent / rounds,
-            "chunk_bytes": res.chunk_bytes,
+            "chunk_bytes": chunk_bytes,
+            "cpu_s_per_round": cpu / rounds,
+            "tiny_cpu_s_per_round": tiny_cpu / rounds,
         }
     return out
 
