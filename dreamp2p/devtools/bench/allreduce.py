@@ -29,14 +29,13 @@ def bench_allreduce(
 ) -> dict[str, Any]:
     names = codecs or codec_names()
     config = {"transport": {"streams_per_link": streams, "probe_interval_s": 30.0}}
-    with contextlib.ExitStack() as stack:
-        hosts = stack.enter_context(Namespaces(peers, rate)).hosts if netns else None
+    with Namespaces(peers, rate) if netns else contextlib.nullcontext() as ns:
         results = run_local(
             peers,
             "dreamp2p.devtools.bench.jobs:allreduce_timing",
             {"mbytes": mbytes, "codecs": names, "rounds": rounds},
             config,
-            hosts=hosts,
+            hosts=ns.hosts if ns is not None else None,
         )
     nbytes = int(mbytes * 1e6 // 4) * 4
     factor = 2 * (peers - 1) / peers

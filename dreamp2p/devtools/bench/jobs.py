@@ -14,6 +14,7 @@ import torch
 import xxhash
 
 from dreamp2p.errors import RoundFailed
+from dreamp2p.messages import RoundResult
 from dreamp2p.peer import Peer
 
 
@@ -78,6 +79,19 @@ def _compare(tensors: list[torch.Tensor], expect: list[torch.Tensor]) -> tuple[f
     return err, digest.hexdigest(), all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+async def _measured_rounds(
+    peer: Peer, tensor: torch.Tensor, codec: str, group_id: int, warmup: int, rounds: int
+) -> list[tuple[float, RoundResult]]:
+    """``rounds`` all-reduces of ``tensor`` after ``warmup`` unmeasured ones: (process CPU seconds, result) each."""
+    out = []
+    for i in range(warmup + rounds):
+        c0 = time.process_time()
+        res = await peer.allreduce([tensor], group_id=group_id, codec=codec)
+        if i >= warmup:
+            out.append((time.process_time() - c0, res))
+    return out
+
+
 async def allreduce_timing(
     peer: Peer,
     rank: int,
@@ -98,30 +112,15 @@ async def allreduce_timing(
     tiny = torch.randn(tiny_elems, generator=torch.Generator().manual_seed(rank))
     out: dict[str, Any] = {}
     for codec in codecs:
-        times = []
-        sent = 0
-        cpu = 0.0
-        for i in range(warmup + rounds):
-            c0 = time.process_time()
-            res = await peer.allreduce([buf], codec=codec)
-            if i >= warmup:
-                cpu += time.process_time() - c0
-                times.append(res.seconds)
-                sent += res.bytes_sent
-        chunk_bytes = res.chunk_bytes
-        tiny_cpu = 0.0
-        for i in range(warmup + rounds):
-            c0 = time.process_time()
-            await peer.allreduce([tiny], group_id=1, codec=codec)
-            if i >= warmup:
-                tiny_cpu += time.process_time() - c0
-        times.sort()
+        big = await _measured_rounds(peer, buf, codec, 0, warmup, rounds)
+        small = await _measured_rounds(peer, tiny, codec, 1, warmup, rounds)
+        times = sorted(res.seconds for _, res in big)
         out[codec] = {
             "seconds": times[len(times) // 2],
-            "bytes_sent_per_round": sent / rounds,
-            "chunk_bytes": chunk_bytes,
-            "cpu_s_per_round": cpu / rounds,
-            "tiny_cpu_s_per_round": tiny_cpu / rounds,
+            "bytes_sent_per_round": sum(res.bytes_sent for _, res in big) / rounds,
+            "chunk_bytes": big[-1][1].chunk_bytes,
+            "cpu_s_per_round": sum(cpu for cpu, _ in big) / rounds,
+            "tiny_cpu_s_per_round": sum(cpu for cpu, _ in small) / rounds,
         }
     return out
 
