@@ -27,11 +27,27 @@ def _ip(*args: str) -> str:
     return res.stdout
 
 
+def wire_bytes(dev: str, ns: str | None = None) -> int | None:
+    """Bytes ``dev``'s tbf root qdisc has sent (in ``ns``, or this process's namespace); None without tbf.
+
+    Not the device's own counter: with GSO a veth counts one header per super-packet, while tbf counts the
+    length of every segment the wire would carry, headers included (qdisc_pkt_len).
+    """
+    where = ["-n", ns] if ns else []
+    out = subprocess.run(
+        ["tc", *where, "-s", "-j", "qdisc", "show", "dev", dev], check=True, capture_output=True, text=True, timeout=30
+    ).stdout
+    for q in json.loads(out or "[]"):
+        if q.get("root") and q.get("kind") == "tbf":
+            return int(q["bytes"])
+    return None
+
+
 class Namespaces:
     """Network namespaces for the regions, each link direction shaped by tbf; use as a context manager.
 
     ``hosts``: (namespace, address) per rank for `run_local`; ``devs``: (namespace, device) per rank, the
-    region's own end of its link (its transmit counter is what the region sent).
+    region's own end of its link (its tbf's byte counter is what the region sent, see `wire_bytes`).
     """
 
     def __init__(self, n: int, rate: str) -> None:
@@ -122,9 +138,11 @@ class Namespaces:
         self._created = []
 
     def tx_bytes(self) -> list[int]:
-        """Per rank: bytes its link end has transmitted so far (``ip -s -j link``)."""
+        """Per rank: bytes its link end has put on the wire so far (its tbf's counter, see `wire_bytes`)."""
         out = []
         for ns, dev in self.devs:
-            info = json.loads(_ip("-n", ns, "-s", "-j", "link", "show", "dev", dev))
-            out.append(int(info[0]["stats64"]["tx"]["bytes"]))
+            sent = wire_bytes(dev, ns)
+            if sent is None:
+                raise RuntimeError(f"{dev} in {ns} has no tbf root qdisc")
+            out.append(sent)
         return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -53,3 +54,52 @@ def test_every_shaped_end_has_the_rate_and_a_gso_size_under_its_bucket(regions: 
             # tbf counts every segment's headers in a GSO packet's length (66 bytes per 1448 of payload)
             assert gso * 1.06 <= burst, (name, dev, gso, burst)
             assert gso >= 16384, (name, dev, gso)  # still super-packets, not MTU-sized sends
+
+
+_SINK = """
+import socket, sys
+s = socket.socket()
+s.bind((sys.argv[1], 0))
+s.listen()
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept()
+n = 0
+while chunk := c.recv(1 << 20):
+    n += len(chunk)
+print(n, flush=True)
+"""
+_SOURCE = """
+import socket, sys
+socket.create_connection((sys.argv[1], int(sys.argv[2]))).sendall(b"x" * int(sys.argv[3]))
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_tx_bytes_counts_the_headers_of_every_segment_the_wire_carries() -> None:
+    """`Namespaces.tx_bytes` counts what the wire carries: payload plus each MTU segment's headers (~4.6%),
+    not the veth's one header per GSO super-packet (which would read under 1% over the payload)."""
+    payload = 4_000_000
+    with Namespaces(2, "100mbit") as ns:
+        (ns_a, _), (ns_b, addr_b) = ns.hosts
+        assert ns_a is not None and ns_b is not None
+        sink = subprocess.Popen(
+            ["ip", "netns", "exec", ns_b, sys.executable, "-c", _SINK, addr_b], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert sink.stdout is not None
+            port = sink.stdout.readline().strip()
+            before = ns.tx_bytes()
+            subprocess.run(
+                ["ip", "netns", "exec", ns_a, sys.executable, "-c", _SOURCE, addr_b, port, str(payload)],
+                check=True,
+                timeout=60,
+            )
+            assert int(sink.stdout.readline()) == payload
+            sent = ns.tx_bytes()[0] - before[0]
+        finally:
+            sink.kill()
+            sink.wait(10)
+    # 52 bytes of TCP/IP headers (timestamps on) + 14 of Ethernet per 1448 of payload is 4.6%
+    assert payload * 1.03 < sent < payload * 1.08, sent

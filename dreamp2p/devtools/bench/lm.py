@@ -34,10 +34,11 @@ Measured per strategy (per region, then combined over regions):
 - ``heldout_loss``: mean over regions of the cross-entropy (nats/byte) on ``eval_batches`` fixed batches
   of the held-out part (the same windows for every strategy and the ceiling);
 - ``mb_sent``: MB (1e6 bytes) one region sent during the training loop, mean over regions. With tbf it is
-  the region's veth transmit counter (``/proc/net/dev`` read inside its namespace at loop start and end:
-  every frame, heartbeats and link probes included); in process it is the strategy's ``totals.bytes_sent``
-  (round payload). With tbf, ``mb_sent_run`` adds the whole run as the parent saw the veth counters
-  (``ip -s -j link``) before and after it: connect, attach's broadcast of rank 0's model, final landing;
+  what the region's tbf put on the wire (its qdisc's byte counter, every segment's headers included, read
+  inside its namespace at loop start and end: every frame, heartbeats and link probes included); in process
+  it is the strategy's ``totals.bytes_sent`` (round payload). With tbf, ``mb_sent_run`` adds the whole run
+  as the parent saw the same counters before and after it: connect, attach's broadcast of rank 0's model,
+  final landing;
 - ``comm_cpu_s``: CPU time of everything but the training thread during the loop (comm thread, gRPC's
   threads): ``time.process_time()`` minus the training thread's ``time.thread_time()``, plus the comm
   process's CPU time with ``comm=process`` (a variant key routed to ``[node] comm``); and

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dreamp2p.devtools.launch import expect_message, reap, start_child
+from dreamp2p.devtools.netns import wire_bytes
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.tasks import ByteTransformer, stdlib_files
@@ -113,7 +114,10 @@ def eval_every(steps: int) -> int:
 
 
 def read_tx_bytes(dev: str) -> int:
-    """Bytes ``dev`` transmitted, from /proc/net/dev (this process's network namespace)."""
+    """Bytes ``dev`` put on the wire: its tbf's counter where shaped, else /proc/net/dev (this namespace)."""
+    sent = wire_bytes(dev)
+    if sent is not None:
+        return sent
     with open("/proc/net/dev") as fh:
         for line in fh:
             name, sep, rest = line.partition(":")

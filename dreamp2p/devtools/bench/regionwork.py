@@ -7,8 +7,8 @@ shards, model and AdamW) as a user would: DDP inside the region over gloo, ``Nod
 between regions, ``sync.step()`` in the loop. Step 0 warms up (connections, chunk sizes) and is not
 timed; steps 1 .. ``steps`` - 1 are the measured loop; then ``quiet_steps`` at learning rate 0. Writes
 ``<out>/<region>.<local rank>.json``: the loop's wall time, its round payload (``totals.bytes_sent``) and
-its WAN device's transmitted bytes (``/proc/net/dev`` in this namespace), the losses, and the parameter
-digest after the quiet stretch and ``sync.close()``.
+its WAN device's transmitted bytes (its tbf's counter, else ``/proc/net/dev``, in this namespace), the
+losses, and the parameter digest after the quiet stretch and ``sync.close()``.
 """
 
 from __future__ import annotations
