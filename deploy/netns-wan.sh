@@ -41,7 +41,7 @@ shape() {  # shape <netns> <dev>
   # tbf needs a bucket of at least rate/HZ; 4 ms worth of bytes, never under 32 KiB, is safe.
   # The veth's GSO size is then capped under the bucket: tbf cuts any TSO super-packet larger than its
   # bucket into MTU-sized packets in software, which on one host charges the trainers' own cores for work
-  # a real NIC does in hardware (about 11 ms of CPU per 6.6 MB int4 round at 100 Mbit/s). The rate and
+  # a real NIC does in hardware (11-15 ms of CPU per 6.6 MB int4 round at 100 Mbit/s). The rate and
   # the bucket, i.e. what the link does, stay the same.
   local sizes b gso
   sizes=$(python3 - "$rate" "$burst" <<'PY'
@@ -55,7 +55,9 @@ for u, m in bits.items():
 else:
     bps = float(rate)
 if burst:
-    size = {"kb": 1024, "k": 1024, "mb": 1 << 20, "m": 1 << 20, "b": 1}
+    # tc's size units: the *bit ones count bits, the others bytes (k = 1024)
+    size = {"kbit": 128, "mbit": 1 << 17, "gbit": 1 << 27, "bit": 1 / 8,
+            "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
     for u, m in size.items():
         if burst.endswith(u):
             b = int(float(burst[: -len(u)]) * m)
