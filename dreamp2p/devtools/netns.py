@@ -27,8 +27,29 @@ def _ip(*args: str) -> str:
     return res.stdout
 
 
-def wire_bytes(dev: str, ns: str | None = None) -> int | None:
-    """Bytes ``dev``'s tbf root qdisc has sent (in ``ns``, or this process's namespace); None without tbf.
+def tbf_burst(bps: float) -> int:
+    """tbf's bucket in bytes: at least rate/HZ; 4 ms worth of bytes, never under 32 KiB (as netns-wan.sh)."""
+    return max(32768, int(bps / 8 / 1000 * 4))
+
+
+def shape(ns: str, dev: str, bps: float) -> None:
+    """Shape ``dev``'s egress in ``ns`` with tbf at ``bps`` bits/s, its GSO size capped under the bucket.
+
+    tbf cuts a TSO super-packet larger than its bucket into MTU packets in software, charging the trainers'
+    cores on one host for a NIC's work; a GSO size under the bucket keeps the link the same without it (an
+    eighth left for the segments' headers, which tbf counts), as netns-wan.sh does.
+    """
+    burst = tbf_burst(bps)
+    tbf = ["tbf", "rate", f"{int(bps)}bit", "burst", str(burst), "latency", "100ms"]
+    _ip("netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf)
+    try:
+        _ip("-n", ns, "link", "set", "dev", dev, "gso_max_size", str(min(65536, burst * 7 // 8)))
+    except subprocess.CalledProcessError as exc:
+        log.warning("could not cap %s's GSO size, tbf will segment in software: %s", dev, exc.stderr.strip())
+
+
+def wire_bytes(dev: str, ns: str | None = None) -> int:
+    """Bytes ``dev``'s tbf root qdisc has sent (in ``ns``, or this process's namespace).
 
     Not the device's own counter: with GSO a veth counts one header per super-packet, while tbf counts the
     length of every segment the wire would carry, headers included (qdisc_pkt_len).
@@ -40,7 +61,7 @@ def wire_bytes(dev: str, ns: str | None = None) -> int | None:
     for q in json.loads(out or "[]"):
         if q.get("root") and q.get("kind") == "tbf":
             return int(q["bytes"])
-    return None
+    raise RuntimeError(f"{dev} in {ns or 'this namespace'} has no tbf root qdisc")
 
 
 class Namespaces:
@@ -87,20 +108,6 @@ class Namespaces:
         self.hosts = [(f"{p}-a", f"{s}.1"), (f"{p}-b", f"{s}.2")]
         self.devs = [(f"{p}-a", f"{p}-va"), (f"{p}-b", f"{p}-vb")]
 
-    def _shape(self, ns: str, dev: str) -> None:
-        # tbf's bucket must hold at least rate/HZ: 4 ms worth of bytes, never under 32 KiB (as netns-wan.sh)
-        burst = max(32768, int(self.bps / 8 / 1000 * 4))
-        rate = f"{int(self.bps)}bit"
-        tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
-        _ip("netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf)
-        # tbf cuts a TSO super-packet larger than its bucket into MTU packets in software, charging the
-        # trainers' cores for a NIC's work; a GSO size under the bucket keeps the link the same without it
-        # (an eighth left for the segments' headers, which tbf counts), as netns-wan.sh does.
-        try:
-            _ip("-n", ns, "link", "set", "dev", dev, "gso_max_size", str(min(65536, burst * 7 // 8)))
-        except subprocess.CalledProcessError as exc:
-            log.warning("could not cap %s's GSO size, tbf will segment in software: %s", dev, exc.stderr.strip())
-
     def _up_star(self) -> None:
         p, s = self.prefix, self.subnet
         hub, bridge = f"{p}-x", f"{p}-br"
@@ -120,8 +127,8 @@ class Namespaces:
             _ip("-n", ns, "addr", "add", f"{s}.{i + 1}/24", "dev", dev)
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "link", "set", dev, "up")
-            self._shape(ns, dev)  # region -> hub
-            self._shape(hub, far)  # hub -> region
+            shape(ns, dev, self.bps)  # region -> hub
+            shape(hub, far, self.bps)  # hub -> region
             self.hosts.append((ns, f"{s}.{i + 1}"))
             self.devs.append((ns, dev))
 
@@ -139,10 +146,4 @@ class Namespaces:
 
     def tx_bytes(self) -> list[int]:
         """Per rank: bytes its link end has put on the wire so far (its tbf's counter, see `wire_bytes`)."""
-        out = []
-        for ns, dev in self.devs:
-            sent = wire_bytes(dev, ns)
-            if sent is None:
-                raise RuntimeError(f"{dev} in {ns} has no tbf root qdisc")
-            out.append(sent)
-        return out
+        return [wire_bytes(dev, ns) for ns, dev in self.devs]

@@ -2,8 +2,8 @@
 
 A TSO super-packet larger than tbf's bucket is cut into MTU-sized packets in software (sch_tbf's
 `tbf_segment`), charging the trainers' own cores on one host for work a real NIC does in hardware; the
-GSO cap avoids that without changing the link (same rate, same bucket). Checked for both layouts: the
-veth pair of two regions (deploy/netns-wan.sh) and the star of three (`Namespaces._up_star`). Needs root.
+GSO cap avoids that without changing the link (same rate, same bucket). Checked for every layout: the
+veth pair of two regions (deploy/netns-wan.sh), the star of three, and `bench regions`' shard links. Needs root.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from dreamp2p.config import parse_rate
+from dreamp2p.devtools.bench.regionnet import RegionNet
 from dreamp2p.devtools.netns import Namespaces
 
 
@@ -103,3 +104,18 @@ def test_tx_bytes_counts_the_headers_of_every_segment_the_wire_carries() -> None
             sink.wait(10)
     # 52 bytes of TCP/IP headers (timestamps on) + 14 of Ethernet per 1448 of payload is 4.6%
     assert payload * 1.03 < sent < payload * 1.08, sent
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+@pytest.mark.parametrize(("regions", "ranks"), [(2, 2), (3, 1)])
+def test_bench_regions_shard_links_are_shaped_the_same_way(regions: int, ranks: int) -> None:
+    """`bench regions`' shard links go through the same `shape` as `bench lm`'s: rate, bucket, GSO cap."""
+    with RegionNet(regions, ranks, "20mbit") as net:
+        shaped = _shaped_devices(net.prefix)
+        # a pair per shard shapes both ends; a star per shard shapes each region's end and its hub port
+        assert len(shaped) == ranks * (2 if regions == 2 else 2 * regions), shaped
+        for name, dev, options, gso in shaped:
+            assert int(str(options["rate"])) == int(parse_rate("20mbit")), (name, dev, options)
+            assert gso * 1.06 <= int(str(options["burst"])), (name, dev, gso, options)

@@ -113,19 +113,6 @@ def eval_every(steps: int) -> int:
     return max(1, math.ceil(steps / EVAL_POINTS))
 
 
-def read_tx_bytes(dev: str) -> int:
-    """Bytes ``dev`` put on the wire: its tbf's counter where shaped, else /proc/net/dev (this namespace)."""
-    sent = wire_bytes(dev)
-    if sent is not None:
-        return sent
-    with open("/proc/net/dev") as fh:
-        for line in fh:
-            name, sep, rest = line.partition(":")
-            if sep and name.strip() == dev:
-                return int(rest.split()[8])
-    raise RuntimeError(f"no device {dev!r} in /proc/net/dev of this network namespace")
-
-
 def _sync_device(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -154,7 +141,7 @@ class _Workload:
         snaps: list[tuple[int, float, list[torch.Tensor]]] = []
         losses: list[float] = []
         clock = copies = 0.0
-        wire0 = read_tx_bytes(wire_dev) if wire_dev else 0
+        wire0 = wire_bytes(wire_dev) if wire_dev else 0
         cpu0, thread0 = time.process_time(), time.thread_time()
         t = time.perf_counter()
         for k in range(steps):
@@ -176,7 +163,7 @@ class _Workload:
         thread = time.thread_time() - thread0
         comm_cpu = (time.process_time() - cpu0) - thread
         train_cpu = thread - copies
-        wire = read_tx_bytes(wire_dev) - wire0 if wire_dev else None
+        wire = wire_bytes(wire_dev) - wire0 if wire_dev else None
         snaps.append((steps, clock, [p.detach().clone() for p in model.parameters()]))
         tail = losses[-10:]
         return {

@@ -24,6 +24,7 @@ import os
 import subprocess
 
 from dreamp2p.config import parse_rate
+from dreamp2p.devtools.netns import shape
 
 WAN_DEV = "wan0"
 LAN_DEV = "lan0"
@@ -42,11 +43,6 @@ def wan_host(region: int) -> str:
 def lan_host(region: int, rank: int) -> str:
     """Local rank ``rank`` of region ``region``'s address on its region's LAN."""
     return f"10.78.{region}.{rank + 1}"
-
-
-def tbf_burst(bps: float) -> int:
-    """tbf's bucket in bytes: at least rate/HZ; 4 ms worth of bytes, never under 32 KiB (as netns-wan.sh)."""
-    return max(32768, int(bps / 8 / 1000 * 4))
 
 
 class RegionNet:
@@ -92,10 +88,6 @@ class RegionNet:
         self._created.append(ns)
         _ip("-n", ns, "link", "set", "lo", "up")
 
-    def _shape(self, ns: str, dev: str) -> None:
-        tbf = ["tbf", "rate", f"{int(self.bps)}bit", "burst", str(tbf_burst(self.bps)), "latency", "100ms"]
-        _ip("netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf)
-
     def _bridge(self, hub: str) -> None:
         self._add_ns(hub)
         _ip("-n", hub, "link", "add", "br0", "type", "bridge")
@@ -121,7 +113,7 @@ class RegionNet:
         for r, ns in enumerate((a, b)):
             _ip("-n", ns, "addr", "add", f"{wan_host(r)}/24", "dev", WAN_DEV)
             _ip("-n", ns, "link", "set", WAN_DEV, "up")
-            self._shape(ns, WAN_DEV)
+            shape(ns, WAN_DEV, self.bps)
 
     def _up_wan_star(self, rank: int) -> None:
         hub = f"{self.prefix}-w{rank}"
@@ -129,8 +121,8 @@ class RegionNet:
         for r in range(self.regions):
             ns = self.ns(r, rank)
             self._veth(ns, WAN_DEV, wan_host(r), hub, f"p{r}")
-            self._shape(ns, WAN_DEV)  # region -> hub
-            self._shape(hub, f"p{r}")  # hub -> region
+            shape(ns, WAN_DEV, self.bps)  # region -> hub
+            shape(hub, f"p{r}", self.bps)  # hub -> region
 
     def down(self) -> None:
         """Remove every namespace created here (their veths go with them); never raises."""

@@ -7,7 +7,7 @@ shards, model and AdamW) as a user would: DDP inside the region over gloo, ``Nod
 between regions, ``sync.step()`` in the loop. Step 0 warms up (connections, chunk sizes) and is not
 timed; steps 1 .. ``steps`` - 1 are the measured loop; then ``quiet_steps`` at learning rate 0. Writes
 ``<out>/<region>.<local rank>.json``: the loop's wall time, its round payload (``totals.bytes_sent``) and
-its WAN device's transmitted bytes (its tbf's counter, else ``/proc/net/dev``, in this namespace), the
+its WAN device's transmitted bytes (its tbf's counter, in this namespace), the
 losses, and the parameter digest after the quiet stretch and ``sync.close()``.
 """
 
@@ -31,10 +31,10 @@ from dreamp2p.devtools.bench.lmwork import (
     load_corpus,
     make_model,
     make_optimizer,
-    read_tx_bytes,
     train_batch,
     train_shard,
 )
+from dreamp2p.devtools.netns import wire_bytes
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.region import data_parallel, data_position, torchrun_place
@@ -85,11 +85,11 @@ def run_rank(spec: dict[str, Any], region: int) -> dict[str, Any]:
         sync = node.attach(model, opt, strategy=spec["strategy"], **spec["sync"])
         steps, quiet = spec["steps"], spec["quiet_steps"]
         losses = _steps(sync, model, shard, data_rank, range(0, 1), w)  # warm-up, not timed
-        wire0, payload0 = read_tx_bytes(spec["wan_dev"]), sync.totals.bytes_sent
+        wire0, payload0 = wire_bytes(spec["wan_dev"]), sync.totals.bytes_sent
         t0 = time.perf_counter()
         losses += _steps(sync, model, shard, data_rank, range(1, steps), w)
         loop_s = time.perf_counter() - t0
-        wire, payload = read_tx_bytes(spec["wan_dev"]) - wire0, sync.totals.bytes_sent - payload0
+        wire, payload = wire_bytes(spec["wan_dev"]) - wire0, sync.totals.bytes_sent - payload0
         for group in opt.param_groups:
             group["lr"] = 0.0
         _steps(sync, model, shard, data_rank, range(steps, steps + quiet), w)
