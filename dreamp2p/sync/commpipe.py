@@ -101,7 +101,8 @@ class ChildPipe:
                 self.send(share, fd)
             self.send(make(req_id))
         except (OSError, ValueError) as exc:  # the socket is closed: the child is gone
-            self._fail_all(f"the comm process of {self.node_id} is gone ({exc})")
+            # say how it went (its exit code), as the reader would on EOF, whichever of the two notices first
+            self._fail_all(f"{self._gone()} ({exc})")
         return fut
 
     def _read(self) -> None:
@@ -122,14 +123,19 @@ class ChildPipe:
                 settle(fut, msg.value)
             else:
                 settle(fut, exc=decode_error(msg.error))
+        reason = self._gone()
+        self._fail_all(reason)
+        if not self.closing:
+            log.error("%s: every round in flight fails", reason)
+
+    def _gone(self) -> str:
+        """Why the child no longer answers: closed by us, its exit code, or a closed socket (it still runs)."""
         try:
             code: int | None = self.proc.wait(5)
         except subprocess.TimeoutExpired:
             code = None
         what = "closed" if self.closing else f"exited (code {code})" if code is not None else "closed its socket"
-        self._fail_all(f"the comm process (pid {self.proc.pid}) of {self.node_id} {what}")
-        if not self.closing:
-            log.error("the comm process (pid %d) %s: every round in flight fails", self.proc.pid, what)
+        return f"the comm process (pid {self.proc.pid}) of {self.node_id} {what}"
 
     def _fail_all(self, reason: str) -> None:
         with self._pending_lock:
