@@ -5,11 +5,12 @@ gRPC peer with ring averaging) and the configuration types.
 """
 
 from dreamp2p.config import PeerConfig, PeerInfo, TLSConfig, TransportConfig
-from dreamp2p.errors import PeerError, RoundFailed, Status
+from dreamp2p.errors import FlushIncomplete, PeerError, RoundFailed, Status
 from dreamp2p.messages import PROTOCOL_VERSION
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "FlushIncomplete",
     "Node",
     "PeerConfig",
     "PeerError",

@@ -54,3 +54,19 @@ class RoundFailed(RuntimeError):
         super().__init__(f"{where} failed: {reason}")
         self.key = key  # (group id, round id); None where the caller does not know them
         self.reason = reason
+
+
+class FlushIncomplete(RuntimeError):
+    """``flush()`` averaged among fewer members than had trained with us: their replicas differ from ours.
+
+    The members named in ``averaged`` hold identical state (the round completed among them, all-or-none);
+    those in ``missing`` left before the flush (closed early, died, or were cut off) and kept their own.
+    """
+
+    def __init__(self, averaged: tuple[str, ...], missing: tuple[str, ...]) -> None:
+        super().__init__(
+            f"flush averaged among {', '.join(averaged)} only; {', '.join(missing)} trained with us but were not in "
+            "the flush (left, died or cut off before it): their replicas differ from these"
+        )
+        self.averaged = averaged
+        self.missing = missing

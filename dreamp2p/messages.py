@@ -177,6 +177,7 @@ class RoundResult:
     chunk_bytes: int
     contributors: int = 0  # fewest peers whose values entered a segment's mean (refused ones excluded)
     contributed: bool = True
+    members: tuple[str, ...] = ()  # the node ids the round ran among, in ring order (empty: not known)
 
 
 @dataclass(frozen=True)

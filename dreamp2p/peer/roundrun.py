@@ -214,6 +214,7 @@ class RoundRunner:
             chunk_bytes=chunk_bytes,
             contributors=rnd.contributors,
             contributed=refusal is None,
+            members=tuple(p.node_id for p in members),
         )
 
     def _feedback_for(self, spec: RoundSpec, numel: int) -> RoundFeedback:

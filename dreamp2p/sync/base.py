@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dreamp2p.config.sync import SyncConfig
-from dreamp2p.errors import RoundFailed
+from dreamp2p.errors import FlushIncomplete, RoundFailed
 from dreamp2p.messages import RoundResult, TrainingInfo
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.sync.agreement import is_adaptive
@@ -119,6 +119,7 @@ class Strategy(OptimizerFacade, abc.ABC):
         self.step_count = 0
         self.rounds_skipped = 0
         self._flush_round = 0  # the id of the newest flush round (see flush)
+        self._last_members: tuple[str, ...] = ()  # who the newest landed round ran among (see flush)
         self.totals = Totals()
         self._last_end = time.perf_counter()
         self._stats = StepStats(0)
@@ -250,13 +251,17 @@ class Strategy(OptimizerFacade, abc.ABC):
             self._bufsync.take()
 
     def flush(self) -> None:
-        """Average every parameter and buffer once now, blocking: all peers end with identical state.
+        """Average every parameter (trainable or frozen) and every buffer once now, blocking.
 
-        A failed round is tried again (up to FLUSH_ATTEMPTS in all); RoundFailed if none completes.
+        Whatever changed them (the optimizer, in-place updates of frozen parameters, running statistics),
+        every member of the flush ends bit-identical. A failed round is tried again (up to FLUSH_ATTEMPTS in
+        all); RoundFailed if none completes. FlushIncomplete when the flush completed among fewer members
+        than our newest round or the view at its start held: those members kept their own state (they
+        closed without this flush, died or were cut off), so the replicas are not all identical.
         """
         self.close()
-        tensors = list(self.params) + list(self.buffers)
-        group = FlatGroup(tensors, pin=self.pin)
+        expected = set(self._last_members) | set(self.comm.members)
+        group = FlatGroup(state_tensors(self.model), pin=self.pin)
         # Round ids from the step, as every other round's: a member that joined refuses rounds numbered
         # before its first step, and ids counted from 1 were (whenever a frame beat its own round open).
         # Every member flushes at the same step, the same number of times, so the ids agree.
@@ -265,8 +270,13 @@ class Strategy(OptimizerFacade, abc.ABC):
             group.snapshot()
             self._flush_round = first + attempt - 1
             fut = self.comm.allreduce_group(group, GROUP_FLUSH, self.cfg.codec, round_id=self._flush_round)
-            if self._wait(fut) is not None:
+            res = self._wait(fut)
+            if res is not None:
                 group.merge()
+                averaged = res.members or tuple(self.comm.members)
+                missing = tuple(sorted(expected - set(averaged)))
+                if missing:
+                    raise FlushIncomplete(averaged, missing)
                 return
             log.warning("flush: round %d of %d failed; trying again", attempt, FLUSH_ATTEMPTS)
         raise RoundFailed(None, f"flush: no averaging round completed in {FLUSH_ATTEMPTS} attempts")
@@ -333,6 +343,8 @@ class Strategy(OptimizerFacade, abc.ABC):
             self._bufsync.apply()
 
     def _landed(self, res: RoundResult) -> None:
+        if res.members:
+            self._last_members = res.members
         self._stats.comm_s += res.seconds
         self._stats.bytes_sent += res.bytes_sent
         self._stats.syncs += 1

@@ -145,7 +145,11 @@ class InProcessHub:
         seconds = (world - 1) * self.rtt_s + wire / self.goodput_Bps if world > 1 else 0.0
         for c in contributions:
             c.out.copy_(mean)
-            c.future.set_result(RoundResult(key[0], key[1], seconds, wire, wire, mean.numel(), codec, 0, len(finite)))
+            c.future.set_result(
+                RoundResult(
+                    key[0], key[1], seconds, wire, wire, mean.numel(), codec, 0, len(finite), members=self.node_ids
+                )
+            )
 
 
 class InProcessCollective:
