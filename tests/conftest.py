@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import subprocess
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,29 @@ async def poll_until(check: Callable[[], bool], interval: float = 0.01) -> None:
         if check():
             return
         await asyncio.sleep(interval)
+
+
+@contextlib.contextmanager
+def small_tmpfs(directory: Path, size_bytes: int) -> Iterator[Path]:
+    """A tmpfs of ``size_bytes`` mounted on ``directory`` (made if missing) for the block, to fill a disk for
+    real. Skips the test when not root or when the mount is refused (a container without CAP_SYS_ADMIN)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    directory.mkdir(parents=True, exist_ok=True)
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(directory)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs on {directory}: {out.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def resize_tmpfs(directory: Path, size_bytes: int) -> None:
+    """Grow (or shrink) the tmpfs that :func:`small_tmpfs` mounted: the operator freeing space."""
+    subprocess.run(["mount", "-o", f"remount,size={size_bytes}", str(directory)], check=True)
