@@ -19,16 +19,27 @@ from dreamp2p.config.sync import SyncConfig
 from dreamp2p.config.task import TaskConfig
 from dreamp2p.config.train import TrainConfig, check_train
 
+# what a node does when the storage fails a checkpoint write (a full disk, an I/O error): "continue" logs
+# one warning and trains on, trying again at the next every_steps; "stop" ends the node with the error
+ON_WRITE_ERROR = ("continue", "stop")
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """``[checkpoint]``: where checkpoints go, how often, how many are kept, and what a failed write does."""
+
     dir: str = "checkpoints"
     every_steps: int = 100
     keep: int = 3
+    on_write_error: str = "continue"
 
     def __post_init__(self) -> None:
         if self.every_steps < 1 or self.keep < 1:
             raise ValueError("checkpoint.every_steps and checkpoint.keep must be >= 1")
+        if self.on_write_error not in ON_WRITE_ERROR:
+            raise ValueError(
+                f"checkpoint.on_write_error must be one of {', '.join(ON_WRITE_ERROR)}; got {self.on_write_error!r}"
+            )
 
 
 LOG_FORMATS = ("text", "json")

@@ -3,12 +3,13 @@
 Lifecycle: load and validate the config, build the task and model, start the peer and connect to the
 ring, attach the strategy (replicas start from rank 0's parameters, or from the newest checkpoint with
 ``--resume``), then train. Every step's numbers go to Prometheus and the run log; checkpoints are written
-every ``checkpoint.every_steps``. SIGTERM/SIGINT stop after the current step: rounds in flight are
-drained, a checkpoint is written, the peer shuts down, and the process exits 0. With ``--quiet-steps N``
-the last N steps before the stop step run at learning rate 0, so only averaging moves the parameters and
-every member ends with the same ones (what `dreamp2p bench chaos` checks by digest). How a step is computed
-(the task or the user's recipe: optimizer, LR scheduler, data; ``[train]``'s accumulation, clipping and AMP)
-is :mod:`dreamp2p.service.recipe`.
+every ``checkpoint.every_steps`` (one the storage fails, a full disk say, is a warning and the next interval
+tries again, unless ``checkpoint.on_write_error = "stop"``). SIGTERM/SIGINT stop after the current step:
+rounds in flight are drained, a checkpoint is written, the peer shuts down, and the process exits 0. With
+``--quiet-steps N`` the last N steps before the stop step run at learning rate 0, so only averaging moves the
+parameters and every member ends with the same ones (what `dreamp2p bench chaos` checks by digest). How a
+step is computed (the task or the user's recipe: optimizer, LR scheduler, data; ``[train]``'s accumulation,
+clipping and AMP) is :mod:`dreamp2p.service.recipe`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from dreamp2p.config.daemon import DaemonConfig
 from dreamp2p.errors import RoundFailed
 from dreamp2p.manifest import manifest_hash, param_digest
 from dreamp2p.node import Node
+from dreamp2p.service.checkpoint import list_checkpoints
 from dreamp2p.service.heaptrim import HeapTrimmer
-from dreamp2p.service.lifecycle import JOIN, StopFlag
+from dreamp2p.service.lifecycle import JOIN, StopFlag, save_or_warn
 from dreamp2p.service.lifecycle import abort_when_stuck as _abort_when_stuck
 from dreamp2p.service.lifecycle import drain as _drain
 from dreamp2p.service.metrics import NodeMetrics, RecordKind
@@ -215,6 +217,19 @@ def _publish_step(
     return last_plan
 
 
+def _checkpoint(
+    cfg: DaemonConfig, node: Node, sync: Any, training: Training, step: int, next_step: int | None
+) -> Path | None:
+    """The checkpoint of ``step``; None when the storage failed it under ``on_write_error = "continue"``
+    (one warning line; ``next_step`` tries again, None at the stop)."""
+    state = _saved_state(sync, training)
+    return save_or_warn(
+        lambda: save_region_checkpoint(node, cfg.checkpoint.dir, step, state, cfg.checkpoint.keep),
+        cfg.checkpoint.on_write_error,
+        next_step,
+    )
+
+
 def _train(
     cfg: DaemonConfig,
     training: Training,
@@ -228,6 +243,7 @@ def _train(
 ) -> dict[str, Any]:
     first_eval = None
     last_eval = None
+    failed_at = -1  # the step of the last checkpoint the storage failed
     last_plan = -1
     t_last = time.perf_counter()
     progress = ProgressLog(cfg.metrics.progress_every_s, sync, metrics)
@@ -266,26 +282,31 @@ def _train(
             metrics.record(RecordKind.EVAL, step=step, eval_loss=last_eval)
         if (step + 1) % cfg.checkpoint.every_steps == 0:
             sync.close()  # land rounds in flight so the checkpoint is a consistent cut
-            path = save_region_checkpoint(
-                node, cfg.checkpoint.dir, step + 1, _saved_state(sync, training), cfg.checkpoint.keep
-            )
-            # the digest lets a resume be checked against what was saved (xxh3: cheap beside the write)
-            metrics.record(RecordKind.CHECKPOINT, step=step + 1, path=str(path), digest=param_digest(model))
+            # the next try: the next interval, or the stop's checkpoint; none when this is the last step
+            next_try = min(step + 1 + cfg.checkpoint.every_steps, final) if step + 1 < final else None
+            saved = _checkpoint(cfg, node, sync, training, step + 1, next_try)
+            if saved is None:
+                failed_at = step + 1
+            else:
+                # the digest lets a resume be checked against what was saved (xxh3: cheap beside the write)
+                metrics.record(RecordKind.CHECKPOINT, step=step + 1, path=str(saved), digest=param_digest(model))
     notifier.stopping(f"draining at step {sync.step_count}")
     node.begin_drain()  # probes see NOT_SERVING while rounds in flight land
     _drain(sync, node, cfg.stop_grace_s)
-    path = save_region_checkpoint(
-        node, cfg.checkpoint.dir, sync.step_count, _saved_state(sync, training), cfg.checkpoint.keep
-    )
+    # the stop's checkpoint, unless the storage just failed this very step's (it said it stops without it)
+    saved = _checkpoint(cfg, node, sync, training, sync.step_count, None) if failed_at != sync.step_count else None
+    # a final checkpoint the storage failed: the newest one kept is what a resume finds
+    path = saved if saved is not None else next(reversed(list_checkpoints(cfg.checkpoint.dir)), None)
     if (last_eval := training.evaluate()) is not None:
         metrics.record(RecordKind.EVAL, step=sync.step_count - 1, eval_loss=last_eval)
+    checkpoint = str(path) if path is not None else None
     metrics.record(
-        RecordKind.STOP, step=sync.step_count, signal=stop.signal, checkpoint=str(path), digest=param_digest(model)
+        RecordKind.STOP, step=sync.step_count, signal=stop.signal, checkpoint=checkpoint, digest=param_digest(model)
     )
     return {
         "step": sync.step_count,
         "first_eval": first_eval,
         "last_eval": last_eval,
-        "checkpoint": str(path),
+        "checkpoint": checkpoint,
         "signal": stop.signal,
     }

@@ -19,24 +19,38 @@ Every member of a cluster that uses it resumes as the daemon's ``--resume`` does
 the members that hold the newest checkpoint of the restart wave resume from it and the others join them
 by state transfer; a member that finds the cluster already training joins it. A checkpoint is the
 daemon's format: ``{"sync": strategy state, name: tracked object's state_dict() ...}``.
+
+A checkpoint the storage cannot take (a full disk, an I/O error) is, by default, one warning line
+(:func:`save_or_warn`: the cause, the size needed, the free space, the checkpoint kept) and training goes
+on, trying again at the next interval; ``on_write_error="stop"`` raises it instead.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, Literal, Protocol
 
 import torch
 from torch import nn
 
+from dreamp2p.config.daemon import ON_WRITE_ERROR
 from dreamp2p.errors import PeerError, RoundFailed
 from dreamp2p.node import Node
-from dreamp2p.service.checkpoint import agree_resume_step, checkpoint_step, list_checkpoints, load_step, save_checkpoint
+from dreamp2p.service.checkpoint import (
+    CheckpointWriteError,
+    agree_resume_step,
+    checkpoint_step,
+    list_checkpoints,
+    load_step,
+    save_checkpoint,
+)
 from dreamp2p.sync.base import Strategy
 
 log = logging.getLogger(__name__)
@@ -144,6 +158,31 @@ def drain(sync: Strategy, node: Node, grace: float) -> None:
         sync.abandon()
 
 
+def save_or_warn(save: Callable[[], Path], on_write_error: str, next_step: int | None) -> Path | None:
+    """``save()``'s checkpoint; when the storage fails it (:class:`CheckpointWriteError`) and
+    ``on_write_error`` is "continue", one warning line instead and None: the error names the cause, the
+    size needed, the free space and the checkpoint kept, and the caller trains on. ``next_step``: the step
+    of the next try (None: there is none, the node is stopping). With "stop" the error is raised.
+    """
+    if on_write_error not in ON_WRITE_ERROR:
+        raise ValueError(f"on_write_error must be one of {', '.join(ON_WRITE_ERROR)}; got {on_write_error!r}")
+    try:
+        return save()
+    except CheckpointWriteError as exc:
+        if on_write_error == "stop":
+            raise
+        then = f"training on, next try at step {next_step}" if next_step is not None else "stopping without it"
+        fields = {
+            "step": exc.step,
+            "errno": errno.errorcode.get(exc.errno or 0, exc.errno),
+            "needed_bytes": exc.needed_bytes,
+            "free_bytes": exc.free_bytes,
+            "kept": str(exc.kept) if exc.kept is not None else None,
+        }
+        log.warning("%s; %s", exc, then, extra={"event": "checkpoint_failed", **fields})
+        return None
+
+
 class Stateful(Protocol):
     """What :meth:`Checkpointer.track` keeps: LR schedulers, ``GradScaler``, a sampler with state, ..."""
 
@@ -158,7 +197,10 @@ class Checkpointer:
     ``signals``: install SIGTERM/SIGINT handlers that request a stop (only possible on the main thread;
     :meth:`close` puts the previous handlers back). ``stop_grace_s``: after a stop request, how long a
     step may stay blocked on rounds before they are aborted (peers that stopped too never finish them);
-    :meth:`finish` waits as long for rounds in flight.
+    :meth:`finish` waits as long for rounds in flight. ``on_write_error``: when the storage fails a
+    checkpoint of :meth:`maybe_save` or :meth:`finish` (a full disk, an I/O error), "continue" logs one
+    warning (cause, size needed, free space, the checkpoint kept) and trains on, trying again at the next
+    interval; "stop" raises the :class:`~dreamp2p.service.checkpoint.CheckpointWriteError`.
     """
 
     def __init__(
@@ -169,13 +211,17 @@ class Checkpointer:
         keep: int = 3,
         stop_grace_s: float = 30.0,
         signals: bool = True,
+        on_write_error: Literal["continue", "stop"] = "continue",
     ) -> None:
         if every_steps < 1 or keep < 1:
             raise ValueError(f"every_steps and keep must be >= 1, got {every_steps} and {keep}")
+        if on_write_error not in ON_WRITE_ERROR:
+            raise ValueError(f"on_write_error must be one of {', '.join(ON_WRITE_ERROR)}; got {on_write_error!r}")
         self.node = node
         self.directory = Path(directory)
         self.every_steps = every_steps
         self.keep = keep
+        self.on_write_error = on_write_error
         self.stop_grace_s = stop_grace_s
         self.stop = StopFlag()
         if signals:
@@ -190,6 +236,7 @@ class Checkpointer:
         self._saved: dict[str, Any] | None = None  # the restored checkpoint, for objects tracked later
         self._groups: list[dict[str, Any]] = []  # optimizer hyperparameters as attach left them
         self._last_saved = -1
+        self._last_tried = -1  # the step of the last checkpoint tried, written or not
         self._done = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -265,14 +312,23 @@ class Checkpointer:
                     obj._last_lr = [g["lr"] for g in sync.param_groups]  # what get_last_lr() reports
 
     def maybe_save(self) -> Path | None:
-        """After ``sync.step()``: a checkpoint when the step count is a multiple of ``every_steps``."""
+        """After ``sync.step()``: a checkpoint when the step count is a multiple of ``every_steps``.
+
+        None when none was due, or when the storage failed it under ``on_write_error="continue"`` (logged;
+        the next multiple tries again).
+        """
         step = self._strategy().step_count
-        if step % self.every_steps or step == self._last_saved:
+        if step % self.every_steps or step in (self._last_saved, self._last_tried):
             return None
-        return self.save()
+        self._last_tried = step
+        return save_or_warn(self.save, self.on_write_error, step + self.every_steps)
 
     def save(self) -> Path:
-        """Land rounds in flight (a consistent cut), then write a checkpoint of this step atomically."""
+        """Land rounds in flight (a consistent cut), then write a checkpoint of this step atomically.
+
+        Raises :class:`~dreamp2p.service.checkpoint.CheckpointWriteError` when the storage fails the write,
+        whatever ``on_write_error`` says (that applies to :meth:`maybe_save` and :meth:`finish`).
+        """
         sync = self._strategy()
         sync.close()
         state: dict[str, Any] = {"sync": sync.state_dict()}
@@ -287,14 +343,18 @@ class Checkpointer:
         sync.zero_grad()
         sync.abandon()
 
-    def finish(self) -> Path:
-        """The loop ended (done or stopping): health NOT_SERVING, drain rounds in flight, final checkpoint."""
+    def finish(self) -> Path | None:
+        """The loop ended (done or stopping): health NOT_SERVING, drain rounds in flight, final checkpoint.
+
+        Its path; None when the storage failed it under ``on_write_error="continue"`` (the warning names
+        the checkpoint kept, the newest a resume finds).
+        """
         sync = self._strategy()
         self.node.begin_drain()
         drain(sync, self.node, self.stop_grace_s)
-        path = self.directory / f"ckpt-{sync.step_count:010d}.pt"
-        if self._last_saved != sync.step_count or not path.exists():
-            path = self.save()
+        path: Path | None = self.directory / f"ckpt-{sync.step_count:010d}.pt"
+        if self._last_saved != sync.step_count or path is None or not path.exists():
+            path = save_or_warn(self.save, self.on_write_error, None)
         log.info("stopped at step %d (%s); checkpoint %s", sync.step_count, self.signal or "done", path)
         return path
 

@@ -61,6 +61,14 @@ def test_every_error_is_reported_at_once() -> None:
         ({"node": {"node_id": "a", "ring": [{"node_id": "b"}]}}, "node.ring[0]: missing key address"),
         ({"node": {"node_id": "a", "tls": {"cert_file": "c", "key_file": "k", "mutual": True}}}, "ca_file"),
         ({"node": {"node_id": "a"}, "metrics": {"progress_every_s": "soon"}}, "metrics.progress_every_s: cannot parse"),
+        (
+            {"checkpoint": {"on_write_error": "ignore"}},
+            "checkpoint.on_write_error must be one of continue, stop; got 'ignore'",
+        ),
+        (
+            {"checkpoint": {"on_write_eror": "stop"}},
+            "unknown key checkpoint.on_write_eror (did you mean 'on_write_error'?)",
+        ),
         ({}, "missing [node] table"),
     ],
 )
@@ -72,6 +80,13 @@ def test_one_error_in_the_loaders_words(data: dict[str, Any], message: str) -> N
     assert len(errors) == 1 and message in errors[0], errors
     with pytest.raises(ValueError):  # the loader refuses the same file
         DaemonConfig.from_dict(full)
+
+
+def test_checkpoint_write_errors_continue_unless_the_file_says_stop() -> None:
+    assert DaemonConfig.from_dict(GOOD).checkpoint.on_write_error == "continue"
+    stop = {**GOOD, "checkpoint": {"on_write_error": "stop"}}
+    assert check_daemon_config(stop) == []
+    assert DaemonConfig.from_dict(stop).checkpoint.on_write_error == "stop"
 
 
 def test_an_error_caused_by_another_keys_default_is_not_reported() -> None:
