@@ -146,12 +146,7 @@ class Node:
         and on the other side. Then rank 0's parameters (frozen ones too) and buffers are broadcast.
         ``join=True``: take the state from the live members instead (see the module docstring).
         """
-        cfg = sync or SyncConfig()
-        if strategy is not None:
-            overrides["strategy"] = strategy
-        if overrides:
-            cfg = dataclasses.replace(cfg, **overrides)
-        cfg = self._outer_defaults(cfg, optimizer)
+        cfg = self._outer_defaults(self.sync_config(strategy, sync, **overrides), optimizer)
         if self.region is not None and not isinstance(model, DistributedDataParallel):
             raise ValueError(
                 "in a region of many ranks, wrap the model in torch.nn.parallel.DistributedDataParallel before "
@@ -176,6 +171,15 @@ class Node:
         if join:
             self.join(strat, timeout=timeout)
         return strat
+
+    @staticmethod
+    def sync_config(strategy: str | None = None, sync: SyncConfig | None = None, **overrides: Any) -> SyncConfig:
+        """The settings :meth:`attach` runs under for the same arguments (before the outer optimizer's
+        defaults, which follow the optimizer)."""
+        cfg = sync or SyncConfig()
+        if strategy is not None:
+            overrides["strategy"] = strategy
+        return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
     @staticmethod
     def _outer_defaults(cfg: SyncConfig, optimizer: torch.optim.Optimizer) -> SyncConfig:

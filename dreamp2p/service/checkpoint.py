@@ -281,11 +281,14 @@ def agree_resume_step(mine: list[int], others: list[list[int]]) -> int | None:
     return newest if newest is not None and newest in mine else None
 
 
-def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest readable checkpoint, or None if there is none; corrupt files are skipped with a warning."""
+def load_latest(directory: str | Path, mmap: bool = False) -> tuple[Path, dict[str, Any]] | None:
+    """The newest readable checkpoint, or None if there is none; corrupt files are skipped with a warning.
+
+    ``mmap``: map its tensors instead of reading them, to look into it cheaply (its settings, say).
+    """
     for path in reversed(list_checkpoints(directory)):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except Exception as exc:  # a torn or foreign file: fall back to the previous checkpoint
             log.warning("skipping unreadable checkpoint %s: %s", path, exc)
             continue

@@ -32,7 +32,7 @@ from dreamp2p.manifest import manifest_hash, param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.checkpoint import list_checkpoints
 from dreamp2p.service.heaptrim import HeapTrimmer
-from dreamp2p.service.lifecycle import JOIN, StopFlag, save_or_warn
+from dreamp2p.service.lifecycle import JOIN, StopFlag, check_resume, save_or_warn
 from dreamp2p.service.lifecycle import abort_when_stuck as _abort_when_stuck
 from dreamp2p.service.lifecycle import drain as _drain
 from dreamp2p.service.metrics import NodeMetrics, RecordKind
@@ -109,6 +109,8 @@ def run_node(
     opt = training.optimizer
     if join and resume:
         raise ValueError("--join and --resume exclude each other: a joining node takes the live members' state")
+    if resume:  # settings the checkpoint cannot take are refused here, on every node alike, before any wait
+        check_resume(cfg.checkpoint.dir, cfg.sync)
     node = Node(node_cfg, joining=join)
     try:
         node.connect(require_all=not join)

@@ -41,17 +41,21 @@ import torch
 from torch import nn
 
 from dreamp2p.config.daemon import ON_WRITE_ERROR
-from dreamp2p.errors import PeerError, RoundFailed
+from dreamp2p.config.sync import SyncConfig
+from dreamp2p.errors import PeerError, RoundFailed, Status
 from dreamp2p.node import Node
 from dreamp2p.service.checkpoint import (
     CheckpointWriteError,
     agree_resume_step,
     checkpoint_step,
     list_checkpoints,
+    load_latest,
     load_step,
     save_checkpoint,
 )
-from dreamp2p.sync.base import Strategy
+from dreamp2p.settings import resume_changes, resume_refusal
+from dreamp2p.sync.base import Strategy, saved_settings
+from dreamp2p.sync.registry import strategy_class
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +98,28 @@ def abort_when_stuck(stop: StopFlag, done: threading.Event, grace: float, node: 
                 log.warning("step still blocked %.0f s after %s: aborting rounds in flight", grace, stop.signal)
                 node.comm.abort_rounds("node stopping")
             return
+
+
+def check_resume(directory: str | Path, sync: SyncConfig) -> None:
+    """Refuse at once a resume under settings that the newest checkpoint of ``directory`` cannot take.
+
+    Called before the node connects or waits for anyone. The settings the checkpoint was saved under are
+    compared with ``sync``: a changed setting that a checkpoint resumes only under (the strategy, see
+    `dreamp2p.settings`) raises PeerError(CONFIG_MISMATCH) naming it and both values. Every node holds the
+    same config (the handshake compares them) and checkpoints of the same run, so every node refuses alike
+    on its own, instead of one refusing and the others waiting for it until a timeout. Any other changed
+    setting is adopted, and logged, when the state loads (`Strategy.load_state_dict`). Nothing to check
+    without a checkpoint.
+    """
+    newest = load_latest(directory, mmap=True)  # the tensors stay on disk: only the settings are read
+    if newest is None or not isinstance(newest[1].get("sync"), dict):
+        return
+    path, state = newest
+    current = {**sync.shared_settings(), "sync.strategy": sync.strategy}
+    changes = resume_changes(saved_settings(state["sync"]), current)
+    refusal = resume_refusal(changes, strategy_class(sync.strategy).resume_fixed, where=str(path))
+    if refusal is not None:
+        raise PeerError(Status.CONFIG_MISMATCH, refusal)
 
 
 # agree_and_load's answer when members are training: take their state (Node.join), not our checkpoint
@@ -258,11 +284,13 @@ class Checkpointer:
         restart wave, join the members training without us, or start fresh (every directory empty).
 
         ``kwargs`` go to :meth:`Node.attach` (strategy, sync, overrides); ``broadcast`` and ``join`` are
-        decided here.
+        decided here. A strategy other than the newest checkpoint's is refused first, before any wait on
+        the other members (:func:`check_resume`); other settings changed since are adopted when it loads.
         """
         for decided_here in ("broadcast", "join"):
             if decided_here in kwargs:
                 raise ValueError(f"Checkpointer.attach decides {decided_here!r} from the resume agreement")
+        check_resume(self.directory, Node.sync_config(**kwargs))  # before any wait on the other members
         if not self.node.connected:
             self.node.connect()
         decided = agree_and_load(self.directory, self.node)

@@ -16,7 +16,7 @@ import abc
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from dreamp2p.config.sync import SyncConfig
-from dreamp2p.errors import FlushIncomplete, RoundFailed
+from dreamp2p.errors import FlushIncomplete, PeerError, RoundFailed, Status
 from dreamp2p.messages import RoundResult, TrainingInfo
+from dreamp2p.settings import FIXED_ON_RESUME, resume_changes, resume_refusal
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.sync.agreement import is_adaptive
 from dreamp2p.sync.buffers import BufferSync, frozen_parameters, model_buffers
@@ -99,6 +100,8 @@ class Strategy(OptimizerFacade, abc.ABC):
     buffers_every_step = False
     buffers_inline = True
     syncs_buffers = True
+    # settings a checkpoint of this strategy resumes only under (see load_state_dict)
+    resume_fixed: tuple[str, ...] = FIXED_ON_RESUME
 
     def __init__(
         self,
@@ -127,6 +130,7 @@ class Strategy(OptimizerFacade, abc.ABC):
         self.buffers = model_buffers(model) if self.syncs_buffers else []
         self._bufsync = BufferSync(comm, self.buffers, cfg.buffers, self.pin) if self.buffers else None
         self._resync: Callable[[tuple[str, ...]], None] | None = None
+        self.adopted: list[tuple[str, str, str]] = []  # settings the last load took from our config instead
         self._setup()
 
     # ------------------------------------------------------------------ user API
@@ -225,15 +229,33 @@ class Strategy(OptimizerFacade, abc.ABC):
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "extra": self._extra_state(),
+            # what the state was made under: a resume compares them with its config (see load_state_dict)
+            "settings": self.cfg.shared_settings(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("strategy") != self.name:
-            raise ValueError(f"state is for strategy {state.get('strategy')!r}, this is {self.name!r}")
+        """Continue from ``state`` (a checkpoint, or the members' state for a joiner).
+
+        Settings changed since it was saved (`dreamp2p.settings`): a change of one in ``resume_fixed`` (the
+        strategy) raises PeerError(CONFIG_MISMATCH) naming it and both values, before anything is loaded;
+        every other change is logged ("resume: sync.period 5 -> 10 ...") and our config's value holds from
+        this step on (:meth:`_adopt_settings`; ``adopted`` lists them). A joiner's state never differs: the
+        handshake compared the members' settings with ours.
+        """
+        # the strategy is the one this object runs (a strategy made by hand may hold a config naming another)
+        changes = resume_changes(saved_settings(state), {**self.cfg.shared_settings(), "sync.strategy": self.name})
+        refusal = resume_refusal(changes, self.resume_fixed)
+        if refusal is not None:
+            raise PeerError(Status.CONFIG_MISMATCH, refusal)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step"])
         self._load_extra_state(state.get("extra", {}))
+        for name, old, new in changes:
+            log.info("resume: %s %s -> %s (config changed since the checkpoint)", name, old, new)
+        self.adopted = changes
+        if changes:
+            self._adopt_settings(changes)
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for collectives still in flight (they are collective: peers expect us to finish them).
@@ -304,6 +326,10 @@ class Strategy(OptimizerFacade, abc.ABC):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         return None
 
+    def _adopt_settings(self, changes: list[tuple[str, str, str]]) -> None:
+        """After a load whose state was saved under other settings (``changes``: name, saved, ours), make
+        the loaded state follow ours. Nothing by default: the schedule reads ``self.cfg`` at every step."""
+
     @property
     def round_limit_s(self) -> float:
         """How long the trainer waits for a round's result: the peer's round deadline plus a margin, since
@@ -348,6 +374,21 @@ class Strategy(OptimizerFacade, abc.ABC):
         self._stats.comm_s += res.seconds
         self._stats.bytes_sent += res.bytes_sent
         self._stats.syncs += 1
+
+
+def saved_settings(state: Mapping[str, Any]) -> dict[str, str]:
+    """The settings a strategy's state was saved under (its ``settings``, see `Strategy.state_dict`).
+
+    A state saved before they were recorded still tells its strategy and, for a planned strategy, its
+    plan's period; nothing else of it can be compared.
+    """
+    out = {str(k): str(v) for k, v in (state.get("settings") or {}).items()}
+    out["sync.strategy"] = str(state.get("strategy"))  # the strategy that saved it, whatever its config said
+    extra = state.get("extra")
+    plan = extra.get("plan") if isinstance(extra, Mapping) else None
+    if isinstance(plan, Mapping) and "period" in plan:
+        out.setdefault("sync.period", str(plan["period"]))
+    return out
 
 
 def settled(fut: concurrent.futures.Future[RoundResult], timeout: float) -> bool:

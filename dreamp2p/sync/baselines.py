@@ -40,6 +40,15 @@ def _outer_sgd(shadow: nn.Parameter, cfg: SyncConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD([shadow], lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
+def _load_outer(outer: torch.optim.Optimizer, state: dict[str, Any], cfg: SyncConfig) -> None:
+    """Load the outer optimizer's saved state (its momentum buffer), keeping ``cfg``'s outer lr and momentum:
+    ``load_state_dict`` would put back the saved ones, and a resume adopts changed settings."""
+    outer.load_state_dict(state)
+    lr, momentum = cfg.outer
+    for group in outer.param_groups:
+        group.update(lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
 class NoSync(Strategy):
     """No communication at all: the compute-only reference that utilization is measured against."""
 
@@ -128,12 +137,13 @@ class DiLoCo(Strategy):
             self._global.copy_(state["global"])
             with torch.no_grad():
                 self._shadow.copy_(self._global)
-            self._outer.load_state_dict(state["outer"])
+            _load_outer(self._outer, state["outer"], self.cfg)
 
 
 class StreamingDiLoCo(Strategy):
     name = "streaming"
     buffers_inline = False
+    resume_fixed = (*Strategy.resume_fixed, "sync.fragments")  # the saved outer state is per fragment
 
     def _setup(self) -> None:
         nfrag = min(self.cfg.fragments, len(self.layers))
@@ -226,7 +236,7 @@ class StreamingDiLoCo(Strategy):
             glob.copy_(saved)
             with torch.no_grad():
                 shadow.copy_(glob)
-            outer.load_state_dict(saved_outer)
+            _load_outer(outer, saved_outer, self.cfg)
         self._inflight.clear()
         for p, (land, avg) in state.get("inflight", {}).items():
             self._groups[p].work.copy_(avg)

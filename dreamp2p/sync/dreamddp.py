@@ -40,6 +40,7 @@ first measured plan, a warm-up plan of two large syncs runs.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -136,11 +137,15 @@ class DreamDDP(Strategy):
         self._weights.start()
         # codec of each plan's layer syncs (plan version -> name); warm-up syncs use the most compressive
         # candidate, since the link is not measured yet
-        self._plan_codecs: dict[int, str] = {0: self.cfg.plan_codecs[-1] if self.cfg.plan_codecs else self.cfg.codec}
+        self._plan_codecs: dict[int, str] = {0: self._warmup_codec()}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         if self.cfg.warmup_steps > 0:
             self.profiler.start()
         self._arm(0)
+
+    def _warmup_codec(self) -> str:
+        """The warm-up plan's codec: the most compressive candidate, since the link is not measured yet."""
+        return self.cfg.plan_codecs[-1] if self.cfg.plan_codecs else self.cfg.codec
 
     # ------------------------------------------------------------------ backward hooks
 
@@ -478,6 +483,29 @@ class DreamDDP(Strategy):
     def _drop(self) -> None:
         self._inflight.clear()
         self._control = None
+
+    def _adopt_settings(self, changes: list[tuple[str, str, str]]) -> None:
+        """A checkpoint saved under other settings (a period, a codec changed since): its plan, the plans'
+        codecs and the re-planning memory were made for those, so they start over from this step as at a fresh
+        start, under ours: a warm-up plan, then a measured plan at the first control round that measured the
+        link. The outer weights, the repair set and the syncs in flight carry on. Every member resuming with
+        the same settings from the same checkpoint starts over alike (a joiner then takes their state)."""
+        step = self.step_count
+        warmup = warmup_plan(self._blank, self.cfg.period, WARMUP_GROUPS, delay=self.cfg.delay_cap)
+        self.plan = dataclasses.replace(warmup, effective_step=step)
+        self._next_plan = None
+        self._planning = None
+        self._groups.clear()
+        self._replanner = Replanner(self.cfg)
+        self.plan_history = [(self.plan.version, step)]
+        self._plan_codecs = {self.plan.version: self._warmup_codec()}
+        log.info(
+            "resume: %s changed, so the plan starts over: warm-up plan (period %d) from step %d, then a measured one",
+            ", ".join(name for name, _, _ in changes),
+            self.plan.period,
+            step,
+        )
+        self._arm(step)
 
     def _extra_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dreamp2p.config.sync import STRATEGIES, SyncConfig
+from dreamp2p.errors import PeerError
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.sync import base
 from dreamp2p.sync import control as control_sync
@@ -208,7 +209,7 @@ def test_state_for_another_strategy_is_refused() -> None:
     hub = InProcessHub(1)
     (ssgd,) = members(hub, config("ssgd"))
     (local,) = members(InProcessHub(1), config("localsgd"))
-    with pytest.raises(ValueError, match="strategy 'ssgd'"):
+    with pytest.raises(PeerError, match=r"sync\.strategy: ssgd in the checkpoint, localsgd in the config"):
         local.load_state_dict(ssgd.state_dict())
 
 
