@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 # 4: DreamDDP control rounds space out while the link holds steady (sync.control_backoff); 5: DreamDDP's
 # every anchor_every-th period checks its pseudo-gradients instead of averaging parameters (anchors only
 # in the first period and where a check found the outer weights different); 6: DreamDDP's first period
-# sends checked pseudo-gradients too (theta starts at attach), and plans are priced at delta_codec's size
-PROTOCOL_VERSION = 6
+# sends checked pseudo-gradients too (theta starts at attach), and plans are priced at delta_codec's size;
+# 7: heartbeat answers name the members' synchronization memory beside the plan (schedule_step/_digest), and
+# a member whose memory parted from the others' (a partition) yields as for a plan it missed
+PROTOCOL_VERSION = 7
 
 
 class Phase(enum.IntEnum):
@@ -139,12 +141,23 @@ class TrainingInfo:
     region_rank: int = 0
     region_ranks: int = 0  # 0: not a region of many ranks
     plan_digest: int = 0  # Plan.digest of the plan in force (0: no plan)
+    # the synchronization memory besides the plan that every member must hold alike (DreamDDP: its control
+    # schedule and re-planning memory), as a digest, and the step it last changed at (0: none)
+    schedule_step: int = 0
+    schedule_digest: int = 0
     # the most steps this member can trail another of the same ring (0: no bound): further behind, it
     # takes the state of those ahead (see dreamp2p.peer.drift); local to the node, not on the wire
     lag_steps: int = 0
 
     def progress(self) -> MemberProgress:
-        return MemberProgress(self.step, self.plan_version, self.plan_effective_step, self.plan_digest)
+        return MemberProgress(
+            self.step,
+            self.plan_version,
+            self.plan_effective_step,
+            self.plan_digest,
+            self.schedule_step,
+            self.schedule_digest,
+        )
 
 
 @dataclass(frozen=True)
@@ -152,17 +165,27 @@ class MemberProgress:
     """Where a member's training is, as its heartbeat answers say: its step and the plan in force.
 
     A plan is named by its version, the step it took effect at and its digest: two sides of a partition
-    may each decide a plan of the same version, and those differ (see `dreamp2p.peer.drift`).
+    may each decide a plan of the same version, and those differ (see `dreamp2p.peer.drift`). The sides may
+    also keep one plan and still part in the rest of what every member must hold alike (DreamDDP's control
+    schedule): ``schedule_step`` and ``schedule_digest`` name that, and :attr:`plan` covers both.
     """
 
     step: int
     plan_version: int = 0
     plan_effective_step: int = 0
     plan_digest: int = 0
+    schedule_step: int = 0
+    schedule_digest: int = 0
 
     @property
-    def plan(self) -> tuple[int, int, int]:
-        return (self.plan_version, self.plan_effective_step, self.plan_digest)
+    def since(self) -> int:
+        """The step from which every member in step with this one holds the same :attr:`plan` name."""
+        return max(self.plan_effective_step, self.schedule_step)
+
+    @property
+    def plan(self) -> tuple[int, int, int, int]:
+        """The name two members compare: equal on members in step, ordered so that the newer one is greater."""
+        return (self.plan_version, self.since, self.plan_digest, self.schedule_digest)
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,36 @@ class Namespaces:
             self.hosts.append((ns, f"{s}.{i + 1}"))
             self.devs.append((ns, dev))
 
+    def split(self, apart: list[int]) -> None:
+        """Partition the star: regions ``apart`` move to a bridge of their own, reaching only each other.
+
+        Their links stay up (no carrier loss to notice), packets just stop crossing: what a real partition
+        between two groups of regions looks like to both sides. :meth:`join` heals it.
+        """
+        if self.n == 2:
+            raise ValueError("split() needs the star layout (3 regions or more)")
+        hub, other = f"{self.prefix}-x", f"{self.prefix}-br2"
+        _ip("-n", hub, "link", "add", other, "type", "bridge")
+        _ip("-n", hub, "link", "set", other, "up")
+        for i in apart:
+            _ip("-n", hub, "link", "set", f"{self.prefix}-p{i}", "master", other)
+
+    def set_rate(self, ranks: list[int], rate: str) -> None:
+        """Reshape the links of regions ``ranks`` (both directions, star layout) to ``rate`` (e.g. "4mbit")."""
+        if self.n == 2:
+            raise ValueError("set_rate() needs the star layout (3 regions or more)")
+        bps = parse_rate(rate) * 8.0
+        for i in ranks:
+            shape(f"{self.prefix}-r{i}", f"{self.prefix}-v{i}", bps)
+            shape(f"{self.prefix}-x", f"{self.prefix}-p{i}", bps)
+
+    def join(self) -> None:
+        """Heal :meth:`split`: every region's port back on the one bridge, the second bridge removed."""
+        hub = f"{self.prefix}-x"
+        for i in range(self.n):
+            _ip("-n", hub, "link", "set", f"{self.prefix}-p{i}", "master", f"{self.prefix}-br")
+        _ip("-n", hub, "link", "del", f"{self.prefix}-br2")
+
     def down(self) -> None:
         """Remove every namespace (and any veth left in this one) created here; never raises."""
         if self.n == 2:

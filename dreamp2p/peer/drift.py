@@ -7,7 +7,10 @@ groupings, so no round between them can ever complete: without help the side tha
 stands still until its round deadline. A plan is therefore named by its version, the step it took effect
 at and its digest (`schedule.plan.Plan.digest`); of two members whose plans differ, the one with the
 lesser name yields: it takes the state (model, optimizer, plan) from the members ahead, as a joining node
-does, and trains on with them.
+does, and trains on with them. The sides may also keep one plan and part in the rest of what every member
+must hold alike (DreamDDP's control schedule, which the sides' own control rounds moved apart): then each
+side runs control rounds at steps the other skips, and every member waits for the other side's until the
+round deadline. That memory is named beside the plan (`MemberProgress.plan`) and yields the same way.
 
 A difference is only a divergence once this node is past the step the other's plan took effect at: all
 members adopt a plan at the same step, so a member a few steps behind legitimately still trains with the
@@ -68,8 +71,8 @@ def diverged_from(
     """Members, sorted, whose state ``mine`` should take (see the module docstring).
 
     Empty when this node has no trainer yet or no member is ahead. A member counts when its plan's name
-    (version, effective step, digest) is greater than ours and our step is past the step its plan took
-    effect at, or when it is far ahead: in ``far`` if given (the caller held the lead, see `LagHold`),
+    (`MemberProgress.plan`) is greater than ours and our step is past the step its name took effect at
+    (`MemberProgress.since`), or when it is far ahead: in ``far`` if given (the caller held the lead, see `LagHold`),
     else in `far_ahead` (``lag_steps``); of several such, those holding the greatest name.
     """
     if mine is None:
@@ -78,7 +81,7 @@ def diverged_from(
     ahead = {
         node: theirs.plan
         for node, theirs in others.items()
-        if theirs is not None and ((theirs.plan > mine.plan and mine.step > theirs.plan_effective_step) or node in far)
+        if theirs is not None and ((theirs.plan > mine.plan and mine.step > theirs.since) or node in far)
     }
     if not ahead:
         return ()

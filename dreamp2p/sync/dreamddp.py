@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import logging
 import math
 from typing import Any
@@ -122,6 +123,10 @@ class DreamDDP(Strategy):
         # the step the next control round launches at: agreed memory (checkpointed), since its spacing
         # follows what the control rounds decided (`control_interval`)
         self._next_control = self._fixed_control_step(0)
+        # the step the control schedule and re-planning memory last changed at (a launch or a landing): with
+        # their digest, what heartbeats name beside the plan (see _training_info and `dreamp2p.peer.drift`)
+        self._schedule_step = 0
+        self._schedule_name: tuple[object, int] = (None, 0)  # (the memory, its digest), cached
         self._pace = PaceFilter()  # bytes sent / seconds of this member's recent layer syncs
         # (members, the least RTT to the next member any control round read): a sync's latency chain, taken
         # off its pace (`delivery_rate`). The least: an RTT read while syncs queue on the link includes that
@@ -363,6 +368,7 @@ class DreamDDP(Strategy):
             self._decide(control)
         if self._control is None and t >= self._next_control:
             self._next_control = t + self._replanner.control_interval()
+            self._schedule_step = t
             links = {s.peer: s for s in self.comm.links()}
             members = self.comm.members  # read once: the view may change on the comm thread meanwhile
             world, rank = len(members), members.index(self.comm.node_id)
@@ -384,6 +390,7 @@ class DreamDDP(Strategy):
         """Decide on a control round that has landed (its result is waited for if need be)."""
         land, fut, gathered, world = control
         if self._wait(fut) is not None:
+            self._schedule_step = max(self._schedule_step, land)
             # decided as of the agreed landing step, not the step we got here: a node that joined with
             # this round in flight and started past it adopts the plan with the members' phase
             self._on_gathered(unpack_control(gathered.work, world, self._blank), land, world)
@@ -437,6 +444,7 @@ class DreamDDP(Strategy):
         # the members launched the control rounds we skipped: those that included us failed (we refused
         # their frames), deciding nothing, so each spaced the next as the memory we hold says
         while self._next_control < self.step_count:
+            self._schedule_step = max(self._schedule_step, self._next_control)
             self._next_control += self._replanner.control_interval()
         self._arm(self.step_count)
 
@@ -455,10 +463,27 @@ class DreamDDP(Strategy):
             plan.effective_step,
             self._summary[1],
             plan_digest=self._summary[2],
+            schedule_step=self._schedule_step,
+            schedule_digest=self._schedule_digest(),
             # a member waits for each round within its delay and launches one at least once a period, so
             # in one ring no member trails another by more than a period and a delay; twice that is margin
             lag_steps=2 * (plan.period + self.cfg.delay_cap),
         )
+
+    def _schedule_digest(self) -> int:
+        """64 bits naming the control schedule and re-planning memory, which every member must hold alike.
+
+        Two sides of a partition keep their plan but run their own control rounds, so their memories part
+        (how many rounds in a row saw the link steady, hence when the next round runs): then each side
+        launches control rounds at steps the other skips, and both wait for the other's until the round
+        deadline. Heartbeats name it beside the plan, and the side with the lesser name takes the others'
+        state (`dreamp2p.peer.drift`), as for a plan it missed.
+        """
+        memory = (self._next_control, *self._replanner.state().values())
+        if self._schedule_name[0] != memory:
+            raw = hashlib.sha256(repr(memory).encode()).digest()
+            self._schedule_name = (memory, int.from_bytes(raw[:8], "big"))
+        return self._schedule_name[1]
 
     def _fixed_control_step(self, step: int) -> int:
         """The first control step at or after ``step`` on the fixed grid: the first control round of a run,
@@ -497,6 +522,7 @@ class DreamDDP(Strategy):
         self._planning = None
         self._groups.clear()
         self._replanner = Replanner(self.cfg)
+        self._schedule_step = step  # the re-planning memory starts over here, on every member alike
         self.plan_history = [(self.plan.version, step)]
         self._plan_codecs = {self.plan.version: self._warmup_codec()}
         log.info(
@@ -511,6 +537,7 @@ class DreamDDP(Strategy):
         state: dict[str, Any] = {
             "plan": self.plan.to_dict(),
             "next_control": self._next_control,
+            "schedule_step": self._schedule_step,
             "next_plan": queued.to_dict() if (queued := self._collect_plan()) is not None else None,
             **self._replanner.state(),
             "history": [list(h) for h in self.plan_history],
@@ -541,4 +568,5 @@ class DreamDDP(Strategy):
             if control is not None:
                 self._control = restore_control(control, self.comm.world)
             self._next_control = int(state.get("next_control", self._fixed_control_step(self.step_count)))
+            self._schedule_step = int(state.get("schedule_step", 0))
             self._arm(self.step_count)

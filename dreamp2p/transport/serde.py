@@ -338,6 +338,7 @@ def probe_response(
         resp.has_progress = True
         resp.step, resp.plan_version = progress.step, progress.plan_version
         resp.plan_effective_step, resp.plan_digest = progress.plan_effective_step, progress.plan_digest
+        resp.schedule_step, resp.schedule_digest = progress.schedule_step, progress.schedule_digest
     return resp
 
 
@@ -345,7 +346,14 @@ def progress_from_probe(resp: pb.ProbeResponse) -> MemberProgress | None:
     """The answering member's progress, or None when it has no trainer (or predates the field)."""
     if not resp.has_progress:
         return None
-    return MemberProgress(resp.step, resp.plan_version, resp.plan_effective_step, resp.plan_digest)
+    return MemberProgress(
+        resp.step,
+        resp.plan_version,
+        resp.plan_effective_step,
+        resp.plan_digest,
+        resp.schedule_step,
+        resp.schedule_digest,
+    )
 
 
 def vote_request(

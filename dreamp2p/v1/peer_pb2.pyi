@@ -208,7 +208,7 @@ class ProbeRequest(_message.Message):
     def __init__(self, nonce: _Optional[int] = ..., burst: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
 
 class ProbeResponse(_message.Message):
-    __slots__ = ("nonce", "received_bytes", "burst", "has_progress", "step", "plan_version", "plan_effective_step", "plan_digest", "joining")
+    __slots__ = ("nonce", "received_bytes", "burst", "has_progress", "step", "plan_version", "plan_effective_step", "plan_digest", "joining", "schedule_step", "schedule_digest")
     NONCE_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BURST_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,8 @@ class ProbeResponse(_message.Message):
     PLAN_EFFECTIVE_STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     JOINING_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_STEP_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     nonce: int
     received_bytes: int
     burst: bytes
@@ -227,7 +229,9 @@ class ProbeResponse(_message.Message):
     plan_effective_step: int
     plan_digest: int
     joining: bool
-    def __init__(self, nonce: _Optional[int] = ..., received_bytes: _Optional[int] = ..., burst: _Optional[bytes] = ..., has_progress: _Optional[bool] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_effective_step: _Optional[int] = ..., plan_digest: _Optional[int] = ..., joining: _Optional[bool] = ...) -> None: ...
+    schedule_step: int
+    schedule_digest: int
+    def __init__(self, nonce: _Optional[int] = ..., received_bytes: _Optional[int] = ..., burst: _Optional[bytes] = ..., has_progress: _Optional[bool] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., plan_effective_step: _Optional[int] = ..., plan_digest: _Optional[int] = ..., joining: _Optional[bool] = ..., schedule_step: _Optional[int] = ..., schedule_digest: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -42,6 +42,18 @@ P = MemberProgress
         (P(100, 2, 20, 5), {"b": P(100, 3, 60, 9), "c": P(100, 4, 80, 1), "d": P(100, 4, 80, 1)}, ("c", "d")),
         # members on our side of the partition hold our plan and are left out
         (P(100, 2, 20, 5), {"b": P(100, 2, 20, 5), "c": P(100, 3, 60, 9)}, ("c",)),
+        # one plan, control schedules parted while apart: the schedule changed later wins once we passed it
+        (P(100, 3, 40, 7, 80, 1), {"b": P(100, 3, 40, 7, 90, 2)}, ("b",)),
+        (P(100, 3, 40, 7, 90, 2), {"b": P(100, 3, 40, 7, 80, 1)}, ()),
+        # ... the same step: its digest orders them
+        (P(100, 3, 40, 7, 90, 1), {"b": P(100, 3, 40, 7, 90, 2)}, ("b",)),
+        (P(100, 3, 40, 7, 90, 2), {"b": P(100, 3, 40, 7, 90, 1)}, ()),
+        # a member one control round ahead of us (it landed the round at 95, we are at 94): not divergence
+        (P(94, 3, 40, 7, 85, 1), {"b": P(96, 3, 40, 7, 95, 2)}, ()),
+        # nor the other way round: we are ahead, the member behind has not landed it yet
+        (P(96, 3, 40, 7, 95, 2), {"b": P(94, 3, 40, 7, 85, 1)}, ()),
+        # a newer plan still beats a newer schedule
+        (P(100, 3, 40, 7, 95, 2), {"b": P(100, 4, 60, 9, 60, 1)}, ("b",)),
     ],
 )
 def test_who_this_node_takes_the_state_from(
@@ -82,6 +94,8 @@ def test_a_member_too_far_behind_takes_the_state_of_those_ahead(
         (P(100, 3, 60, 1), P(300, 3, 60, 1)),  # far apart with one plan
         (P(800, 2, 20, 5), P(100, 3, 60, 9)),  # the lesser plan far ahead
         (P(100, 2, 20, 5), P(800, 3, 60, 9)),  # the greater plan far ahead
+        (P(100, 3, 40, 7, 90, 1), P(100, 3, 40, 7, 80, 2)),  # one plan, schedules parted
+        (P(100, 3, 40, 7, 90, 1), P(100, 3, 40, 7, 90, 2)),
     ],
 )
 @pytest.mark.parametrize("lag_steps", [0, 18])
@@ -114,10 +128,12 @@ def test_a_plan_digest_names_its_rounds_not_its_predictions() -> None:
 
 
 def test_heartbeat_answers_carry_progress_both_ways() -> None:
-    info = TrainingInfo("dreamddp", 123, 4, 100, "summary", plan_digest=2**64 - 1)
+    info = TrainingInfo(
+        "dreamddp", 123, 4, 100, "summary", plan_digest=2**64 - 1, schedule_step=110, schedule_digest=2**63 + 5
+    )
     resp = serde.probe_response(7, 0, 0, info.progress())
     back = type(resp).FromString(resp.SerializeToString())
-    assert serde.progress_from_probe(back) == MemberProgress(123, 4, 100, 2**64 - 1)
+    assert serde.progress_from_probe(back) == MemberProgress(123, 4, 100, 2**64 - 1, 110, 2**63 + 5)
     # a member without a trainer (or built before the field existed) reports none
     assert serde.progress_from_probe(serde.probe_response(7, 0, 0)) is None
 

@@ -413,3 +413,21 @@ def test_a_joiner_past_a_restored_control_rounds_landing_starts_on_the_plan_it_d
     assert member.plan_history == [(0, 0), (1, 15)]
     assert joiner.plan_history == member.plan_history
     assert joiner.plan == member.plan and joiner.plan_version == 1
+
+
+def test_dreamddp_members_name_one_control_schedule_and_a_parted_one_differs() -> None:
+    """Heartbeats name DreamDDP's control schedule beside its plan (issue 40, item 2): members in step publish
+    the same name; a member whose re-planning memory parted (as on one side of a partition) another."""
+    hub = InProcessHub(3, goodput_Bps=50e6, rtt_s=0.001)
+    cfg = config("dreamddp", period=4, max_delay=2, warmup_steps=2, control_every=4)
+    strategies = members(hub, cfg)
+    train(strategies, 40)
+    infos = [s.comm for s in strategies]
+    names = {(c.training.schedule_step, c.training.schedule_digest) for c in infos}  # type: ignore[attr-defined]
+    assert len(names) == 1 and next(iter(names))[0] > 0, names
+    state = strategies[2].state_dict()
+    state["extra"]["quiet"] += 1  # what one side's own control rounds would have left behind
+    strategies[2].load_state_dict(state)
+    strategies[2].publish_progress()
+    theirs = strategies[2].comm.training  # type: ignore[attr-defined]
+    assert theirs.schedule_digest not in {d for _, d in names}

@@ -188,6 +188,8 @@ def train_job(
         "resyncs": node.resyncs,
         "rounds_skipped": s.rounds_skipped,
         "anchors_healed": getattr(s, "anchors_healed", 0),
+        # DreamDDP's agreed control schedule: equal on every member that ends at the same step
+        "next_control": getattr(s, "next_control_step", None),
         "link_codecs": list(rc.send) if (rc := getattr(s, "ring_codecs", None)) is not None else None,
         # what the per-link codecs were chosen from: each rank's goodput to its successor (B/s, NaN unknown)
         "link_bandwidths": list(g.link_bandwidths) if (g := getattr(s, "last_gathered", None)) is not None else None,
