@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 from torch import nn
 
 from dreamp2p.config.sync import SyncConfig
@@ -31,7 +32,7 @@ from dreamp2p.state.donor import StateDonor
 from dreamp2p.sync.agreement import is_adaptive
 from dreamp2p.sync.buffers import BufferSync, frozen_parameters, model_buffers
 from dreamp2p.sync.collective import Collective
-from dreamp2p.sync.groups import GROUP_FLUSH, GROUP_INIT
+from dreamp2p.sync.groups import GROUP_AGREE, GROUP_FLUSH, GROUP_FLUSH_CHECK, GROUP_INIT
 from dreamp2p.sync.layers import FlatGroup, Layer, discover_layers
 from dreamp2p.sync.optim import OptimizerFacade
 
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 # flush() tries this many rounds before it gives up (it promises identical replicas, so it cannot skip)
 FLUSH_ATTEMPTS = 3
+# round ids one flush reserves per group: an average of each of its two parts, with its attempts
+FLUSH_IDS = 2 * FLUSH_ATTEMPTS
 # seconds the trainer waits for a round beyond the peer's round deadline before it calls the round lost
 ROUND_MARGIN_S = 30.0
 
@@ -276,34 +279,64 @@ class Strategy(OptimizerFacade, abc.ABC):
         """Average every parameter (trainable or frozen) and every buffer once now, blocking.
 
         Whatever changed them (the optimizer, in-place updates of frozen parameters, running statistics),
-        every member of the flush ends bit-identical. A failed round is tried again (up to FLUSH_ATTEMPTS in
-        all); RoundFailed if none completes. FlushIncomplete when the flush completed among fewer members
-        than our newest round or the view at its start held: those members kept their own state (they
-        closed without this flush, died or were cut off), so the replicas are not all identical.
+        every member of the flush ends bit-identical. Two parts, each checked first with a round of 64
+        digest bits: the trainable parameters (unless the strategy already made them identical through its
+        compressed path, `_flush_params`), then frozen parameters and buffers; a part every member already
+        holds alike sends nothing more, the others are averaged in fp32. A failed average is tried again
+        (up to FLUSH_ATTEMPTS in all); RoundFailed if none completes. FlushIncomplete when the flush
+        completed among fewer members than our newest round or the view at its start held: those members
+        kept their own state (they closed without this flush, died or were cut off).
         """
         self.close()
         expected = set(self._last_members) | set(self.comm.members)
-        group = FlatGroup(state_tensors(self.model), pin=self.pin)
         # Round ids from the step, as every other round's: a member that joined refuses rounds numbered
         # before its first step, and ids counted from 1 were (whenever a frame beat its own round open).
         # Every member flushes at the same step, the same number of times, so the ids agree.
-        first = max(self._flush_round + 1, (self.step_count + 1) * FLUSH_ATTEMPTS)
-        for attempt in range(1, FLUSH_ATTEMPTS + 1):
+        first = max(self._flush_round + 1, (self.step_count + 1) * FLUSH_IDS)
+        self._flush_round = first + FLUSH_IDS - 1
+        done = self._flush_params(first)
+        rest: list[torch.Tensor] = [*frozen_parameters(self.model), *model_buffers(self.model)]
+        trainable: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
+        parts = [rest] if done is not None else [trainable, rest]
+        last = done
+        for k, tensors in enumerate(part for part in parts if part):
+            agree, res = self._flush_check(tensors, first + k)
+            if not agree:
+                res = self._flush_average(tensors, first + k * FLUSH_ATTEMPTS)
+            last = res or last
+        averaged = last.members if last is not None and last.members else tuple(self.comm.members)
+        missing = tuple(sorted(expected - set(averaged)))
+        if missing:
+            raise FlushIncomplete(averaged, missing)
+
+    def _flush_check(self, tensors: list[torch.Tensor], round_id: int) -> tuple[bool, RoundResult | None]:
+        """Whether every member holds ``tensors`` bit-identical already (a failed check says no)."""
+        group = FlatGroup([digest_bits(tensors_digest(tensors))])
+        group.snapshot()
+        res = self._wait(
+            self.comm.allreduce_group(group, GROUP_FLUSH_CHECK, "fp32", round_id=round_id, guard_norm=False)
+        )
+        return (res is not None and bits_agree(group.work)), res
+
+    def _flush_average(self, tensors: list[torch.Tensor], first: int) -> RoundResult:
+        """Average ``tensors`` in the configured codec, tried up to FLUSH_ATTEMPTS times."""
+        group = FlatGroup(tensors, pin=self.pin)
+        for attempt in range(FLUSH_ATTEMPTS):
             group.snapshot()
-            self._flush_round = first + attempt - 1
-            fut = self.comm.allreduce_group(group, GROUP_FLUSH, self.cfg.codec, round_id=self._flush_round)
+            fut = self.comm.allreduce_group(group, GROUP_FLUSH, self.cfg.codec, round_id=first + attempt)
             res = self._wait(fut)
             if res is not None:
                 group.merge()
-                averaged = res.members or tuple(self.comm.members)
-                missing = tuple(sorted(expected - set(averaged)))
-                if missing:
-                    raise FlushIncomplete(averaged, missing)
-                return
-            log.warning("flush: round %d of %d failed; trying again", attempt, FLUSH_ATTEMPTS)
+                return res
+            log.warning("flush: round %d of %d failed; trying again", attempt + 1, FLUSH_ATTEMPTS)
         raise RoundFailed(None, f"flush: no averaging round completed in {FLUSH_ATTEMPTS} attempts")
 
     # ------------------------------------------------------------------ for subclasses
+
+    def _flush_params(self, round_id: int) -> RoundResult | None:  # no compressed path by default
+        """Make the trainable parameters identical on every member by the strategy's own (compressed) path;
+        the completed round, or None to leave them to flush()'s checked fp32 average."""
+        return None
 
     def _setup(self) -> None:  # strategies without state of their own need nothing
         """Build strategy state once the base attributes exist (instead of overriding __init__)."""
@@ -418,8 +451,53 @@ def state_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 
 def broadcast_state(comm: Collective, model: nn.Module, timeout: float) -> None:
-    """Make every replica hold rank 0's parameters, frozen ones included, and buffers (bit-identical)."""
-    broadcast_tensors(comm, state_tensors(model), timeout)
+    """Make every replica hold rank 0's parameters, frozen ones included, and buffers (bit-identical).
+
+    Replicas that already agree (every member seeded its model alike, or resumed from one checkpoint) need
+    no copy of rank 0's: a round of 64 digest bits (`states_agree`) says so, and the model's bytes stay home.
+    """
+    tensors = state_tensors(model)
+    if len(comm.members) == 1 or not tensors:
+        return
+    if states_agree(comm, tensors, timeout):
+        log.info("attach: every member holds the same state already; no broadcast")
+        return
+    broadcast_tensors(comm, tensors, timeout)
+
+
+def tensors_digest(tensors: list[torch.Tensor]) -> int:
+    """64 bits of xxh3 over the tensors' bytes, in order (equal digests: bit-identical tensors, but for
+    a collision no replica can arrange)."""
+    h = xxhash.xxh3_64()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.intdigest()
+
+
+def states_agree(comm: Collective, tensors: list[torch.Tensor], timeout: float) -> bool:
+    """Whether every member holds bit-identical ``tensors``: one round of 64 floats, the same answer everywhere.
+
+    Each member sends its digest's bits as 0.0/1.0; a bit's mean is exactly 0 or 1 only where every member
+    holds the same bit, so any fraction means some replica differs (the anchors' check, `sync.outer`, on a
+    whole digest). A failed round answers False: the caller then does the full transfer.
+    """
+    group = FlatGroup([digest_bits(tensors_digest(tensors))])
+    group.snapshot()
+    try:
+        comm.allreduce_group(group, GROUP_AGREE, "fp32", guard_norm=False).result(timeout)
+    except RoundFailed:
+        return False
+    return bits_agree(group.work)
+
+
+def digest_bits(digest: int) -> torch.Tensor:
+    """A 64-bit digest as 64 floats of 0.0 or 1.0: one member's contribution to an agreement round."""
+    return torch.tensor([float((digest >> i) & 1) for i in range(64)], dtype=torch.float32)
+
+
+def bits_agree(mean: torch.Tensor) -> bool:
+    """From the members' averaged `digest_bits`: whether every member sent the same digest."""
+    return not bool(((mean > 0) & (mean < 1)).any())
 
 
 def broadcast_tensors(comm: Collective, tensors: list[torch.Tensor], timeout: float) -> None:

@@ -65,7 +65,14 @@ from dreamp2p.sync.control import (
     restore_control,
     unpack_control,
 )
-from dreamp2p.sync.groups import GROUP_CONTROL, anchor_check_group, anchor_group, plan_sync_group
+from dreamp2p.sync.groups import (
+    GROUP_CONTROL,
+    GROUP_FLUSH_DELTA,
+    GROUP_FLUSH_THETA,
+    anchor_check_group,
+    anchor_group,
+    plan_sync_group,
+)
 from dreamp2p.sync.inflight import InFlight
 from dreamp2p.sync.layers import FlatGroup
 from dreamp2p.sync.outer import OuterWeights, anchor_verdict
@@ -220,6 +227,47 @@ class DreamDDP(Strategy):
         )
         check, check_fut = self._check_round(sync.layers, gid) if self._is_check(self.step_count) else (None, None)
         self._inflight.append(InFlight(self.step_count + sync.delay, key, group, sync.layers, fut, check, check_fut))
+
+    def _flush_params(self, round_id: int) -> RoundResult | None:
+        """flush()'s trainable part through the compressed path: every layer's pseudo-gradient at once in
+        ``delta_codec`` with a check of the outer weights beside it, then params = theta - mean pseudo-gradient
+        (the members' mean up to the codec's error) and theta with them, identical on every member whose
+        theta agreed. None (flush() then averages in fp32) without a delta codec, when the round failed or
+        when the check found the outer weights apart; flush()'s digest check confirms the result either way.
+        """
+        if not self.cfg.delta_codec or len(self.comm.members) == 1:
+            return None
+        layers = tuple(range(len(self.layers)))
+        group = FlatGroup(self.params, pin=self.pin)  # every layer's parameters, in layer order, as theta's
+        group.snapshot()
+        self._weights.copy_theta(layers, group.work)
+
+        def pseudo_gradient() -> None:  # on the comm thread, once the snapshot has landed
+            group.work.sub_(group.snap)
+
+        fut = self.comm.allreduce_group(
+            group,
+            GROUP_FLUSH_DELTA,
+            self.cfg.delta_codec,
+            round_id=round_id,
+            prepare=pseudo_gradient,
+        )
+        check = FlatGroup([self._weights.check_vector(layers)])
+        check.snapshot()
+        check_fut = self.comm.allreduce_group(check, GROUP_FLUSH_THETA, "fp32", round_id=round_id, guard_norm=False)
+        res = self._wait(fut)
+        checked = self._wait(check_fut)
+        if res is None or checked is None:
+            return None
+        if anchor_verdict(check.work) != "agree":
+            log.warning("flush: outer weights differ between members; the parameters are averaged in fp32")
+            return None
+        mean = torch.empty_like(group.work)
+        self._weights.copy_theta(layers, mean)
+        mean.sub_(group.work)  # theta - mean(theta - params) = mean(params), identical on every member
+        group.write(mean)
+        self._weights.set_theta(layers, mean)
+        return res
 
     def _is_check(self, step: int) -> bool:
         """Whether a sync launched at ``step`` checks the outer weights (decided from the step: agreed by all)."""

@@ -93,6 +93,15 @@ class OuterWeights:
             out[offset : offset + n].copy_(theta)
             offset += n
 
+    def set_theta(self, layers: Sequence[int], flat: torch.Tensor) -> None:
+        """Theta of ``layers`` <- the flat ``flat`` (concatenated in that order); momenta stay as they are."""
+        offset = 0
+        for li in layers:
+            theta = self.theta(li)
+            n = theta.numel()
+            theta.copy_(flat[offset : offset + n])
+            offset += n
+
     def check_vector(self, layers: Sequence[int]) -> torch.Tensor:
         """This member's anchor check for ``layers``: reset flag and digest of their theta and momentum."""
         for li in layers:

@@ -1,5 +1,7 @@
-"""``flush()`` against the in-process collective: every parameter, frozen ones included, and every buffer end
-bit-identical on every member, whatever changed them, for every strategy (issue 40, item 1)."""
+"""``flush()`` and attach's broadcast against the in-process collective: every parameter, frozen ones included,
+and every buffer end bit-identical on every member, whatever changed them, for every strategy (issue 40,
+item 1); state the members already share does not cross the network again, and DreamDDP's flush sends its
+pseudo-gradients compressed (issue 34, item 3)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import torch
 from torch import nn
 
 from dreamp2p.config.sync import SyncConfig
-from dreamp2p.sync.base import Strategy
+from dreamp2p.sync.base import Strategy, broadcast_state
+from dreamp2p.sync.groups import GROUP_AGREE, GROUP_FLUSH, GROUP_FLUSH_DELTA, GROUP_INIT
 from dreamp2p.sync.inprocess import InProcessHub
 from dreamp2p.sync.registry import strategy_class
 
@@ -85,3 +88,78 @@ def test_flush_leaves_frozen_parameters_and_buffers_identical(strategy: str) -> 
     # the buffers hold the mean of the members' own values (each rank added r + 1 per step), not rank 0's
     assert torch.equal(models[0].seen, torch.full((3,), 2.0 * 10))
     assert int(models[0].calls) == 20
+
+
+def test_attach_sends_no_model_where_every_member_holds_it_already() -> None:
+    """Issue 34, item 3: replicas seeded alike need no copy of rank 0's state; one 64-float round says so."""
+    hub = InProcessHub(3)
+    same = [WithState() for _ in range(3)]  # seeded alike
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda r: broadcast_state(hub.member(r), same[r], 10.0), range(3)))
+    assert [r.group_id for r in hub.rounds] == [GROUP_AGREE]
+    assert hub.rounds[0].elements == 64
+
+    hub = InProcessHub(3)
+    apart = [WithState() for _ in range(3)]
+    with torch.no_grad():
+        apart[1].ema.add_(1.0)  # one member's frozen state differs: everything comes from rank 0
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda r: broadcast_state(hub.member(r), apart[r], 10.0), range(3)))
+    assert [r.group_id for r in hub.rounds] == [GROUP_AGREE, GROUP_INIT]
+    assert len({digest(m) for m in apart}) == 1
+
+
+def _dreamddp(hub: InProcessHub, models: list[WithState]) -> list[Strategy]:
+    cfg = SyncConfig(strategy="dreamddp", period=4, max_delay=2, warmup_steps=2, control_every=4)
+    return [
+        strategy_class("dreamddp")(m, torch.optim.SGD(m.body.parameters(), lr=0.05), hub.member(r), cfg)
+        for r, m in enumerate(models)
+    ]
+
+
+def _train_and_flush(syncs: list[Strategy], models: list[WithState], steps: int) -> list[list[torch.Tensor]]:
+    """Train, then flush; each member's trainable parameters just before the flush."""
+
+    def run(rank: int) -> list[torch.Tensor]:
+        for _ in range(steps):
+            local_step(syncs[rank], models[rank], rank)
+        syncs[rank].close()
+        before = [p.detach().clone() for p in models[rank].body.parameters()]
+        syncs[rank].flush()
+        return before
+
+    with concurrent.futures.ThreadPoolExecutor(len(syncs)) as pool:
+        return list(pool.map(run, range(len(syncs))))
+
+
+def test_dreamddp_flush_averages_through_its_delta_codec_and_checks_the_result() -> None:
+    """Issue 34, item 3: no full-model fp32 transfer in DreamDDP's flush when the outer weights agree."""
+    hub = InProcessHub(3, goodput_Bps=50e6, rtt_s=0.001)
+    models = [WithState() for _ in range(3)]
+    syncs = _dreamddp(hub, models)
+    before = _train_and_flush(syncs, models, 13)  # mid-period: the replicas differ
+    assert len({digest(m) for m in models}) == 1  # bit-identical, frozen state and buffers too
+    flushes = [r for r in hub.rounds if r.group_id in (GROUP_FLUSH, GROUP_FLUSH_DELTA)]
+    params = sum(p.numel() for p in models[0].body.parameters())
+    delta = [r for r in flushes if r.group_id == GROUP_FLUSH_DELTA]
+    assert len(delta) == 1 and delta[0].codec == "int4" and delta[0].elements == params
+    # fp32 averages only of the small rest (the frozen EMA and the buffers differ per rank): never the body
+    assert all(r.elements < params for r in flushes if r.group_id == GROUP_FLUSH), flushes
+    # the result is the members' mean, up to the 4-bit codec's error on the pseudo-gradients
+    for i, p in enumerate(models[0].body.parameters()):
+        mean = torch.stack([b[i] for b in before]).mean(0)
+        spread = max(float((b[i] - mean).abs().max()) for b in before)
+        assert float((p.detach() - mean).abs().max()) <= 0.25 * spread + 1e-7
+
+
+def test_dreamddp_flush_falls_back_to_fp32_where_the_outer_weights_differ() -> None:
+    hub = InProcessHub(3, goodput_Bps=50e6, rtt_s=0.001)
+    models = [WithState() for _ in range(3)]
+    syncs = _dreamddp(hub, models)
+    state = syncs[2].state_dict()
+    state["extra"]["outer"][0][0].add_(1e-3)  # one member's theta drifted (a lost round, a partition)
+    syncs[2].load_state_dict(state)
+    _train_and_flush(syncs, models, 3)  # before the first check could repair it
+    assert len({digest(m) for m in models}) == 1
+    params = sum(p.numel() for p in models[0].body.parameters())
+    assert any(r.group_id == GROUP_FLUSH and r.elements == params and r.codec == "fp32" for r in hub.rounds)

@@ -28,6 +28,7 @@ from dreamp2p.sync.base import Strategy
 from dreamp2p.sync.groups import (
     ANCHOR_OFFSET,
     GROUP_FLUSH,
+    GROUP_FLUSH_CHECK,
     GROUP_FRAGMENT_BASE,
     GROUP_GRADS,
     GROUP_PARAMS,
@@ -167,17 +168,22 @@ def test_a_failed_round_is_skipped_alike_and_flush_leaves_identical_replicas(str
     assert len({digest(s) for s in strategies}) == 1
 
 
-@pytest.mark.parametrize("strategy", ["ssgd", "streaming"])
-def test_flush_rounds_are_numbered_from_the_step(strategy: str) -> None:
+@pytest.mark.parametrize(("strategy", "averages"), [("ssgd", []), ("streaming", [78, 79])])
+def test_flush_rounds_are_numbered_from_the_step(strategy: str, averages: list[int]) -> None:
     # a member that joined at step j refuses rounds numbered below j + 1: flush ids counted from 1 were
     hub = InProcessHub(2)
     strategies = members(hub, config(strategy))
     train(strategies, 12)
-    hub.fail(lambda group_id, round_id: group_id == GROUP_FLUSH and round_id == 39)  # the first attempt
+    hub.fail(lambda group_id, round_id: group_id == GROUP_FLUSH and round_id == 78)  # the first attempt
     each(strategies, lambda rank, s: s.flush())
     each(strategies, lambda rank, s: s.flush())
+    # (12 + 1) x 6 ids per flush; each flush checks its part first (2 members, no frozen state: one part)
+    checks = sorted({r.round_id for r in hub.rounds if r.group_id == GROUP_FLUSH_CHECK})
+    assert checks == [78, 84], checks
+    # S-SGD replicas agree already: nothing more crosses; Streaming's differ: a failed average, then its
+    # retry; the second flush finds them identical
     ids = sorted({r.round_id for r in hub.rounds if r.group_id == GROUP_FLUSH})
-    assert ids == [39, 40, 41], ids  # (12 + 1) x 3 attempts; a failed attempt, then the second flush
+    assert ids == averages, ids
     assert len({digest(s) for s in strategies}) == 1
 
 

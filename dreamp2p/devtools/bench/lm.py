@@ -8,8 +8,11 @@ contiguous slice) of the training part, as a pure function of (rank, step). Inne
 (lr ``lr``, weight decay 0.1 on every parameter, betas (0.9, 0.95)). One process per region, each with
 ``torch.set_num_threads(1)``; the library is used only as a user would: ``node.attach(model, opt,
 strategy=name, period=period, **extra_sync)`` then ``sync.step()`` / ``sync.zero_grad()`` in the loop.
-``sync.flush()`` is never called: the held-out loss is that of each region's own model after the last
-step, averaged over regions; ``identical_replicas`` (equal parameter digests then) is information only.
+The held-out loss is that of each region's own model after the last step, averaged over regions;
+``identical_replicas`` (equal parameter digests then) is information only. After the timed loop each region
+calls ``sync.flush()``, as a user ends a run: ``heldout_loss_flushed`` is the loss of the flushed model
+(``identical_after_flush``: every region's state digest equal), ``flush_s`` the slowest region's flush,
+and with tbf ``attach_mb`` / ``flush_mb`` what one region put on the wire during attach and flush.
 
 Regions and links. As root (and unless ``netns=False``) every region runs in its own network namespace
 and each direction of its link is shaped by ``tc tbf`` to ``rate``: two regions are joined by one veth
@@ -137,6 +140,13 @@ def _summarize(res: list[dict[str, Any]], steps: int, wire_run: list[int] | None
     }
     if wire_run is not None:
         row["mb_sent_run"] = _r(sum(wire_run) / 1e6 / len(res), 3)
+    if "heldout_loss_flushed" in res[0]:
+        row["heldout_loss_flushed"] = _r(_mean([r["heldout_loss_flushed"] for r in res]))
+        row["identical_after_flush"] = len({r["flushed_digest"] for r in res}) == 1
+        row["flush_s"] = _r(max(r["flush_s"] for r in res), 3)
+        for key in ("attach", "flush"):
+            counted = [r[f"{key}_wire_bytes"] for r in res if r.get(f"{key}_wire_bytes") is not None]
+            row[f"{key}_mb"] = _r(sum(counted) / 1e6 / len(counted), 3) if counted else None
     if "plan_history" in res[0]:
         row["plan_history"] = res[0]["plan_history"]
         row["plan"] = res[0]["plan_summary"]

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from dreamp2p.devtools.launch import expect_message, reap, start_child
 from dreamp2p.devtools.netns import wire_bytes
-from dreamp2p.manifest import param_digest
+from dreamp2p.manifest import param_digest, state_digest
 from dreamp2p.node import Node
 from dreamp2p.service.tasks import ByteTransformer, stdlib_files
 from dreamp2p.sync.commproc import CommProcess
@@ -201,7 +201,10 @@ def lm_job(
 ) -> dict[str, Any]:
     """One region (a peer process started by `dreamp2p.devtools.launch.run_local`)."""
     w = _Workload(rank, world, workload)
+    dev = wire_devs[rank]
+    wire0 = wire_bytes(dev) if dev else 0
     sync = node.attach(w.model, w.opt, strategy=strategy, period=period, **extra_sync)
+    attach_wire = wire_bytes(dev) - wire0 if dev else None
     child_cpu = node.comm.cpu_seconds if isinstance(node.comm, CommProcess) else lambda: 0.0
     cpu0 = child_cpu()
     out = w.loop(sync.step, sync.zero_grad, wire_devs[rank])
@@ -226,6 +229,17 @@ def lm_job(
         # replays the planner's prediction on exactly these inputs
         out["plan_report"] = {**sync.plan_report(), "codec": sync.sync_codec, "anchor_codec": sync.plan_codec}
     sync.close()
+    # the replicas as a user ends a run: one flush, then the model every region holds alike
+    wire0 = wire_bytes(dev) if dev else 0
+    t0 = time.perf_counter()
+    sync.flush()
+    out.update(
+        attach_wire_bytes=attach_wire,
+        flush_wire_bytes=wire_bytes(dev) - wire0 if dev else None,
+        flush_s=time.perf_counter() - t0,
+        flushed_digest=state_digest(w.model),
+        heldout_loss_flushed=heldout_loss(w.model, w.evals),
+    )
     return w.evaluate(out)
 
 
