@@ -1,7 +1,9 @@
 """Network namespaces for local multi-region runs: one per region, every link direction shaped by tbf.
 
 Needs root (ip netns, tc). Two regions get one veth pair (deploy/netns-wan.sh); more get a star through a
-bridge namespace. Used by `bench lm`; removed on exit, also when the run is interrupted.
+bridge namespace. Used by `bench lm`; removed on exit, also when the run is interrupted. Given a round-trip
+time, jitter or loss, the regions are joined instead through the packet-level WAN emulator
+(`dreamp2p.devtools.wanemu`: a TUN device per region, every direction delayed, jittered, lossy, rate-limited).
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import logging
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from dreamp2p.config import parse_rate
+from dreamp2p.devtools.wanemu import WanEmulator
+from dreamp2p.devtools.wanmodel import WanPath
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +74,29 @@ class Namespaces:
 
     ``hosts``: (namespace, address) per rank for `run_local`; ``devs``: (namespace, device) per rank, the
     region's own end of its link (its tbf's byte counter is what the region sent, see `wire_bytes`).
+
+    With ``rtt``, ``jitter`` or ``loss`` (e.g. ``rtt="100ms", loss="0.1%"``), or a whole ``wan`` path, every
+    region gets a TUN device instead and the packet emulator forwards between them: each directed pair of
+    regions is a path of its own at ``rate`` (see `dreamp2p.devtools.wanmodel`). `split`, `join` and
+    `set_rate` are the tbf layout's only; `tx_bytes` then counts the IP bytes each region handed the emulator.
     """
 
-    def __init__(self, n: int, rate: str) -> None:
+    def __init__(
+        self,
+        n: int,
+        rate: str,
+        *,
+        rtt: str | float | None = None,
+        jitter: str | float | None = None,
+        loss: str | float | None = None,
+        wan: WanPath | None = None,
+    ) -> None:
         self.n = n
         self.bps = parse_rate(rate) * 8.0
+        if wan is None and (rtt or jitter or loss):
+            wan = WanPath.parse(self.bps, rtt=rtt or 0.0, jitter=jitter or 0.0, loss=loss or 0.0)
+        self.wan = wan
+        self.emulator: WanEmulator | None = None
         tag = os.getpid() % 100000
         self.prefix = f"dpm{tag}"
         self.subnet = f"10.204.{tag % 200 + 20}"
@@ -83,7 +106,9 @@ class Namespaces:
 
     def __enter__(self) -> Namespaces:
         try:
-            if self.n == 2:
+            if self.wan is not None:
+                self._up_emulated(self.wan)
+            elif self.n == 2:
                 self._up_pair()
             else:
                 self._up_star()
@@ -132,12 +157,47 @@ class Namespaces:
             self.hosts.append((ns, f"{s}.{i + 1}"))
             self.devs.append((ns, dev))
 
+    def _up_emulated(self, wan: WanPath) -> None:
+        p, s = self.prefix, self.subnet
+        ports = []
+        for i in range(self.n):
+            ns = f"{p}-r{i}"
+            _ip("netns", "add", ns)
+            self._created.append(ns)
+            ports.append((ns, f"{p}-t{i}", f"{s}.{i + 1}"))
+        self.emulator = WanEmulator(ports, wan)
+        self.emulator.start()
+        for ns, dev, addr in ports:
+            # no IPv6 on the TUN: its router solicitations would be the only stray packets on the paths
+            subprocess.run(
+                ["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv6.conf.{dev}.disable_ipv6=1"],
+                capture_output=True,
+                timeout=30,
+                check=False,
+            )
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", dev, "up")
+            self.hosts.append((ns, addr))
+            self.devs.append((ns, dev))
+
+    def _tbf_only(self, what: str) -> None:
+        if self.wan is not None:
+            raise ValueError(f"{what}() needs the tbf layout, not the packet emulator (rtt/jitter/loss)")
+
+    def emulator_stats(self) -> dict[str, Any]:
+        """The packet emulator's counters (see `WanEmulator.stats`); its last ones once it has stopped."""
+        if self.emulator is None:
+            raise ValueError("emulator_stats() needs the packet emulator (rtt/jitter/loss)")
+        return self.emulator.stats()
+
     def split(self, apart: list[int]) -> None:
         """Partition the star: regions ``apart`` move to a bridge of their own, reaching only each other.
 
         Their links stay up (no carrier loss to notice), packets just stop crossing: what a real partition
         between two groups of regions looks like to both sides. :meth:`join` heals it.
         """
+        self._tbf_only("split")
         if self.n == 2:
             raise ValueError("split() needs the star layout (3 regions or more)")
         hub, other = f"{self.prefix}-x", f"{self.prefix}-br2"
@@ -148,6 +208,7 @@ class Namespaces:
 
     def set_rate(self, ranks: list[int], rate: str) -> None:
         """Reshape the links of regions ``ranks`` (both directions, star layout) to ``rate`` (e.g. "4mbit")."""
+        self._tbf_only("set_rate")
         if self.n == 2:
             raise ValueError("set_rate() needs the star layout (3 regions or more)")
         bps = parse_rate(rate) * 8.0
@@ -157,6 +218,7 @@ class Namespaces:
 
     def join(self) -> None:
         """Heal :meth:`split`: every region's port back on the one bridge, the second bridge removed."""
+        self._tbf_only("join")
         hub = f"{self.prefix}-x"
         for i in range(self.n):
             _ip("-n", hub, "link", "set", f"{self.prefix}-p{i}", "master", f"{self.prefix}-br")
@@ -164,16 +226,28 @@ class Namespaces:
 
     def down(self) -> None:
         """Remove every namespace (and any veth left in this one) created here; never raises."""
-        if self.n == 2:
+        if self.emulator is not None:
+            try:
+                self.emulator.stop()  # its TUN devices go with it
+            except Exception as exc:  # never raises: the namespaces must still go
+                log.warning("stopping the WAN emulator: %s", exc)
+        if self.n == 2 and self.wan is None:
             subprocess.run(
                 ["bash", str(SCRIPT), "down", "--prefix", self.prefix], capture_output=True, timeout=60, check=False
             )
         for ns in self._created:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30, check=False)
-        for i in range(self.n if self.n != 2 else 0):
+        for i in range(self.n if self.n != 2 and self.wan is None else 0):
             subprocess.run(["ip", "link", "del", f"{self.prefix}-v{i}"], capture_output=True, timeout=30, check=False)
         self._created = []
 
     def tx_bytes(self) -> list[int]:
-        """Per rank: bytes its link end has put on the wire so far (its tbf's counter, see `wire_bytes`)."""
+        """Per rank: bytes its link end has put on the wire so far (its tbf's counter, see `wire_bytes`).
+
+        With the packet emulator: the IP bytes the region handed it (before queue drops and losses)."""
+        if self.emulator is not None:
+            sent = [0] * self.n
+            for path in self.emulator.stats()["paths"]:
+                sent[int(path["src"])] += int(path["in_bytes"])
+            return sent
         return [wire_bytes(dev, ns) for ns, dev in self.devs]
