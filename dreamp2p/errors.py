@@ -38,7 +38,8 @@ class PeerError(Exception):
     """A refusal with a status: raised where input is rejected, turned into a gRPC error at the edge."""
 
     def __init__(self, status: Status, detail: str, grpc_code: str | None = None) -> None:
-        super().__init__(f"{status.name}: {detail}")
+        # UNSPECIFIED (no application status: the call failed in gRPC, or locally) is no news: the detail alone
+        super().__init__(detail if status == Status.UNSPECIFIED else f"{status.name}: {detail}")
         self.status = status
         self.detail = detail
         # the gRPC status code's name when the refusal came back from a call (e.g. "UNAVAILABLE": the

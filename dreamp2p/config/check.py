@@ -4,7 +4,8 @@ The loaders (:meth:`DaemonConfig.from_dict` and the tables' ``__post_init__``) s
 suits a daemon starting up but makes an operator fix a file one error per run. Here each table is checked on
 its own: unknown keys (with the closest allowed name), values of the wrong type, then the table's own checks
 run again and again, each time without the keys the last error named, so every independent error is found.
-What is reported is always the loaders' own message. A file found clean is finally loaded whole by
+What is reported is always the loaders' own message (one that opens with a bare key of ``[node]`` gets its
+table in front: ``node.codec``). A file found clean is finally loaded whole by
 :meth:`DaemonConfig.from_dict`, so ``config check`` never passes a file that ``dreamp2p node`` would refuse.
 """
 
@@ -165,14 +166,15 @@ def table_errors(
         return [*errors, f"{where}: missing key{'s' if len(required) > 1 else ''} {', '.join(required)}"]
     if any(_required(fields[key]) for key in bad):
         return errors  # a required key with a bad value: the table's own checks cannot run without it
-    return errors + _post_init_errors(cls, good, set(fields))
+    return errors + _post_init_errors(cls, good, set(fields), where)
 
 
-def _post_init_errors(cls: type[Any], good: dict[str, Any], names: set[str]) -> list[str]:
+def _post_init_errors(cls: type[Any], good: dict[str, Any], names: set[str], where: str = "") -> list[str]:
     """Build ``cls`` again and again, each time without the fields the last error named, collecting the errors.
 
     An error that names a field already taken out may come from the default put in its place, so it is not
-    reported (the error that took that field out was).
+    reported (the error that took that field out was). An error that opens with a bare field name (a type
+    also built outside a daemon's file, as ``PeerConfig`` is) gets its table in front: ``node.codec ...``.
     """
     errors: list[str] = []
     dropped: set[str] = set()
@@ -185,7 +187,7 @@ def _post_init_errors(cls: type[Any], good: dict[str, Any], names: set[str]) -> 
             message = str(exc)
             named = {n for n in names if re.search(rf"(?<!\w){re.escape(n)}(?!\w)", message)}
             if not named & dropped:
-                errors.append(message)
+                errors.append(_qualified(message, where, names))
             removable = {n for n in named & set(kwargs) if not _is_required(cls, n)}
             if not removable:
                 break  # nothing left to take out: no further error can be told apart
@@ -193,6 +195,12 @@ def _post_init_errors(cls: type[Any], good: dict[str, Any], names: set[str]) -> 
             for n in removable:
                 del kwargs[n]
     return errors
+
+
+def _qualified(message: str, where: str, names: set[str]) -> str:
+    """``message`` with ``where.`` before the field name it opens with, if it opens with one."""
+    first = re.match(r"\w+", message)
+    return f"{where}.{message}" if where and first is not None and first.group() in names else message
 
 
 def _required(f: dataclasses.Field[Any]) -> bool:

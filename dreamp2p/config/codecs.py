@@ -12,6 +12,8 @@ import itertools
 import math
 from collections.abc import Sequence
 
+from dreamp2p.config.parse import did_you_mean
+
 # Every registered codec, in wire-id order (as `dreamp2p.compression.codec_names()` lists them).
 CODEC_NAMES: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8", "int4", "e3m0", "topk")
 # Codecs that send a few values of each block and decode the rest as zeros (usable only with error feedback).
@@ -27,8 +29,14 @@ def canonical_codec(name: str) -> str:
     """The codec's registered name (names are case-insensitive, as `compression.get_codec` reads them)."""
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in _RANK:
-        raise ValueError(f"unknown codec {name!r}; known codecs: {', '.join(CODEC_NAMES)}")
+        raise ValueError(unknown_codec_message(name))
     return key
+
+
+def unknown_codec_message(name: object) -> str:
+    """The words for a codec name no codec has: the name, the closest codec name, every codec name."""
+    hint = did_you_mean(name.strip().lower(), CODEC_NAMES) if isinstance(name, str) else ""
+    return f"unknown codec {name!r}{hint}; known codecs: {', '.join(CODEC_NAMES)}"
 
 
 def is_sparse(name: str) -> bool:

@@ -70,6 +70,14 @@ def did_you_mean(key: str, allowed: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def one_of_message(key: str, value: Any, allowed: Iterable[str]) -> str:
+    """The message for an enumerated setting given a value it does not take: the full key (``sync.strategy``),
+    every value it takes, the value given and the closest allowed one."""
+    names = list(allowed)
+    hint = did_you_mean(value, names) if isinstance(value, str) else ""
+    return f"{key} must be one of {', '.join(names)}; got {value!r}{hint}"
+
+
 def unknown_key_message(key: str, where: str, allowed: Iterable[str]) -> str:
     """The message for a key no table of that name has: the key, a close allowed name, every allowed name."""
     names = sorted(allowed)

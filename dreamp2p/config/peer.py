@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamp2p.config.codecs import DENSE_CODECS
-from dreamp2p.config.parse import _build
+from dreamp2p.config.parse import _build, one_of_message
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class PeerConfig:
 
     def __post_init__(self) -> None:
         if self.comm not in COMM_MODES:
-            raise ValueError(f"comm must be one of {', '.join(COMM_MODES)}; got {self.comm!r}")
+            raise ValueError(one_of_message("comm", self.comm, COMM_MODES))
         if not self.health_stall_s > 0:
             raise ValueError(f"health_stall_s must be > 0, got {self.health_stall_s}")
         if not self.node_id or any(c.isspace() for c in self.node_id):
@@ -191,7 +191,7 @@ class PeerConfig:
         if not self.cluster_id:
             raise ValueError("cluster_id must not be empty")
         if self.codec not in DENSE_CODECS:
-            raise ValueError(f"codec must be one of {', '.join(DENSE_CODECS)}; got {self.codec!r}")
+            raise ValueError(one_of_message("codec", self.codec, DENSE_CODECS))
         ids = [p.node_id for p in self.ring]
         if len(set(ids)) != len(ids):
             raise ValueError(f"ring lists a node id twice: {ids}")

@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from dreamp2p.config.codecs import CODEC_NAMES, canonical_codec, check_link_codecs, is_sparse, wire_rank
+from dreamp2p.config.codecs import (
+    CODEC_NAMES,
+    canonical_codec,
+    check_link_codecs,
+    is_sparse,
+    unknown_codec_message,
+    wire_rank,
+)
+from dreamp2p.config.parse import one_of_message
 
 STRATEGIES = ("none", "ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp")
 # How model buffers (BatchNorm running statistics, any registered buffer) are kept equal across members
@@ -112,7 +120,12 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {self.strategy!r}")
+            raise ValueError(one_of_message("sync.strategy", self.strategy, STRATEGIES))
+        for name in ("codec", "stream_codec"):  # case-insensitive, as the codec registry reads them
+            try:
+                canonical_codec(getattr(self, name))
+            except ValueError as exc:
+                raise ValueError(f"sync.{name}: {exc}") from None
         for name in ("bubble_fill", "error_feedback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sync.{name} must be true or false, got {getattr(self, name)!r}")
@@ -141,7 +154,7 @@ class SyncConfig:
         if not 0.0 <= self.mix_alpha <= 1.0:
             raise ValueError(f"sync.mix_alpha must be in [0, 1], got {self.mix_alpha}")
         if self.buffers not in BUFFER_MODES:
-            raise ValueError(f"sync.buffers must be one of {', '.join(BUFFER_MODES)}; got {self.buffers!r}")
+            raise ValueError(one_of_message("sync.buffers", self.buffers, BUFFER_MODES))
         if (self.outer_lr is not None and self.outer_lr <= 0) or self.co2_lr <= 0:
             raise ValueError("sync.outer_lr and sync.co2_lr must be > 0")
         if self.outer_momentum is not None and not 0.0 <= self.outer_momentum < 1.0:
@@ -159,7 +172,7 @@ class SyncConfig:
         if self.group_outer_momentum is not None and not 0.0 <= self.group_outer_momentum < 1.0:
             raise ValueError(f"sync.group_outer_momentum must be in [0, 1), got {self.group_outer_momentum}")
         if self.delta_codec and self.delta_codec not in CODEC_NAMES:
-            raise ValueError(f"sync.delta_codec: unknown codec {self.delta_codec!r}; known: {', '.join(CODEC_NAMES)}")
+            raise ValueError(f"sync.delta_codec: {unknown_codec_message(self.delta_codec)}")
         if isinstance(self.link_codecs, str) or not all(isinstance(c, str) for c in self.link_codecs):
             raise ValueError(f"sync.link_codecs must be a list of codec names, got {self.link_codecs!r}")
         object.__setattr__(self, "link_codecs", tuple(self.link_codecs))  # a TOML array arrives as a list
@@ -168,7 +181,7 @@ class SyncConfig:
         object.__setattr__(self, "plan_codecs", tuple(self.plan_codecs))
         unknown = [c for c in self.plan_codecs if c not in CODEC_NAMES]
         if unknown:
-            raise ValueError(f"sync.plan_codecs: unknown codec {unknown[0]!r}; known: {', '.join(CODEC_NAMES)}")
+            raise ValueError(f"sync.plan_codecs: {unknown_codec_message(unknown[0])}")
         self._check_sparse_codecs()
         if not 0.0 < self.codec_link_budget <= 1.0:
             raise ValueError(f"sync.codec_link_budget must be in (0, 1], got {self.codec_link_budget}")

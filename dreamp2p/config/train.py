@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dreamp2p.config.parse import one_of_message
+
 AMP_MODES = ("off", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine")
 
@@ -32,9 +34,9 @@ class TrainConfig:
         if not 0 <= self.grad_clip < math.inf:
             raise ValueError(f"train.grad_clip must be a number >= 0 (0 turns clipping off), got {self.grad_clip!r}")
         if self.amp not in AMP_MODES:
-            raise ValueError(f"train.amp must be one of {', '.join(AMP_MODES)}; got {self.amp!r}")
+            raise ValueError(one_of_message("train.amp", self.amp, AMP_MODES))
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"train.schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+            raise ValueError(one_of_message("train.schedule", self.schedule, SCHEDULES))
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"train.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         if not 0 <= self.lr_min < math.inf:

@@ -122,6 +122,14 @@ async def test_status_command_against_a_live_peer() -> None:
         await peer.close()
 
 
+async def test_status_of_an_unreachable_peer_says_the_grpc_status_plainly() -> None:
+    code, out, err = await status_cli("127.0.0.1:1")
+    text = err.decode()
+    assert code == 1 and out == b""
+    assert text.startswith("dreamp2p: error: UNAVAILABLE: failed to connect"), text
+    assert "UNSPECIFIED" not in text
+
+
 PLAN = ["plan", "--params", "1e8", "--layers", "24", "--step-time", "0.5"]
 
 

@@ -89,6 +89,41 @@ def test_checkpoint_write_errors_continue_unless_the_file_says_stop() -> None:
     assert DaemonConfig.from_dict(stop).checkpoint.on_write_error == "stop"
 
 
+KNOWN_CODECS = "known codecs: fp32, fp16, bf16, int8, int4, e3m0, topk"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"sync": {"strategy": "dilocco"}},
+            "sync.strategy must be one of none, ssgd, localsgd, diloco, streaming, co2, dreamddp; "
+            "got 'dilocco' (did you mean 'diloco'?)",
+        ),
+        ({"sync": {"buffers": "averge"}}, "sync.buffers must be one of average, broadcast; got 'averge' (did you mean"),
+        ({"sync": {"codec": "in8"}}, f"sync.codec: unknown codec 'in8' (did you mean 'int8'?); {KNOWN_CODECS}"),
+        ({"sync": {"stream_codec": "e3mo"}}, "sync.stream_codec: unknown codec 'e3mo' (did you mean 'e3m0'?)"),
+        ({"sync": {"delta_codec": "int44"}}, "sync.delta_codec: unknown codec 'int44' (did you mean 'int4'?)"),
+        ({"sync": {"plan_codecs": ["inr8"]}}, "sync.plan_codecs: unknown codec 'inr8' (did you mean 'int8'?)"),
+        ({"sync": {"link_codecs": ["fp32", "bf61"]}}, "sync.link_codecs: unknown codec 'bf61' (did you mean 'bf16'?)"),
+        ({"node": {"node_id": "a", "codec": "fp61"}}, "node.codec must be one of fp32, fp16, bf16, int8, int4, e3m0; "),
+        ({"node": {"node_id": "a", "comm": "threads"}}, "node.comm must be one of thread, process; got 'threads' (did"),
+        ({"train": {"amp": "bf61"}}, "train.amp must be one of off, bf16, fp16; got 'bf61' (did you mean 'bf16'?)"),
+        ({"train": {"schedule": "cosin"}}, "train.schedule must be one of constant, cosine; got 'cosin' (did you"),
+    ],
+)
+def test_an_enumerated_setting_names_its_full_key_and_the_closest_choice(data: dict[str, Any], message: str) -> None:
+    errors = check_daemon_config({"node": GOOD["node"], **data})
+    assert len(errors) == 1 and message in errors[0], errors
+    with pytest.raises(ValueError):  # the loader refuses the same file
+        DaemonConfig.from_dict({"node": GOOD["node"], **data})
+
+
+def test_no_suggestion_when_nothing_is_close() -> None:
+    (error,) = check_daemon_config({"node": GOOD["node"], "sync": {"strategy": "gossip"}})
+    assert error.endswith("got 'gossip'"), error
+
+
 def test_an_error_caused_by_another_keys_default_is_not_reported() -> None:
     # period 0 is wrong; with it taken out, max_delay 15 would be checked against the default period 10
     errors = check_daemon_config({"node": GOOD["node"], "sync": {"period": 0, "max_delay": 15}})
