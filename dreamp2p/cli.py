@@ -461,6 +461,11 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # gRPC core logs each failed TLS handshake (and more) at INFO on stderr: a node refusing a member's expired
+    # certificate printed a line per attempt, several a second. Only its errors, unless the environment asks
+    # for more; read once, when grpc is first imported, which the subcommands do later (and child processes
+    # inherit it). The errors of our own calls name certificate problems (dreamp2p.transport.tlsfailure).
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         args = build_parser().parse_args(argv)
         check = getattr(args, "check", None)

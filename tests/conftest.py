@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import os
+import secrets
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from dreamp2p.config import STRATEGIES, PeerConfig, PeerInfo
@@ -98,6 +101,58 @@ def make_node_certs(out: Path, node_ids: Sequence[str]) -> dict[str, dict[str, s
         n: {"cert_file": str(out / f"{n}.pem"), "key_file": str(out / f"{n}.key"), "ca_file": str(out / "ca.pem")}
         for n in node_ids
     }
+
+
+def make_dated_cert(
+    ca_dir: Path,
+    name: str,
+    not_before: datetime.datetime,
+    not_after: datetime.datetime,
+    hosts: Sequence[str] = ("localhost", "127.0.0.1"),
+) -> dict[str, str]:
+    """A certificate valid from ``not_before`` to ``not_after`` (UTC) for ``hosts`` (SANs; CN the first),
+    signed by the CA :func:`make_certs` wrote to ``ca_dir``, and its own key, as ``name``.pem / .key there.
+
+    ``openssl ca`` sets the dates (``x509 -days`` cannot reach into the past), so expired and not-yet-valid
+    certificates are real ones, as an operator would meet them.
+    """
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    work = ca_dir / f"{name}.ca"
+    work.mkdir()
+    (work / "index.txt").write_text("")
+    (work / "serial").write_text(f"01{secrets.token_hex(8)}\n")  # random, as make-certs.sh makes them
+    san = ",".join(f"IP:{h}" if h[0].isdigit() or ":" in h else f"DNS:{h}" for h in hosts)
+    (work / "ca.cnf").write_text(
+        "[ca]\ndefault_ca = here\n"
+        f"[here]\ndatabase = {work}/index.txt\nnew_certs_dir = {work}\nserial = {work}/serial\n"
+        "default_md = sha256\npolicy = any\nunique_subject = no\n"
+        "[any]\ncommonName = supplied\n"
+        "[ext]\nbasicConstraints = critical,CA:FALSE\nkeyUsage = critical,digitalSignature,keyEncipherment\n"
+        f"extendedKeyUsage = serverAuth,clientAuth\nsubjectAltName = {san}\n"
+    )
+    key, csr, pem = ca_dir / f"{name}.key", work / "node.csr", ca_dir / f"{name}.pem"
+    stamp = "%Y%m%d%H%M%SZ"
+    steps = [
+        ["openssl", "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(key)],
+        ["openssl", "req", "-new", "-key", str(key), "-subj", f"/CN={hosts[0]}", "-out", str(csr)],
+        [
+            *("openssl", "ca", "-batch", "-notext", "-config", str(work / "ca.cnf"), "-extensions", "ext"),
+            *("-cert", str(ca_dir / "ca.pem"), "-keyfile", str(ca_dir / "ca.key"), "-in", str(csr), "-out", str(pem)),
+            *("-startdate", not_before.strftime(stamp), "-enddate", not_after.strftime(stamp)),
+        ],
+    ]
+    for step in steps:
+        subprocess.run(step, check=True, capture_output=True, timeout=60)
+    return {"cert_file": str(pem), "key_file": str(key), "ca_file": str(ca_dir / "ca.pem")}
+
+
+def server_credentials_of(certs: dict[str, str], mutual: bool = False) -> grpc.ServerCredentials:
+    """gRPC server credentials from ``certs``' files as they are, whatever their dates or signer (a Peer
+    refuses to serve a bad certificate, so tests that need a server presenting one build it by hand)."""
+    key, cert = Path(certs["key_file"]).read_bytes(), Path(certs["cert_file"]).read_bytes()
+    ca = Path(certs["ca_file"]).read_bytes() if mutual else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=mutual)
 
 
 @pytest.fixture

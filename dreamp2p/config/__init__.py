@@ -7,7 +7,8 @@
 - :mod:`dreamp2p.config.train`: how a daemon computes each step: accumulation, clipping, AMP, LR schedule (``[train]``);
 - :mod:`dreamp2p.config.daemon`: a node daemon's whole file (``dreamp2p node --config``);
 - :mod:`dreamp2p.config.codecs`: the codec names the checks accept (held equal to the codec registry by a test);
-- :mod:`dreamp2p.config.check`: every error of a daemon's file at once (``dreamp2p config check``).
+- :mod:`dreamp2p.config.check`: every error of a daemon's file at once (``dreamp2p config check``);
+- :mod:`dreamp2p.config.certs`: what is wrong with the PEM files of a TLS configuration (dates, key, CA).
 """
 
 from dreamp2p.config.check import check_file

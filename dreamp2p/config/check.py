@@ -5,8 +5,10 @@ suits a daemon starting up but makes an operator fix a file one error per run. H
 its own: unknown keys (with the closest allowed name), values of the wrong type, then the table's own checks
 run again and again, each time without the keys the last error named, so every independent error is found.
 What is reported is always the loaders' own message (one that opens with a bare key of ``[node]`` gets its
-table in front: ``node.codec``). A file found clean is finally loaded whole by
-:meth:`DaemonConfig.from_dict`, so ``config check`` never passes a file that ``dreamp2p node`` would refuse.
+table in front: ``node.codec``). The certificate, key and CA files of ``[node.tls]`` are read too
+(`dreamp2p.config.certs`: dates, key against certificate, certificate against CA), as a starting node reads
+them. A file found clean is finally loaded whole by :meth:`DaemonConfig.from_dict`, so ``config check``
+never passes a file that ``dreamp2p node`` would refuse.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dreamp2p.config.certs import tls_file_problems
 from dreamp2p.config.daemon import (
     DAEMON_KEYS,
     CheckpointConfig,
@@ -116,6 +119,8 @@ def node_errors(node: Any) -> list[str]:
             errors += sub
             if not sub:
                 built[key] = _build_quietly(cls, data[key])
+    if "tls" in built:
+        errors += tls_file_problems(built["tls"], "node.tls")
     if "ring" in data:
         ring = data["ring"]
         if not isinstance(ring, list):

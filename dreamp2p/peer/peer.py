@@ -166,8 +166,12 @@ class Peer:
         grace = max(1.0, 2 * cfg.transport.heartbeat_s)
         unreachable = await self._links.handshake_all(self.hello(), limit, require_all, grace)
         self._live.begin([p.node_id for p in self.ring], unreachable)
-        if self._links.by_node() and len(unreachable) == len(self._links.by_node()):
-            raise PeerError(Status.TIMEOUT, "no member of the ring answered the handshake")
+        links = self._links.by_node()
+        if links and len(unreachable) == len(links):
+            # a certificate problem is the likely reason, and the one an operator can fix: name each one met
+            met = [f"{node}: {links[node].tls_problem}" for node in unreachable if links[node].tls_problem]
+            because = f" ({'; '.join(met)})" if met else ""
+            raise PeerError(Status.TIMEOUT, f"no member of the ring answered the handshake{because}")
         self._links.start_probing()
         if len(self.ring) > 1:
             self._live.start_heartbeats()

@@ -22,6 +22,7 @@ import grpc
 from grpc import aio
 
 from dreamp2p.config import PeerInfo, TLSConfig, TransportConfig
+from dreamp2p.config.certs import tls_file_problems
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import Hello, MemberProgress, PeerStatus, RoundEvidence
 from dreamp2p.statemeta import StateManifest, StateRange
@@ -32,12 +33,25 @@ from dreamp2p.transport.linkstats import BusyMeter, LinkEstimator, rate_past_lat
 from dreamp2p.transport.options import channel_credentials, channel_options
 from dreamp2p.transport.outbound import OutboundStream
 from dreamp2p.transport.rpcerror import rpc_error
+from dreamp2p.transport.tlsfailure import closed_in_handshake, tls_failure
 from dreamp2p.v1 import peer_pb2 as pb
 from dreamp2p.v1 import peer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 _nonces = itertools.count(1)
+# how long the call that asks a channel for its last connection error waits (it fails at once when the last
+# attempt failed; it waits only while an attempt is under way)
+_DIAGNOSE_TIMEOUT_S = 1.0
+# the codes of a call that found no connection (DEADLINE_EXCEEDED: one that waited for it in vain)
+_UNREADY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _naming(err: PeerError, problem: str | None) -> PeerError:
+    """``err`` with the certificate problem behind it added, unless its details name it already."""
+    if problem is None or problem in err.detail:
+        return err
+    return PeerError(err.status, f"{err.detail}; {problem}", grpc_code=err.grpc_code)
 
 
 def open_channel(address: str, cfg: TransportConfig, tls: TLSConfig | None) -> aio.Channel:
@@ -78,6 +92,9 @@ class Link:
         # its last heartbeat answer said it is up but not asking to take part in rounds yet (a joiner)
         self.joining = False
         self.hello: Hello | None = None  # what we introduced ourselves with, to do it again after a restart
+        self._tls = tls
+        # the certificate problem the last failed attempt to connect met (see `connect_problem`), or None
+        self.tls_problem: str | None = None
 
     def set_rate_limit(self, rate_Bps: float | None) -> None:
         self.bucket = TokenBucket(rate_Bps) if rate_Bps else None
@@ -100,14 +117,51 @@ class Link:
                     wait_for_ready=True,
                 )
             except aio.AioRpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and left > delay:
+                problem = await self.connect_problem(exc, warn=True)
+                if exc.code() in _UNREADY and left > delay:
                     await asyncio.sleep(delay)
                     delay = min(1.0, delay * 2)
                     continue
-                raise rpc_error(exc) from None
+                raise _naming(rpc_error(exc), problem) from None
+            self.tls_problem = None
             self.remote = serde.hello_from_reply(reply)
             await self._introduce_rest(request, deadline)
             return self.remote
+
+    async def connect_problem(self, exc: aio.AioRpcError, warn: bool = False) -> str | None:
+        """The certificate problem behind a call that found no connection (TLS links only), logged as a warning
+        when it is new if ``warn``; None when there is none to name. Recorded in ``tls_problem``.
+
+        A call that waits for the connection (the handshake) fails with a bare DEADLINE_EXCEEDED: one call
+        that does not wait (Status, which takes no call slot) fetches the channel's last connection error.
+        A connection that closed during the handshake is how a server refuses our own certificate under
+        mutual TLS; then this node's own files are what can be checked (its certificate may have expired
+        since the start).
+        """
+        if self._tls is None or exc.code() not in _UNREADY:
+            return None
+        details = exc.details()
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            try:
+                await self._control.Status(pb.StatusRequest(), timeout=_DIAGNOSE_TIMEOUT_S, metadata=self._metadata)
+                return None  # it connects now
+            except aio.AioRpcError as probe:
+                details = probe.details()
+        problem = tls_failure(details)
+        if problem is not None:
+            problem = f"TLS handshake failed: {problem}"
+        elif closed_in_handshake(details) and self._tls.mutual:
+            own = tls_file_problems(self._tls)
+            problem = (
+                f"TLS handshake failed: this node's own {'; '.join(own)}"
+                if own
+                else "the connection closed in the TLS handshake: the peer may not trust this node's certificate "
+                "(is it signed by the CA in the peer's ca_file?)"
+            )
+        if warn and problem is not None and problem != self.tls_problem:
+            log.warning("%s at %s: %s", self.dest.node_id, self.dest.address, problem)
+        self.tls_problem = problem
+        return problem
 
     async def _introduce_rest(self, request: pb.HandshakeRequest, deadline: float) -> None:
         """The same handshake on every other channel (each its own connection), the member being up now."""
@@ -127,7 +181,7 @@ class Link:
                 pb.StatusRequest(), timeout=self.cfg.rpc_deadline_s, metadata=self._metadata
             )
         except aio.AioRpcError as exc:
-            raise rpc_error(exc) from None
+            raise _naming(rpc_error(exc), await self.connect_problem(exc)) from None
         return serde.status_from_proto(reply)
 
     async def vote(

@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 
 from dreamp2p.config import TLSConfig, TransportConfig
+from dreamp2p.config.certs import tls_file_problems
 
 
 def _common(cfg: TransportConfig) -> list[tuple[str, Any]]:
@@ -62,6 +63,11 @@ def _read(path: str | None) -> bytes | None:
 
 
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
+    """The server's TLS credentials; ValueError naming each problem of its files (`dreamp2p.config.certs`): with
+    an expired certificate, say, every member would refuse every connection, saying so only in its own log."""
+    problems = tls_file_problems(tls)
+    if problems:
+        raise ValueError(f"{'; '.join(problems)}: other members would refuse this node's TLS connections")
     key = Path(tls.key_file).read_bytes()
     cert = Path(tls.cert_file).read_bytes()
     return grpc.ssl_server_credentials(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import fcntl
 import json
 import os
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import make_certs, make_dated_cert, server_credentials_of
+from grpc import aio
 
 import dreamp2p
 from dreamp2p.cli import build_parser, main
@@ -128,6 +131,32 @@ async def test_status_of_an_unreachable_peer_says_the_grpc_status_plainly() -> N
     assert code == 1 and out == b""
     assert text.startswith("dreamp2p: error: UNAVAILABLE: failed to connect"), text
     assert "UNSPECIFIED" not in text
+
+
+def _expired_pki(tmp_path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """The cluster's CA with a good certificate, and one of that CA that expired in 2020."""
+    start = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
+    return make_certs(tmp_path), make_dated_cert(tmp_path, "expired", start, start + datetime.timedelta(days=1))
+
+
+async def test_status_of_a_peer_with_an_expired_certificate_says_so_in_one_line(tmp_path: Path) -> None:
+    """Its error names the problem, and gRPC core's own lines about the failed handshakes stay out of stderr
+    (the console script sets GRPC_VERBOSITY=ERROR unless the environment says otherwise)."""
+    good, expired = _expired_pki(tmp_path)
+    server = aio.server()
+    port = server.add_secure_port("127.0.0.1:0", server_credentials_of(expired))
+    await server.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+        args = ("-m", "dreamp2p.cli", "status", f"127.0.0.1:{port}", "--ca", good["ca_file"])
+        proc = await asyncio.create_subprocess_exec(sys.executable, *args, stderr=subprocess.PIPE, env=env)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        await server.stop(None)
+    text = err.decode()
+    assert proc.returncode == 1
+    assert "TLS handshake failed: the peer's certificate has expired" in text, text
+    assert "ssl_transport_security" not in text and text.count("\n") == 1, text
 
 
 PLAN = ["plan", "--params", "1e8", "--layers", "24", "--step-time", "0.5"]
@@ -338,6 +367,20 @@ def test_config_check_reports_every_error_then_exits_1(tmp_path: Path, capsys: p
     good.write_text('[node]\nnode_id = "a"\n')
     assert main(["config", "check", str(good)]) == 0
     assert capsys.readouterr().out.strip() == f"{good}: ok"
+
+
+def test_config_check_names_a_misspelt_strategy_and_an_expired_certificate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, expired = _expired_pki(tmp_path)
+    tls = "".join(f'{key} = "{value}"\n' for key, value in expired.items())
+    path = tmp_path / "node.toml"
+    path.write_text(f'[node]\nnode_id = "a"\n[node.tls]\n{tls}[sync]\nstrategy = "dilocco"\n')
+    assert main(["config", "check", str(path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[-1] == f"{path}: 2 errors", lines
+    assert f"node.tls.cert_file {expired['cert_file']}: the certificate expired on 2020-01-02" in lines[0]
+    assert "sync.strategy must be one of" in lines[1] and "got 'dilocco' (did you mean 'diloco'?)" in lines[1]
 
 
 def test_health_service_choices_are_the_ones_the_listener_serves() -> None:
