@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 # in the first period and where a check found the outer weights different); 6: DreamDDP's first period
 # sends checked pseudo-gradients too (theta starts at attach), and plans are priced at delta_codec's size;
 # 7: heartbeat answers name the members' synchronization memory beside the plan (schedule_step/_digest), and
-# a member whose memory parted from the others' (a partition) yields as for a plan it missed
-PROTOCOL_VERSION = 7
+# a member whose memory parted from the others' (a partition) yields as for a plan it missed; 8: DiLoCo,
+# Streaming DiLoCo and CO2 check their members' outer state every anchor_every-th period and average it
+# where it differs (rounds of their own, which an older peer would never join)
+PROTOCOL_VERSION = 8
 
 
 class Phase(enum.IntEnum):

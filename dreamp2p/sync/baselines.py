@@ -30,14 +30,42 @@ from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RoundResult
 from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided_fragments
 from dreamp2p.sync.base import Strategy, landed
-from dreamp2p.sync.groups import GROUP_CO2_GAP, GROUP_GRADS, GROUP_PARAMS, fragment_group
+from dreamp2p.sync.groups import (
+    GROUP_CO2_GAP,
+    GROUP_GRADS,
+    GROUP_OUTER_CHECK,
+    GROUP_OUTER_HEAL,
+    GROUP_PARAMS,
+    fragment_check_group,
+    fragment_group,
+    fragment_heal_group,
+)
 from dreamp2p.sync.layers import FlatGroup
+from dreamp2p.sync.outercheck import CheckRound, OuterCheck, outer_digest
 
 
 def _outer_sgd(shadow: nn.Parameter, cfg: SyncConfig) -> torch.optim.Optimizer:
     """The DiLoCo outer optimizer: SGD with Nesterov momentum over the global copy."""
     lr, momentum = cfg.outer
     return torch.optim.SGD([shadow], lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
+def _momenta(outer: torch.optim.Optimizer, shadow: nn.Parameter) -> list[torch.Tensor]:
+    """The outer optimizer's momentum buffer over ``shadow``, created as zeros if no step made it yet (a
+    Nesterov SGD step treats a zero buffer as none); nothing without momentum."""
+    if not outer.param_groups[0]["momentum"]:
+        return []
+    state = outer.state[shadow]
+    if state.get("momentum_buffer") is None:
+        state["momentum_buffer"] = torch.zeros_like(shadow, memory_format=torch.preserve_format).detach()
+    return [state["momentum_buffer"]]
+
+
+def _whole_model_check(s: Strategy) -> OuterCheck:
+    """The outer-state check and heal of a strategy with one global copy of the whole model."""
+    return OuterCheck(
+        s.comm, s.cfg.period, s.cfg.anchor_every, lambda _: GROUP_OUTER_CHECK, lambda _: GROUP_OUTER_HEAL, s._wait
+    )
 
 
 def _load_outer(outer: torch.optim.Optimizer, state: dict[str, Any], cfg: SyncConfig) -> None:
@@ -111,6 +139,7 @@ class DiLoCo(Strategy):
         self._group.read(self._global)
         self._shadow = nn.Parameter(self._global.clone())
         self._outer = _outer_sgd(self._shadow, self.cfg)
+        self._check = _whole_model_check(self)
 
     def _step(self) -> None:
         self._inner_step()
@@ -121,16 +150,36 @@ class DiLoCo(Strategy):
         # pseudo-gradient: how far this replica moved away from the global parameters
         self._group.snapshot([self._global - local])
         fut = self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round())
-        if self._wait(fut) is None:
-            return  # no outer step anywhere; the next period's pseudo-gradient covers both
-        self._shadow.grad = self._group.work.clone()
-        self._outer.step()
-        with torch.no_grad():
-            self._global.copy_(self._shadow)
-        self._group.write(self._global)
+        check = self._check.launch(0, self.outer_state(), self._round()) if self._check.due(self.step_count) else None
+        res = self._wait(fut)  # None: no outer step anywhere; the next period's pseudo-gradient covers both
+        self._check.judge(0, check)
+        if res is not None:
+            self._shadow.grad = self._group.work.clone()
+            self._outer.step()
+            with torch.no_grad():
+                self._global.copy_(self._shadow)
+        # where a check found the members' global copies apart (a partition): their mean, on every member
+        if self._check.heal(0, self.outer_state(), self._round()):
+            with torch.no_grad():
+                self._shadow.copy_(self._global)
+        if res is not None:
+            self._group.write(self._global)
+
+    @property
+    def outer_heals(self) -> int:
+        """Heal rounds that averaged the members' global copies after a check found them apart."""
+        return self._check.healed
+
+    def outer_state(self) -> list[torch.Tensor]:
+        """The global copy and outer momentum (zeros before the first outer step), as every member must hold them."""
+        return [self._global, *_momenta(self._outer, self._shadow)]
+
+    def outer_digest(self) -> str:
+        """64 bits naming the global copy and outer momentum: equal on members holding them bit-identical."""
+        return f"{outer_digest(self.outer_state()):016x}"
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"global": self._global.clone(), "outer": self._outer.state_dict()}
+        return {"global": self._global.clone(), "outer": self._outer.state_dict(), "check": self._check.state()}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if "global" in state:
@@ -138,6 +187,18 @@ class DiLoCo(Strategy):
             with torch.no_grad():
                 self._shadow.copy_(self._global)
             _load_outer(self._outer, state["outer"], self.cfg)
+            self._check.load(state.get("check"))
+
+
+# a Streaming DiLoCo fragment sync in flight: (landing step, its round, the check beside it or None)
+_FragmentSync = tuple[int, concurrent.futures.Future[RoundResult], CheckRound | None]
+
+
+def failed_round(key: int) -> concurrent.futures.Future[RoundResult]:
+    """A round that failed everywhere (restored from saved state: nobody applies it)."""
+    fut: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
+    fut.set_exception(RoundFailed(None, f"fragment {key}: failed on every member before this state was saved"))
+    return fut
 
 
 class StreamingDiLoCo(Strategy):
@@ -162,48 +223,77 @@ class StreamingDiLoCo(Strategy):
             self._global.append(glob)
             self._shadow.append(shadow)
             self._outer.append(_outer_sgd(shadow, self.cfg))
-        self._inflight: dict[int, tuple[int, concurrent.futures.Future[RoundResult]]] = {}
+        # per fragment in flight: (landing step, its round, the check of its outer state beside it or None)
+        self._inflight: dict[int, _FragmentSync] = {}
+        self._check = OuterCheck(
+            self.comm, self.cfg.period, self.cfg.anchor_every, fragment_check_group, fragment_heal_group, self._wait
+        )
 
     def _step(self) -> None:
         self._inner_step()
         t = self.step_count
-        for p, (land, fut) in sorted(self._inflight.items()):
+        for p, (land, fut, check) in sorted(self._inflight.items()):
             if land <= t:  # earlier only for a joiner, which starts a few steps after its state's step
                 del self._inflight[p]
-                if self._wait(fut) is not None:
-                    self._apply(p)
+                self._land(p, fut, check)
         # fragments become due only after a full period of local steps
         if t + 1 >= self.cfg.period:
             for p in fragments_due(t + 1, self.offsets, self.cfg.period):
-                if p in self._inflight and self._wait(self._inflight.pop(p)[1]) is not None:
-                    self._apply(p)  # its previous sync had not landed: finish it first
+                if p in self._inflight:
+                    self._land(p, *self._inflight.pop(p)[1:])  # its previous sync had not landed: finish it first
                 g = self._groups[p]
                 local = torch.empty_like(self._global[p])
                 g.read(local)
                 g.snapshot([self._global[p] - local])
                 fut = self.comm.allreduce_group(g, fragment_group(p), self.cfg.stream_codec, round_id=self._round())
+                check = self._check.launch(p, self.outer_state(p), self._round()) if self._check.due(t) else None
                 if self.cfg.stream_delay == 0:
-                    if self._wait(fut) is not None:
-                        self._apply(p)
+                    self._land(p, fut, check)
                 else:
-                    self._inflight[p] = (t + self.cfg.stream_delay, fut)
+                    self._inflight[p] = (t + self.cfg.stream_delay, fut, check)
 
-    def _apply(self, p: int) -> None:
-        g = self._groups[p]
-        self._shadow[p].grad = g.work.clone()
-        self._outer[p].step()
-        with torch.no_grad():
-            self._global[p].copy_(self._shadow[p])
-        local = torch.empty_like(self._global[p])
-        g.read(local)
-        a = self.cfg.mix_alpha
-        g.write(local.mul_(a).add_(self._global[p], alpha=1 - a))
+    def _land(
+        self,
+        p: int,
+        fut: concurrent.futures.Future[RoundResult],
+        check: CheckRound | None,
+        timeout: float | None = None,
+    ) -> None:
+        """Fragment ``p``'s sync lands: its outer step, then (where a check found the members' copies of the
+        fragment apart) their mean on every member, then the mix into the parameters."""
+        applied = self._wait(fut, timeout) is not None  # a failed round failed everywhere: no outer step
+        self._check.judge(p, check, timeout)
+        if applied:
+            self._shadow[p].grad = self._groups[p].work.clone()
+            self._outer[p].step()
+            with torch.no_grad():
+                self._global[p].copy_(self._shadow[p])
+        if self._check.heal(p, self.outer_state(p), self._round(), timeout):
+            with torch.no_grad():
+                self._shadow[p].copy_(self._global[p])
+        if applied:
+            g = self._groups[p]
+            local = torch.empty_like(self._global[p])
+            g.read(local)
+            a = self.cfg.mix_alpha
+            g.write(local.mul_(a).add_(self._global[p], alpha=1 - a))
+
+    @property
+    def outer_heals(self) -> int:
+        """Heal rounds that averaged the members' copies of a fragment after a check found them apart."""
+        return self._check.healed
+
+    def outer_state(self, p: int) -> list[torch.Tensor]:
+        """Fragment ``p``'s global copy and outer momentum (zeros before its first outer step)."""
+        return [self._global[p], *_momenta(self._outer[p], self._shadow[p])]
+
+    def outer_digest(self) -> str:
+        """64 bits naming every fragment's global copy and outer momentum."""
+        return f"{outer_digest(t for p in range(len(self._groups)) for t in self.outer_state(p)):016x}"
 
     def _finish(self, timeout: float | None) -> None:
         for p in sorted(self._inflight):
-            if self._wait(self._inflight[p][1], timeout) is not None:
-                self._apply(p)
-            del self._inflight[p]
+            self._land(p, *self._inflight.pop(p)[1:], timeout=timeout)
 
     def _drop(self) -> None:
         self._inflight.clear()
@@ -211,18 +301,22 @@ class StreamingDiLoCo(Strategy):
     def _extra_state(self) -> dict[str, Any]:
         # the global copy and outer momentum per fragment: a joiner or a resumed node must continue the
         # same outer trajectory; fragments in flight land later on every member that took part, so their
-        # results travel too and land at the same step here
+        # results (and their checks' verdicts) travel too and land at the same step here
         inflight = {}
-        for p, (land, fut) in self._inflight.items():
+        for p, (land, fut, check) in self._inflight.items():
             try:
                 fut.result(self.comm.round_timeout_s)
+                avg: torch.Tensor | None = self._groups[p].work.clone()
             except RoundFailed:
-                continue  # failed everywhere (all-or-none): nobody applies it
-            inflight[p] = (land, self._groups[p].work.clone())
+                avg = None  # failed everywhere (all-or-none): nobody applies it
+            verdict = check.record(self.comm.round_timeout_s) if check is not None else None
+            if avg is not None or verdict is not None:
+                inflight[p] = (land, avg, verdict)
         return {
             "global": [g.clone() for g in self._global],
             "outer": [o.state_dict() for o in self._outer],
             "inflight": inflight,
+            "check": self._check.state(),
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
@@ -237,10 +331,16 @@ class StreamingDiLoCo(Strategy):
             with torch.no_grad():
                 shadow.copy_(glob)
             _load_outer(outer, saved_outer, self.cfg)
+        self._check.load(state.get("check"))
         self._inflight.clear()
-        for p, (land, avg) in state.get("inflight", {}).items():
-            self._groups[p].work.copy_(avg)
-            self._inflight[int(p)] = (int(land), landed(self._groups[p].numel))
+        for p, (land, avg, *rest) in state.get("inflight", {}).items():
+            verdict = rest[0] if rest else None  # saved before checks: none
+            if avg is None:
+                fut = failed_round(int(p))
+            else:
+                self._groups[p].work.copy_(avg)
+                fut = landed(self._groups[p].numel)
+            self._inflight[int(p)] = (int(land), fut, CheckRound.restore(verdict) if verdict is not None else None)
 
 
 class CO2(Strategy):
@@ -269,6 +369,8 @@ class CO2(Strategy):
         self._gap_fut: concurrent.futures.Future[RoundResult] | None = None
         self._mean_gap = 0.0
         self.last_penalty = 1.0
+        self._check = _whole_model_check(self)
+        self._check_round: CheckRound | None = None  # the check of the outer state beside the round in flight
 
     def _step(self) -> None:
         self._inner_step()
@@ -281,16 +383,31 @@ class CO2(Strategy):
         self._gap_fut = self.comm.allreduce_group(
             self._gap, GROUP_CO2_GAP, "fp32", round_id=self._round(), guard_norm=False
         )
+        if self._check.due(self.step_count):
+            self._check_round = self._check.launch(0, self.outer_state(), self._round())
 
     def _land(self, timeout: float | None = None) -> None:
+        """The round launched at the previous boundary lands: the outer step, then (where a check found the
+        members' outer states apart) their mean on every member, then the parameters."""
+        check, self._check_round = self._check_round, None
+        self._check.judge(0, check, timeout)
+        progress = self._outer_step(timeout)
+        self._launched = None
+        # where a check found the members' outer parameters apart (a partition): their mean, on every member
+        self._check.heal(0, self.outer_state(), self._round(), timeout)
+        if progress is not None:
+            self._group.write(self._outer_params + progress)
+
+    def _outer_step(self, timeout: float | None) -> torch.Tensor | None:
+        """The stale outer step with the landed average; the local progress made meanwhile, None where no
+        round was in flight or it failed (everywhere: no outer step this time)."""
         if self._fut is None or self._launched is None:
-            return
+            return None
         res = self._wait(self._fut, timeout)
         gap_res = self._wait(self._gap_fut, timeout) if self._gap_fut is not None else None
         self._fut = self._gap_fut = None
         if res is None or gap_res is None:
-            self._launched = None  # failed everywhere: no outer step this time
-            return
+            return None
         avg = self._group.work
         local = torch.empty_like(avg)
         self._group.read(local)
@@ -305,8 +422,21 @@ class CO2(Strategy):
         if self.cfg.co2_clip > 0:
             self._momentum.clamp_(-self.cfg.co2_clip, self.cfg.co2_clip)
         self._outer_params.sub_(self._momentum, alpha=self.cfg.co2_lr)
-        self._group.write(self._outer_params + progress)
-        self._launched = None
+        return progress
+
+    def outer_state(self) -> list[torch.Tensor]:
+        """The outer parameters and their momentum, as every member must hold them. (The mean gap is not:
+        the gap round that lands with the next average replaces it before it is read.)"""
+        return [self._outer_params, self._momentum]
+
+    def outer_digest(self) -> str:
+        """64 bits naming the outer parameters and momentum."""
+        return f"{outer_digest(self.outer_state()):016x}"
+
+    @property
+    def outer_heals(self) -> int:
+        """Heal rounds that averaged the members' outer parameters after a check found them apart."""
+        return self._check.healed
 
     def _finish(self, timeout: float | None) -> None:
         self._land(timeout)
@@ -314,6 +444,7 @@ class CO2(Strategy):
     def _drop(self) -> None:
         self._fut = self._gap_fut = None
         self._launched = None
+        self._check_round = None
 
     def _extra_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -321,7 +452,12 @@ class CO2(Strategy):
             "momentum": self._momentum.clone(),
             "gap": self._gap.snap.clone(),
             "mean_gap": self._gap.work.clone(),
+            "check": self._check.state(),
         }
+        # a check in flight is judged at the next boundary on every member that took part: carry its mean
+        verdict = self._check_round.record(self.comm.round_timeout_s) if self._check_round is not None else None
+        if verdict is not None:
+            state["pending_check"] = verdict
         # a round in flight lands at the next boundary on every member that took part: carry its result, so
         # a joiner (which was not part of it) or a resumed node takes the same outer step there
         if self._fut is not None and self._gap_fut is not None and self._launched is not None:
@@ -346,6 +482,9 @@ class CO2(Strategy):
         self._gap.work.copy_(state.get("mean_gap", torch.zeros(1)))
         self._fut = self._gap_fut = None
         self._launched = None
+        self._check.load(state.get("check"))
+        verdict = state.get("pending_check")
+        self._check_round = CheckRound.restore(verdict) if verdict is not None else None
         pending = state.get("pending")
         if pending is not None:
             self._group.work.copy_(pending["avg"])

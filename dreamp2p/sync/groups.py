@@ -19,7 +19,9 @@ GROUP_FLUSH_CHECK = 10  # the same check within flush(), before a part of the st
 GROUP_FLUSH_DELTA = 11  # DreamDDP's flush: every layer's pseudo-gradient at once, in its delta codec
 GROUP_FLUSH_THETA = 12  # ... and the check of every layer's outer weights beside it
 GROUP_CONTROL = 9  # DreamDDP's control round (link and profile gather)
-GROUP_FRAGMENT_BASE = 100  # Streaming DiLoCo fragment p: base + p
+GROUP_OUTER_CHECK = 20  # DiLoCo's and CO2's check of the members' outer state (17 floats, `sync.outercheck`)
+GROUP_OUTER_HEAL = 21  # ... and the fp32 average of it where the check found the members apart
+GROUP_FRAGMENT_BASE = 100  # Streaming DiLoCo fragment p: base + p (its checks and heals: + MAX_FRAGMENTS, + 2x)
 GROUP_PLAN_BASE = 1_000_000  # DreamDDP plan v's sync i: base + v * SYNCS_PER_PLAN + i
 # A plan syncs at most MAX_PLAN_SYNCS groups (a model with that many parameter-owning modules and every
 # one its own all-reduce). Each sync's anchors (parameter averages) and their checks take the second and
@@ -31,13 +33,23 @@ ANCHOR_OFFSET = MAX_PLAN_SYNCS  # a sync's anchor rounds: its group id + this
 ANCHOR_CHECK_OFFSET = 2 * MAX_PLAN_SYNCS  # an anchor's check round: its sync's group id + this
 # every group id stays below the peer's retry bit (bit 31)
 MAX_PLAN_VERSION = ((1 << 31) - GROUP_PLAN_BASE) // SYNCS_PER_PLAN - 1
-MAX_FRAGMENTS = GROUP_PLAN_BASE - GROUP_FRAGMENT_BASE
+MAX_FRAGMENTS = (GROUP_PLAN_BASE - GROUP_FRAGMENT_BASE) // 3
 
 
 def fragment_group(fragment: int) -> int:
     if not 0 <= fragment < MAX_FRAGMENTS:
         raise ValueError(f"fragment {fragment} outside 0..{MAX_FRAGMENTS - 1}")
     return GROUP_FRAGMENT_BASE + fragment
+
+
+def fragment_check_group(fragment: int) -> int:
+    """Group id of the checks of fragment ``fragment``'s outer state (`dreamp2p.sync.outercheck`)."""
+    return fragment_group(fragment) + MAX_FRAGMENTS
+
+
+def fragment_heal_group(fragment: int) -> int:
+    """Group id of the averages that heal fragment ``fragment``'s outer state where a check found it apart."""
+    return fragment_group(fragment) + 2 * MAX_FRAGMENTS
 
 
 def plan_sync_group(plan_version: int, index: int) -> int:

@@ -188,6 +188,10 @@ def train_job(
         "resyncs": node.resyncs,
         "rounds_skipped": s.rounds_skipped,
         "anchors_healed": getattr(s, "anchors_healed", 0),
+        # DiLoCo's, Streaming DiLoCo's and CO2's global copy and outer momentum: equal on every member once
+        # a check found them apart and averaged them (`dreamp2p.sync.outercheck`); None for the others
+        "outer_digest": s.outer_digest() if hasattr(s, "outer_digest") else None,
+        "outer_heals": getattr(s, "outer_heals", 0),
         # DreamDDP's agreed control schedule: equal on every member that ends at the same step
         "next_control": getattr(s, "next_control_step", None),
         "link_codecs": list(rc.send) if (rc := getattr(s, "ring_codecs", None)) is not None else None,
