@@ -13,9 +13,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from dreamp2p.cli import check_delay
-from dreamp2p.cliargs import duration, int_at_least, link_rate, open_fraction, positive_float
+from dreamp2p.cli.args import check_delay, duration, int_at_least, link_rate, open_fraction, positive_float
 from dreamp2p.config.codecs import CODEC_NAMES, DENSE_CODECS
+from dreamp2p.config.parse import parse_duration
 from dreamp2p.config.sync import STRATEGIES
 
 # Per-benchmark defaults of the flags the benchmarks share (None on the command line: not given).
@@ -36,6 +36,18 @@ FALLBACK_DEFAULTS: dict[str, Any] = {
     "rtt": "20ms",
     "rate": "100mbit",
 }
+# transport: no emulated round trip unless asked (--rtt/--jitter/--loss switch --netns to the packet emulator)
+BENCH_DEFAULTS["transport"] = {**FALLBACK_DEFAULTS, "rtt": "0ms"}
+
+
+def loss_fraction(text: str) -> float:
+    """An argparse type: a packet loss fraction, ``0.1%`` or ``0.001``, in [0, 1)."""
+    from dreamp2p.devtools.wanmodel import parse_loss
+
+    try:
+        return parse_loss(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _bench_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -49,6 +61,8 @@ def _bench_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             parser.error(f"argument --down: need 0 <= MIN <= MAX, got {args.down[0]:g} {args.down[1]:g}")
         if args.peers is not None and not args.max_down < args.peers <= 8:
             parser.error(f"argument --peers: chaos needs more than --max-down ({args.max_down}) and at most 8")
+    if args.what == "transport" and not args.netns and (args.loss or args.jitter or parse_duration(args.rtt)):
+        parser.error("arguments --rtt/--jitter/--loss: transport emulates them only with --netns (the packet emulator)")
     if args.what == "regions" and args.strategies is not None and len(args.strategies) != 1:
         parser.error("argument --strategies: regions runs one strategy (default ssgd)")
 
@@ -76,6 +90,9 @@ def _bench_transport(args: argparse.Namespace) -> dict[str, Any]:
         streams=args.streams,
         netns=args.netns,
         rate=args.rate,
+        rtt=args.rtt,
+        jitter=args.jitter or "0ms",
+        loss=args.loss,
     )
 
 
@@ -308,7 +325,16 @@ def add_bench_parser(sub: Any) -> None:
         "--link-rate", type=link_rate, default=None, help="strategies: link rate (default: full sync = H/2 steps)"
     )
     b.add_argument(
-        "--rtt", type=duration, default=None, help="emulated round-trip time per hop (strategies 20ms, lm 0ms)"
+        "--rtt",
+        type=duration,
+        default=None,
+        help="emulated round-trip time per hop (strategies 20ms, lm 0ms; transport --netns: packet emulator, 0ms)",
+    )
+    b.add_argument(
+        "--jitter", type=duration, default=None, help="transport --netns: sd of each packet's one-way delay (0ms)"
+    )
+    b.add_argument(
+        "--loss", type=loss_fraction, default=0.0, help="transport --netns: packet loss per direction, e.g. 0.1%%"
     )
     b.add_argument(
         "--max-delay", type=int_at_least(0), default=None, help="strategies: DreamDDP max landing delay d (H-1)"

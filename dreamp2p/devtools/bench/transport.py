@@ -5,7 +5,9 @@ frame's checksum and size and counts it; a sender process streams fp32 frames ov
 :class:`~dreamp2p.transport.client.Link` with bandwidth-aware chunk size and parallel streams. The
 reduction work of a real round is measured separately by `bench allreduce`. With ``netns`` both
 processes run in two network namespaces joined by a tbf-shaped veth pair (deploy/netns-wan.sh), and
-``link_util`` is goodput over the shaped rate.
+``link_util`` is goodput over the shaped rate. With a round-trip time, jitter or loss the namespaces are
+joined by the packet-level WAN emulator instead (`dreamp2p.devtools.wanemu`), whose packet counts and CPU
+time per MB are reported under ``emulator``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ import xxhash
 
 from dreamp2p.collective.chunking import choose_chunk_bytes
 from dreamp2p.config import PeerConfig, PeerInfo, TransportConfig, parse_rate
+from dreamp2p.config.parse import parse_duration
 from dreamp2p.devtools.launch import enter_netns
+from dreamp2p.devtools.netns import Namespaces
+from dreamp2p.devtools.wanemu import summary
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import DType, Frame, Hello, MemberProgress, PeerStatus, Phase, Vote
 
@@ -193,16 +198,35 @@ def bench_transport(
     streams: int = 2,
     netns: bool = False,
     rate: str = "100mbit",
+    rtt: str = "0ms",
+    jitter: str = "0ms",
+    loss: float = 0.0,
 ) -> dict[str, Any]:
-    """Measure one-way goodput; ``mbytes`` caps the sender's queued bytes (backpressure window)."""
+    """Measure one-way goodput; ``mbytes`` caps the sender's queued bytes (backpressure window).
+
+    ``rtt``, ``jitter`` (sd of each direction's delay) and ``loss`` (per direction) need ``netns``.
+    """
+    emulated = bool(parse_duration(rtt) or parse_duration(jitter) or loss)
+    if emulated and not netns:
+        raise ValueError("rtt, jitter and loss are emulated only across namespaces (netns=True)")
     cfg = TransportConfig(streams_per_link=streams, outbound_queue_bytes=int(mbytes * 1e6))
     if netns:
         # on a slow link a deep queue only adds drain time after the measuring window
         queue = int(min(mbytes * 1e6, max(2 * cfg.chunk_max_bytes, parse_rate(rate) * 0.5)))
         cfg = TransportConfig(streams_per_link=streams, outbound_queue_bytes=queue, probe_burst_bytes=1 << 20)
-        # tc reads "mbps" as megabytes: hand it plain bits/s, as parse_rate understood the rate
-        with wan_namespaces(f"{round(parse_rate(rate) * 8)}bit") as hosts:
-            out = _run_pair(cfg, seconds, hosts)
+        if emulated:
+            # a queue as deep as the path's bytes in flight, so the sender's window can fill it
+            queue = max(cfg.outbound_queue_bytes, int(parse_rate(rate) * parse_duration(rtt) * 2))
+            cfg = TransportConfig(streams_per_link=streams, outbound_queue_bytes=queue, probe_burst_bytes=1 << 20)
+            with Namespaces(2, rate, rtt=rtt, jitter=jitter, loss=loss) as net:
+                out = _run_pair(cfg, seconds, net.hosts)
+                final = net.emulator.stop() if net.emulator is not None else None
+            out["emulator"] = summary(final) if final else None
+            out.update(rtt=rtt, jitter=jitter, loss=loss)
+        else:
+            # tc reads "mbps" as megabytes: hand it plain bits/s, as parse_rate understood the rate
+            with wan_namespaces(f"{round(parse_rate(rate) * 8)}bit") as hosts:
+                out = _run_pair(cfg, seconds, hosts)
         rate_MBps = parse_rate(rate) / 1e6
         out["rate"] = rate
         out["link_util"] = round(out["goodput_MBps"] / rate_MBps, 3)
