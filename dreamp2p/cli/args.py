@@ -1,4 +1,5 @@
-"""argparse value types of the `dreamp2p` subcommands: each turns one flag's text into a checked value."""
+"""argparse value types of the `dreamp2p` subcommands (each turns one flag's text into a checked value) and
+the one check across flags that `plan` and `bench` share (`check_delay`)."""
 
 from __future__ import annotations
 
@@ -108,3 +109,12 @@ def duration(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def check_delay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """DreamDDP's landing delay d must stay below the period H (a layer lands before it is launched again)."""
+    if args.max_delay is not None and args.max_delay >= args.period:
+        parser.error(
+            f"--max-delay ({args.max_delay}) must be less than --period ({args.period}): a layer's sync has to land "
+            "before the same layer is launched again one period later"
+        )

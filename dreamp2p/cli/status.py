@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dreamp2p.cliargs import address_with_port, int_at_least, positive_float
+from dreamp2p.cli.args import address_with_port, int_at_least, positive_float
 from dreamp2p.config import DaemonConfig, PeerConfig, TLSConfig
 from dreamp2p.errors import PeerError
 from dreamp2p.messages import PeerStatus

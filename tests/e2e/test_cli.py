@@ -384,7 +384,7 @@ def test_config_check_names_a_misspelt_strategy_and_an_expired_certificate(
 
 
 def test_health_service_choices_are_the_ones_the_listener_serves() -> None:
-    from dreamp2p.cli import HEALTH_SERVICES
+    from dreamp2p.cli.node import HEALTH_SERVICES
     from dreamp2p.transport.health import PEER_SERVICE
 
     assert HEALTH_SERVICES == ("", PEER_SERVICE)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dreamp2p.clistatus import dial_address, region_text, resolve_target, status_json, status_text
+from dreamp2p.cli.status import dial_address, region_text, resolve_target, status_json, status_text
 from dreamp2p.config import PeerConfig
 from dreamp2p.messages import LinkSnapshot, PeerStatus, TrainingInfo
 

@@ -30,8 +30,8 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / "dreamp2p"
 # Highest first. A unit may import a unit of its own tier or of any tier below it.
 TIERS: tuple[frozenset[str], ...] = (
     frozenset({"devtools"}),  # dev tools and benchmarks: nothing a running node imports
-    # a node; the console script (+ its arg types, its status and config commands); root
-    frozenset({"service", "cli", "cliargs", "clistatus", "cliconfig", "__main__", "dreamp2p"}),
+    # a node; the console script (the cli package: its subcommands and their arg types); root
+    frozenset({"service", "cli", "__main__", "dreamp2p"}),
     frozenset({"node"}),  # what the user's training loop holds (Node, attach, join)
     frozenset({"sync"}),  # the torch side: strategies, comm thread, layer buffers
     frozenset({"schedule"}),  # pure plans that the strategies follow (the planner)
