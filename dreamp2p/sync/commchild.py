@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dreamp2p.logformat import node_handler
 from dreamp2p.peer import Peer
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.state.fetch import fetch_state
@@ -234,10 +235,16 @@ def main(fd: int) -> None:
     init = pickle.loads(conn.recv_bytes())
     if not isinstance(init, Init):
         raise SystemExit(f"comm process: expected Init first, got {type(init).__name__}")
-    logging.basicConfig(
-        level=init.log_level,
-        format=f"%(asctime)s {init.config.node_id}/comm %(name)s %(levelname)s %(message)s",
-    )
+    if init.log_format is not None:  # the node's own format (JSON or text), stamped with its ids
+        kind, node_id, cluster_id = init.log_format
+        root = logging.getLogger()
+        root.addHandler(node_handler(kind, node_id, cluster_id))
+        root.setLevel(init.log_level)
+    else:
+        logging.basicConfig(
+            level=init.log_level,
+            format=f"%(asctime)s {init.config.node_id}/comm %(name)s %(levelname)s %(message)s",
+        )
     torch.set_num_threads(1)  # the codecs' kernels must not take the trainer's cores
     # Ctrl-C and a process-group SIGTERM (systemd, a terminal) reach us too: the trainer decides when we
     # stop (it may still finish a round and checkpoint), and its death closes our socket anyway

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from dreamp2p.config import PeerConfig, PeerInfo
+from dreamp2p.logformat import root_format
 from dreamp2p.messages import LinkSnapshot, PeerStatus, RingCodecPlan, RoundResult, TrainingInfo
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.state.fetch import FetchedState
@@ -64,7 +65,7 @@ class CommProcess:
         self._closing = False
         self._buffers = BufferRegistry()
         self._diverged: tuple[str, ...] = ()  # set by the child's Diverged, cleared by admit_from
-        started = self._pipe.start(Init(config, ready, logging.getLogger().getEffectiveLevel()))
+        started = self._pipe.start(Init(config, ready, logging.getLogger().getEffectiveLevel(), root_format()))
         self.port = started.port
         self.pid = started.pid
         # one FIFO worker: rounds reach the child in launch order, prepare() runs off the training thread

@@ -40,6 +40,9 @@ class Init:
     config: PeerConfig
     ready: bool
     log_level: int
+    # how the node's own log looks ("text" or "json", with its ids; `dreamp2p.logformat.root_format`): the
+    # child writes the same; None: the node's logging is the library user's, the child keeps plain lines
+    log_format: tuple[str, str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -110,3 +110,20 @@ def test_json_log_records_parse_and_carry_the_error_with_its_traceback(tmp_path:
     assert "Traceback (most recent call last)" in error["exc_info"]
     assert f"RuntimeError: injected failure at step {FAIL_AT}" in error["exc_info"]
     assert "failing_task.py" in error["exc_info"]  # where it was raised
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_comm_process_logs_json_like_its_node(tmp_path: Path) -> None:
+    """With ``[node] comm = "process"`` the peer runs in a child process: its records are JSON objects with
+    the node's ids too, not plain lines in the middle of the node's JSON log (issue 35, item 5)."""
+    config = node_config(tmp_path, 10)
+    text = config.read_text().replace("[node]\n", '[node]\ncomm = "process"\n', 1)
+    assert 'comm = "process"' in text
+    config.write_text(text)
+    out = run_node(config, "--log-format", "json")
+    assert out.returncode == 0, out.stderr[-4000:]
+    records = [json.loads(line) for line in out.stderr.splitlines() if line.strip()]
+    assert all(r["node_id"] == "eu-west" and r["cluster_id"] == "local-demo" for r in records)
+    # the child's peer announces its port: a record of the comm process, in the node's format
+    assert any(r["logger"] == "dreamp2p.peer.peer" and "listening on port" in r["message"] for r in records)
