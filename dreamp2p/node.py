@@ -41,12 +41,13 @@ from dreamp2p.messages import PeerStatus
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.state.snapshot import unflatten_state
 from dreamp2p.sync.agreement import inner_momentum, is_adaptive, training_settings
-from dreamp2p.sync.base import Strategy, broadcast_state, state_tensors
+from dreamp2p.sync.base import Strategy
 from dreamp2p.sync.collective import Collective
 from dreamp2p.sync.comm import CommThread
 from dreamp2p.sync.commproc import CommProcess, RemoteDonor
 from dreamp2p.sync.regionjoin import join_region
 from dreamp2p.sync.registry import strategy_class
+from dreamp2p.sync.replicas import broadcast_state, state_tensors
 from dreamp2p.sync.sharded import ShardedCollective, region_group
 from dreamp2p.sync.shards import rank_config
 
