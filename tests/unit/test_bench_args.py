@@ -1,0 +1,181 @@
+"""`dreamp2p bench`'s parser (issue 35): one sub-parser per bench with only its own options, parsed without
+running anything. ``--help`` of a bench lists its options alone, another bench's option is refused by name,
+each bench's defaults land in the namespace, and the commands the docs give still parse."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+
+import pytest
+
+from dreamp2p.cli import build_parser
+from dreamp2p.devtools.benchargs import BENCHES
+
+COMMON = {"-h", "--help", "--json", "-v", "-vv", "--verbose"}  # -vv: in -v's help
+# every bench's own options, besides COMMON (hidden aliases of older names not included)
+OPTIONS: dict[str, set[str]] = {
+    "codec": {"--mbytes", "--repeats", "--codecs"},
+    "transport": {"--mbytes", "--seconds", "--streams", "--netns", "--rate", "--rtt", "--jitter", "--loss"},
+    "allreduce": {"--peers", "--mbytes", "--codecs", "--repeats", "--streams", "--netns", "--rate"},
+    "soak": {"--minutes", "--peers", "--mbytes"},
+    "strategies": {
+        *("--strategies", "--steps", "--period", "--width", "--depth", "--batch", "--rate", "--rtt"),
+        *("--max-delay", "--codec", "--lr", "--device"),
+    },
+    "lm": {
+        *("--strategies", "--regions", "--rate", "--rtt", "--steps", "--period", "--width", "--depth"),
+        *("--max-delay", "--device", "--bracket", "--rounds"),
+    },
+    "plancheck": {"--steps", "--period", "--sizes", "--rates", "--rtts", "--region-counts", "--target-cu", "--out"}
+    | {"--reports"},
+    "digits": {"--strategies", "--peers", "--max-delay"},
+    "chaos": {
+        *("--minutes", "--peers", "--kill-every", "--down", "--max-down", "--flap-every", "--flap-down", "--no-flaps"),
+        *("--rate", "--rtt", "--period", "--width", "--depth", "--max-delay", "--seed", "--run-dir"),
+    },
+    "regions": {
+        *("--regions", "--ranks", "--rate", "--rtt", "--strategies", "--steps", "--period", "--width", "--depth"),
+        "--max-delay",
+    },
+}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The namespace `main` would run, its checks across options done (a usage error raises SystemExit)."""
+    args = build_parser().parse_args(argv)
+    if args.check is not None:
+        args.check(args)
+    return args
+
+
+def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        parse(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def help_text(bench: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["bench", bench, "--help"])
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_every_bench_has_its_expected_options() -> None:
+    assert set(BENCHES) == set(OPTIONS)
+
+
+def test_bench_lm_help_lists_only_lm_options(capsys: pytest.CaptureFixture[str]) -> None:
+    text = help_text("lm", capsys)
+    assert "--bracket" in text and "--rounds" in text and "--rate" in text
+    for foreign in ("--mbytes", "--kill-every", "--codecs", "--link-rate", "--seconds", "--sizes", "--batch"):
+        assert foreign not in text, foreign
+
+
+@pytest.mark.parametrize("bench", sorted(OPTIONS))
+def test_each_bench_help_shows_exactly_its_own_options(bench: str, capsys: pytest.CaptureFixture[str]) -> None:
+    shown = set(re.findall(r"(?<![\w-])--?[a-z][a-z-]*", help_text(bench, capsys)))
+    assert shown - COMMON == OPTIONS[bench]
+
+
+def test_an_option_of_other_benches_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    line = usage_error(["bench", "lm", "--mbytes", "3"], capsys)
+    assert line.startswith("dreamp2p bench lm: error: argument --mbytes: not an option of bench lm")
+    assert "bench codec, transport, allreduce, soak take it" in line
+    line = usage_error(["bench", "codec", "--kill-every", "5"], capsys)
+    assert "argument --kill-every: not an option of bench codec; bench chaos takes it" in line
+    line = usage_error(["bench", "digits", "--netns"], capsys)  # a flag without a value too
+    assert "argument --netns: not an option of bench digits" in line
+
+
+def test_an_option_no_bench_takes_is_still_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "unrecognized arguments: --colour" in usage_error(["bench", "lm", "--colour"], capsys)
+
+
+def test_one_name_for_the_link_rate() -> None:
+    assert parse(["bench", "strategies", "--rate", "5mbit"]).rate == "5mbit"
+    assert parse(["bench", "strategies", "--link-rate", "5mbit"]).rate == "5mbit"  # the old name, hidden
+    for bench in ("transport", "allreduce", "strategies", "lm", "chaos", "regions"):
+        assert not hasattr(parse(["bench", bench]), "link_rate")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["bench", "lm"], {"steps": 200, "period": 20, "width": 256, "depth": 4, "rate": "20mbit", "rtt": "0ms"}),
+        (["bench", "strategies"], {"steps": 150, "period": 10, "width": 512, "rate": None, "rtt": "20ms"}),
+        (["bench", "chaos"], {"peers": 5, "rate": "50mbit", "rtt": "4ms", "period": 5, "width": 64, "depth": 2}),
+        (["bench", "regions"], {"steps": 12, "regions": 2, "ranks": 2, "rate": "20mbit", "strategies": None}),
+        (["bench", "plancheck"], {"steps": 100, "period": 20, "region_counts": [2, 3]}),
+        (["bench", "codec"], {"mbytes": 64.0, "repeats": 3, "codecs": None}),
+        (["bench", "soak"], {"mbytes": 4.0, "peers": 4, "minutes": 10.0}),
+        (["bench", "allreduce"], {"mbytes": 64.0, "peers": 4, "rate": "100mbit", "netns": False}),
+        (["bench", "transport"], {"rtt": "0ms", "jitter": "0ms", "loss": 0.0, "seconds": 6.0}),
+        (["bench", "digits"], {"peers": 3, "max_delay": None, "strategies": None}),
+        (["bench", "strategies", "--codec", "INT8"], {"codec": "int8"}),
+        (["bench", "lm", "--json", "-v"], {"json": True, "verbose": 1, "what": "lm"}),
+        (["-vv", "bench", "lm"], {"verbose": 2}),
+    ],
+)
+def test_each_bench_has_its_own_defaults(argv: list[str], expected: dict[str, object]) -> None:
+    args = vars(parse(argv))
+    assert {key: args[key] for key in expected} == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "transport", "--rtt", "100ms"], "transport emulates them only with --netns"),
+        (["bench", "transport", "--loss", "1%"], "transport emulates them only with --netns"),
+        (["bench", "chaos", "--peers", "2"], "argument --peers: chaos needs more than --max-down (2)"),
+        (["bench", "chaos", "--down", "5", "1"], "argument --down: need 0 <= MIN <= MAX"),
+        (["bench", "lm", "--period", "4", "--max-delay", "4"], "--max-delay (4) must be less than --period (4)"),
+        (["bench", "regions", "--strategies", "ssgd", "dreamddp"], "regions runs one strategy"),
+        (["bench", "allreduce", "--peers", "1"], "argument --peers: must be >= 2"),
+        (["bench", "nope"], "argument BENCH: invalid choice: 'nope'"),
+    ],
+)
+def test_checks_across_options(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert message in usage_error(argv, capsys)
+
+
+# the commands README.md, docs/, deploy/ and the Makefile give (placeholders filled in)
+DOC_COMMANDS = """
+dreamp2p bench codec --json
+dreamp2p bench transport --json
+dreamp2p bench allreduce --json
+dreamp2p bench strategies --json
+dreamp2p bench chaos --json
+dreamp2p bench regions --json
+dreamp2p bench digits --json
+dreamp2p bench soak --minutes 10 --json
+dreamp2p bench chaos --minutes 10 --json
+dreamp2p bench transport --json --netns --rate 100mbit
+dreamp2p bench transport --netns --rtt 100ms --loss 0.1%
+dreamp2p bench transport --netns --rate 100mbit --rtt 100ms --loss 0.1% --seconds 10 --streams 4 --json
+dreamp2p bench allreduce --json --peers 4 --mbytes 64
+dreamp2p bench allreduce --json --peers 2 --mbytes 6.64 --repeats 5 --codecs int4 fp32 --netns --rate 100mbit
+dreamp2p bench strategies --json --strategies none streaming dreamddp
+dreamp2p bench strategies --device cuda --width 2048 --depth 4 --batch 65536 --lr 0.01 --steps 100 --json
+dreamp2p bench lm --json --steps 200
+dreamp2p bench lm --strategies dreamddp:error_feedback=true dreamddp:delta_codec=topk,error_feedback=true
+dreamp2p bench lm --json --rate 100mbit --regions 2 --steps 200 --bracket --rounds 4 --strategies streaming dreamddp
+dreamp2p bench lm --json --rate 20mbit --regions 3 --steps 200 --bracket --strategies none dreamddp streaming
+dreamp2p bench plancheck --json --steps 100 --period 20 --sizes small --rates 20mbit 100mbit 10mbit --rtts 0ms 80ms
+dreamp2p bench plancheck --json --sizes small large --region-counts 2 3 --out grid.jsonl
+dreamp2p bench plancheck --reports grid.jsonl out.json
+dreamp2p bench plancheck --json --target-cu 0.9 --sizes small --rates 20mbit --rtts 0ms --region-counts 2
+dreamp2p bench chaos --json --minutes 0.5 --kill-every 6 --down 1 3 --flap-every 20 --flap-down 4 --run-dir r
+dreamp2p bench regions --json --steps 3 --width 32 --depth 1 --rate 50mbit
+"""
+
+
+@pytest.mark.parametrize("command", DOC_COMMANDS.strip().splitlines())
+def test_the_documented_commands_parse(command: str) -> None:
+    argv = shlex.split(command)[1:]
+    assert parse(argv).what == argv[1]
