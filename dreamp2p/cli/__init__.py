@@ -51,8 +51,8 @@ _CORE_COMMANDS: dict[str, AddParser] = {
     "health": add_health_parser,
     "plan": add_plan_parser,
 }
-_ORDER = ("bench", "node", "status", "health", "config", "plan", "demo")
-# The developer subcommands (bench, demo) live in dreamp2p.devtools, above the console script in the
+_ORDER = ("bench", "node", "status", "health", "config", "plan", "demo", "report")
+# The developer subcommands (bench, demo, report) live in dreamp2p.devtools, above the console script in the
 # layering: they are found by this entry-point group (pyproject.toml), a name rather than an import.
 COMMAND_GROUP = "dreamp2p.commands"
 

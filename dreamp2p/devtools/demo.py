@@ -58,21 +58,20 @@ def _progress_line(run_dir: Path, names: list[str]) -> list[str]:
 
 
 def _report(run_dir: Path, names: list[str], t0: float) -> int:
-    """After a clean stop: write the run's report, print its summary; 0 when every node's eval loss fell."""
-    from dreamp2p.devtools.report import load_run, make_report, summary_table
+    """After a clean stop: `dreamp2p report`'s folder and summary; 0 when every node's eval loss fell."""
+    from dreamp2p.devtools.reportcmd import show_report
 
-    written = make_report(run_dir)
     print()
-    print(summary_table(load_run(run_dir)))
+    show_report(run_dir)
     ok = True
     for name in names:
         evals = [r["eval_loss"] for r in read_records(run_dir, name) if r.get("kind") == RecordKind.EVAL]
         falls = len(evals) >= 2 and evals[-1] < evals[0]
         ok &= falls
-        print(f"{name}: eval loss {evals[0]:.3f} -> {evals[-1]:.3f} ({'falls' if falls else 'DOES NOT FALL'})")
-    print("report:")
-    for path in written:
-        print(f"  {path}")
+        if evals:
+            print(f"{name}: eval loss {evals[0]:.3f} -> {evals[-1]:.3f} ({'falls' if falls else 'DOES NOT FALL'})")
+        else:
+            print(f"{name}: no eval loss logged (DOES NOT FALL)")
     print(f"done in {time.monotonic() - t0:.0f} s")
     return 0 if ok else 1
 

@@ -1,8 +1,10 @@
 """The run folder's files, and reading the nodes' logs from it (`load_run`).
 
-A run directory holds one sub-directory per node, written by the node daemons: ``metrics.jsonl`` (one JSON
-record per line, by kind: see `dreamp2p.service.metrics.RecordKind`; with its rotated older parts
-``metrics.jsonl.1`` ... when a long run filled its budget, `dreamp2p.service.jsonl`) and ``plan.json``.
+A run directory holds one sub-directory per node, written by the node daemons (``[metrics] run_dir``; the
+demo and `bench chaos --run-dir` set it to their folder): ``metrics.jsonl`` (one JSON record per line, by
+kind: see `dreamp2p.service.metrics.RecordKind`; with its rotated older parts ``metrics.jsonl.1`` ... when a
+long run filled its budget, `dreamp2p.service.jsonl`) and ``plan.json`` (DreamDDP only). One node's own
+sub-directory may be given instead: it is a run of that node alone.
 Malformed lines are skipped with one warning per file (a daemon may be appending a line while the report is
 read); see the package docstring (`dreamp2p.devtools.report`) for the record fields.
 """
@@ -28,7 +30,10 @@ LOSS_PNG = "loss_vs_time.png"
 LINK_PNG = "link_bandwidth.png"
 GANTT_PNG = "schedule_gantt.png"
 SUMMARY_JSON = "summary.json"
-EMPTY_RUN_MESSAGE = "no node logs in {run}: expected one sub-directory per node holding metrics.jsonl or plan.json"
+EMPTY_RUN_MESSAGE = (
+    "no node logs in {run}: expected metrics.jsonl or plan.json in one sub-directory per node (a demo's folder, "
+    "bench chaos --run-dir, a daemon's [metrics] run_dir) or in the folder itself (one node's)"
+)
 
 
 @dataclass
@@ -161,28 +166,40 @@ def _read_plan(path: Path) -> dict[str, Any] | None:
     return raw
 
 
+def _read_node(folder: Path) -> NodeLog | None:
+    """One node's records and plan from its folder; None when it holds neither file."""
+    metrics, plan = folder / METRICS_FILE, folder / PLAN_FILE
+    parts = jsonl_parts(metrics)  # the rotated parts first (oldest), then metrics.jsonl itself
+    if not parts and not plan.is_file():
+        return None
+    node = NodeLog()
+    for part in parts:
+        try:
+            _read_metrics(part, node)
+        except OSError as exc:
+            log.warning("%s: unreadable, node %s has no records from it (%s)", part, folder.name, exc)
+    if plan.is_file():
+        node.plan = _read_plan(plan)
+    return node
+
+
 def load_run(run_dir: str | Path) -> dict[str, NodeLog]:
     """Parse every ``RUN/<node_id>/metrics.jsonl`` and ``plan.json``; node ids sorted, records sorted by ``t``.
 
-    Raises ValueError when ``run_dir`` is not a directory or holds no node sub-directory.
+    A folder that holds the files itself is one node's (``RUN/<node_id>`` given directly): the node is named
+    after the folder. Raises ValueError when ``run_dir`` is not a directory or holds no node logs.
     """
     run = Path(run_dir)
     if not run.is_dir():
         raise ValueError(f"run directory {run} does not exist or is not a directory")
+    own = _read_node(run)
+    if own is not None:
+        return {run.resolve().name: own}
     logs: dict[str, NodeLog] = {}
     for sub in sorted(p for p in run.iterdir() if p.is_dir()):
-        metrics, plan = sub / METRICS_FILE, sub / PLAN_FILE
-        if not metrics.is_file() and not plan.is_file():
-            continue
-        node = NodeLog()
-        for part in jsonl_parts(metrics):  # the rotated parts first (oldest), then metrics.jsonl itself
-            try:
-                _read_metrics(part, node)
-            except OSError as exc:
-                log.warning("%s: unreadable, node %s has no records from it (%s)", part, sub.name, exc)
-        if plan.is_file():
-            node.plan = _read_plan(plan)
-        logs[sub.name] = node
+        node = _read_node(sub)
+        if node is not None:
+            logs[sub.name] = node
     if not logs:
         raise ValueError(EMPTY_RUN_MESSAGE.format(run=run))
     return logs
