@@ -1,8 +1,9 @@
 """`dreamp2p bench transport`: goodput of the transport between two processes.
 
 A receiver process serves the real servicer (serde, auth, limits) backed by a sink that verifies each
-frame's checksum and size and counts it; a sender process streams fp32 frames over a
-:class:`~dreamp2p.transport.client.Link` with bandwidth-aware chunk size and parallel streams. The
+frame's checksum and size and counts it; a sender process handshakes on every channel of a
+:class:`~dreamp2p.transport.client.Link` (as a member's link does) and streams fp32 frames over it with
+bandwidth-aware chunk size and parallel streams. The
 reduction work of a real round is measured separately by `bench allreduce`. With ``netns`` both
 processes run in two network namespaces joined by a tbf-shaped veth pair (deploy/netns-wan.sh), and
 ``link_util`` is goodput over the shaped rate. With a round-trip time, jitter or loss the namespaces are
@@ -20,7 +21,7 @@ import multiprocessing.connection
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from dreamp2p.devtools.launch import enter_netns
 from dreamp2p.devtools.netns import Namespaces
 from dreamp2p.devtools.wanemu import summary
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import DType, Frame, Hello, MemberProgress, PeerStatus, Phase, Vote
+from dreamp2p.messages import PROTOCOL_VERSION, DType, Frame, Hello, MemberProgress, PeerStatus, Phase, Vote
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,10 @@ class SinkBackend:
         self.bytes = 0
         self.first = 0.0
         self.last = 0.0
+        self.handshakes = 0
 
     def admit(self, hello: Hello) -> Hello:
+        self.handshakes += 1
         return Hello("bench", hello.protocol_version, "sink", hello.manifest_hash, hello.codecs)
 
     async def accept_frame(self, frame: Frame) -> None:
@@ -125,9 +128,9 @@ def _receiver(conn: mp.connection.Connection, host: str, netns: str | None, cfg:
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         await server.stop(1.0)
         span = sink.last - sink.first
-        return {"frames": sink.frames, "bytes": sink.bytes, "span_s": span}
+        return {"frames": sink.frames, "bytes": sink.bytes, "span_s": span, "handshakes": sink.handshakes}
 
-    conn.send(asyncio.run(main()))
+    _report(conn, main)
 
 
 def _sender(
@@ -141,6 +144,10 @@ def _sender(
 
         link = Link("bench-sender", PeerInfo("sink", address), cfg, None, None)
         try:
+            # on every channel, as a member's link does: a Push from a connection that never handshook must
+            # deliver its first frame within transport.first_frame_timeout_s, which a few MB per stream on
+            # fresh connections of a long path miss (8 streams at 100 ms: "sender did not finish")
+            await link.handshake(Hello("bench", PROTOCOL_VERSION, "bench-sender", b"", ()), cfg.connect_timeout_s)
             await link.probe_rtt()
             for _ in range(3):  # let the estimate settle before sizing chunks from it
                 await link.probe_bandwidth(cfg.probe_burst_bytes)
@@ -189,7 +196,32 @@ def _sender(
         finally:
             await link.close()
 
-    conn.send(asyncio.run(main()))
+    _report(conn, main)
+
+
+def _report(conn: mp.connection.Connection, main: Callable[[], Coroutine[Any, Any, dict[str, Any]]]) -> None:
+    """Run ``main`` and send its result, or ``{"error": ...}`` when it raised, so the parent never waits in vain."""
+    try:
+        result = asyncio.run(main())
+    except Exception as exc:
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    conn.send(result)
+
+
+def _result(conn: mp.connection.Connection, proc: mp.process.BaseProcess, who: str, timeout: float) -> dict[str, Any]:
+    """What ``proc`` sent on ``conn`` within ``timeout`` seconds; RuntimeError naming its error, or that it died
+    or did not answer in time."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.2):
+        if not proc.is_alive() and not conn.poll(0.2):
+            raise RuntimeError(f"{who} exited ({proc.exitcode}) without a result")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{who} did not finish within {timeout:g} s")
+    res: dict[str, Any] = conn.recv()
+    if "error" in res:
+        raise RuntimeError(f"{who} failed: {res['error']}")
+    return res
 
 
 def bench_transport(
@@ -244,17 +276,15 @@ def _run_pair(cfg: TransportConfig, seconds: float, hosts: list[tuple[str | None
         if not r_parent.poll(60):
             raise RuntimeError("receiver did not start")
         port = r_parent.recv()
+        if isinstance(port, dict):
+            raise RuntimeError(f"receiver failed: {port.get('error')}")
         send = ctx.Process(
             target=_sender, args=(s_child, f"{hosts[1][1]}:{port}", hosts[0][0], cfg, seconds), daemon=True
         )
         send.start()
-        if not s_parent.poll(seconds + 120):
-            raise RuntimeError("sender did not finish")
-        sres = s_parent.recv()
+        sres = _result(s_parent, send, "sender", seconds + 120)
         r_parent.send("stop")
-        if not r_parent.poll(30):
-            raise RuntimeError("receiver did not report")
-        rres = r_parent.recv()
+        rres = _result(r_parent, recv, "receiver", 30)
         send.join(10)
     finally:
         recv.join(5)
@@ -268,6 +298,7 @@ def _run_pair(cfg: TransportConfig, seconds: float, hosts: list[tuple[str | None
         "bytes": sres["bytes"],
         "seconds": round(sres["seconds"], 3),
         "frames": rres["frames"],
+        "handshakes": rres["handshakes"],
         "chunk_bytes": sres["chunk_bytes"],
         "streams_per_link": cfg.streams_per_link,
         "probe_goodput_MBps": round(sres["probe_goodput_MBps"], 1),
