@@ -23,6 +23,7 @@ from dreamp2p.peer.admission import Admission
 from dreamp2p.peer.probing import probe_forever, probe_once
 from dreamp2p.settings import settings_mismatch
 from dreamp2p.transport.client import Link
+from dreamp2p.transport.kernelnet import KernelCheck, read_tcp_limits
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class RingLinks:
         self._ring: tuple[PeerInfo, ...] = ()
         self._links: dict[str, Link] = {}
         self._prober: asyncio.Task[None] | None = None
+        self._kernel: KernelCheck | None = None  # read at the first probe (see `kernel_check`)
 
     @property
     def ring(self) -> tuple[PeerInfo, ...]:
@@ -190,8 +192,14 @@ class RingLinks:
         """Start the probe loop (once; not without a probe interval)."""
         t = self.config.transport
         if self._prober is None and t.probe_interval_s > 0:
-            probe = probe_forever(self._links.values, t.probe_interval_s, t.probe_burst_bytes)
+            probe = probe_forever(self._links.values, t.probe_interval_s, t.probe_burst_bytes, self.kernel_check())
             self._prober = asyncio.create_task(probe, name=f"probe-{self.config.node_id}")
+
+    def kernel_check(self) -> KernelCheck:
+        """This host's TCP ceilings, read once, against which probed links are checked (`transport.kernelnet`)."""
+        if self._kernel is None:
+            self._kernel = KernelCheck(read_tcp_limits())
+        return self._kernel
 
     async def stop_probing(self) -> None:
         """Cancel the probe loop and wait for it to end (a cancel of our caller still propagates)."""
@@ -202,7 +210,9 @@ class RingLinks:
 
     async def probe_now(self, burst_bytes: int | None = None) -> list[LinkSnapshot]:
         """Measure every link once (RTT echo + burst) and return the snapshots."""
-        await probe_once(self._links.values(), burst_bytes or self.config.transport.probe_burst_bytes)
+        await probe_once(
+            self._links.values(), burst_bytes or self.config.transport.probe_burst_bytes, self.kernel_check()
+        )
         return self.snapshots()
 
     def set_rate_limit(self, rate_Bps: float | None) -> None:

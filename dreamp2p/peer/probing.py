@@ -2,7 +2,8 @@
 
 Busy links are measured passively from real transfers (see `transport.linkstats`); a link with no
 traffic for a whole interval gets a burst now and then, so a plan made for a link that went quiet or
-changed rate still has a current goodput. Runs on the peer's event loop.
+changed rate still has a current goodput. After each probe the link's estimate is checked against the
+kernel's TCP ceilings (`transport.kernelnet.KernelCheck`, a warning once per link). Runs on the peer's event loop.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 from dreamp2p.errors import PeerError
 from dreamp2p.transport.client import Link
+from dreamp2p.transport.kernelnet import KernelCheck
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +23,14 @@ log = logging.getLogger(__name__)
 BURST_EVERY = 4
 
 
-async def probe_forever(links: Callable[[], Iterable[Link]], interval_s: float, burst_bytes: int) -> None:
+def _check(kernel: KernelCheck | None, link: Link) -> None:
+    if kernel is not None:
+        kernel.check(link.dest.node_id, link.stats, link.cfg.streams_per_link)
+
+
+async def probe_forever(
+    links: Callable[[], Iterable[Link]], interval_s: float, burst_bytes: int, kernel: KernelCheck | None = None
+) -> None:
     """Probe ``links()`` every ``interval_s`` until cancelled; a failed probe is logged, never raised."""
     tick = 0
     while True:
@@ -36,10 +45,13 @@ async def probe_forever(links: Callable[[], Iterable[Link]], interval_s: float, 
                     link.stats.last_activity = time.monotonic()
             except PeerError as exc:
                 log.warning("probe of %s failed: %s", link.dest.node_id, exc)
+                continue
+            _check(kernel, link)
 
 
-async def probe_once(links: Iterable[Link], burst_bytes: int) -> None:
+async def probe_once(links: Iterable[Link], burst_bytes: int, kernel: KernelCheck | None = None) -> None:
     """Measure every link now: an RTT echo and a burst each."""
     for link in links:
         await link.probe_rtt()
         await link.probe_bandwidth(burst_bytes)
+        _check(kernel, link)
