@@ -81,8 +81,24 @@ def _repeats(p: Parser, what: str) -> None:
     p.add_argument("--repeats", type=int_at_least(1), default=3, help=f"{what} (3)")
 
 
-def _streams_netns(p: Parser, netns: str) -> None:
-    p.add_argument("--streams", type=int_at_least(1), default=2, help="parallel streams (TCP connections) per link (2)")
+def _streams_or_auto(text: str) -> int | str:
+    """--streams of `bench transport`: a count >= 1, or ``auto`` (chosen from the rate, RTT, loss and TCP window)."""
+    return "auto" if text.strip().lower() == "auto" else int_at_least(1)(text)
+
+
+def _streams_netns(p: Parser, netns: str, auto: bool = False) -> None:
+    if auto:
+        p.add_argument(
+            "--streams",
+            type=_streams_or_auto,
+            default=2,
+            help="parallel streams (TCP connections) per link, or auto: from --rate/--rtt/--loss and the kernel's "
+            "TCP window, with --netns (2)",
+        )
+    else:
+        p.add_argument(
+            "--streams", type=int_at_least(1), default=2, help="parallel streams (TCP connections) per link (2)"
+        )
     p.add_argument("--netns", action="store_true", help=netns)
 
 
@@ -127,7 +143,7 @@ def _codec(p: Parser) -> None:
 def _transport(p: Parser) -> None:
     _mbytes(p, 64.0)
     p.add_argument("--seconds", type=positive_float, default=6.0, help="measuring time (6)")
-    _streams_netns(p, "across two network namespaces, shaped to --rate (root)")
+    _streams_netns(p, "across two network namespaces, shaped to --rate (root)", auto=True)
     _rate(p, "100mbit", ", with --netns")
     _rtt(p, "0ms", ", with --netns: through the packet emulator")
     p.add_argument("--jitter", type=duration, default="0ms", help="with --netns: sd of a packet's one-way delay (0ms)")

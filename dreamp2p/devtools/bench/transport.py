@@ -35,6 +35,8 @@ from dreamp2p.devtools.netns import Namespaces
 from dreamp2p.devtools.wanemu import summary
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import PROTOCOL_VERSION, DType, Frame, Hello, MemberProgress, PeerStatus, Phase, Vote
+from dreamp2p.transport.kernelnet import read_tcp_limits
+from dreamp2p.transport.tcptuning import choose_streams, per_flow_rate_Bps
 
 log = logging.getLogger(__name__)
 
@@ -224,10 +226,27 @@ def _result(conn: mp.connection.Connection, proc: mp.process.BaseProcess, who: s
     return res
 
 
+def auto_streams(rate: str, rtt: str, loss: float) -> tuple[int, dict[str, Any]]:
+    """Streams for a link of ``rate``, ``rtt`` and ``loss`` under this host's TCP settings
+    (`transport.tcptuning.choose_streams`), and what they were chosen from."""
+    limits = read_tcp_limits()
+    window = limits.window_bytes if limits is not None else 2 << 20  # Linux's default tcp_wmem ceiling, halved
+    loss_based = limits.loss_based if limits is not None else True
+    rtt_s = max(parse_duration(rtt), 1e-3)  # an unemulated path: a millisecond, as a LAN
+    n = choose_streams(rtt_s, parse_rate(rate), loss, window, loss_based=loss_based)
+    flow = per_flow_rate_Bps(rtt_s, loss, window, loss_based=loss_based)
+    why = {
+        "window_bytes": window,
+        "congestion": limits.congestion if limits is not None else None,
+        "per_flow_Mbit": round(flow * 8 / 1e6, 1),
+    }
+    return n, why
+
+
 def bench_transport(
     mbytes: float = 64.0,
     seconds: float = 6.0,
-    streams: int = 2,
+    streams: int | str = 2,
     netns: bool = False,
     rate: str = "100mbit",
     rtt: str = "0ms",
@@ -236,11 +255,19 @@ def bench_transport(
 ) -> dict[str, Any]:
     """Measure one-way goodput; ``mbytes`` caps the sender's queued bytes (backpressure window).
 
-    ``rtt``, ``jitter`` (sd of each direction's delay) and ``loss`` (per direction) need ``netns``.
+    ``rtt``, ``jitter`` (sd of each direction's delay) and ``loss`` (per direction) need ``netns``;
+    ``streams="auto"`` too (it chooses from the shaped rate, see `auto_streams`).
     """
     emulated = bool(parse_duration(rtt) or parse_duration(jitter) or loss)
     if emulated and not netns:
         raise ValueError("rtt, jitter and loss are emulated only across namespaces (netns=True)")
+    if isinstance(streams, str):
+        if streams != "auto" or not netns:
+            raise ValueError(f"streams must be a count >= 1, or 'auto' with netns=True, got {streams!r}")
+        streams, why = auto_streams(rate, rtt, loss)
+        out = bench_transport(mbytes, seconds, streams, netns, rate, rtt, jitter, loss)
+        out["streams_auto"] = why
+        return out
     cfg = TransportConfig(streams_per_link=streams, outbound_queue_bytes=int(mbytes * 1e6))
     if netns:
         # on a slow link a deep queue only adds drain time after the measuring window
