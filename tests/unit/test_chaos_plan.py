@@ -1,4 +1,4 @@
-"""`bench chaos`'s pure parts: the kill schedule's limits and the report's arithmetic."""
+"""`bench chaos`'s pure parts: the fault schedule's limits and the report's arithmetic."""
 
 from __future__ import annotations
 
@@ -9,17 +9,22 @@ from typing import Any
 import pytest
 
 from dreamp2p.devtools.bench.chaosplan import (
+    Action,
     ChaosTiming,
+    Fault,
+    FaultSchedule,
     Kill,
     KillSchedule,
     counter_in_window,
     digests_agree,
+    fault_recoveries,
     flap_times,
     frontier,
     goodput,
     kill_outcomes,
     longest_gap_s,
     p50_max,
+    p50_p99_max,
     percentile,
     recovery_s,
     rss_growth,
@@ -117,10 +122,164 @@ def test_no_kills_once_the_chaos_is_over_but_restarts_still_come() -> None:
     assert [a.kind for a in schedule.due(10.0, training, killing=False)] == ["restart"]
 
 
+def simulate_faults(
+    timing: ChaosTiming, seed: int, join_s: float = 2.0, seconds: float = 1200.0, dt: float = 0.25
+) -> tuple[list[tuple[float, Action]], int, dict[str, int]]:
+    """Drive a schedule of every kind against a simulated cluster: every action with its time, the most
+    members ever down at once (killed or joining, frozen, or cut off) and the schedule's own counts."""
+    schedule = FaultSchedule(timing, MEMBERS, random.Random(seed), start=0.0)
+    training = set(MEMBERS)
+    back_at: dict[str, float] = {}
+    frozen: set[str] = set()
+    cut: set[str] = set()
+    log: list[tuple[float, Action]] = []
+    worst = 0
+    t = 0.0
+    while t < seconds:
+        for m, at in list(back_at.items()):
+            if t >= at:
+                training.add(m)
+                del back_at[m]
+        for a in schedule.due(t, set(training)):
+            log.append((t, a))
+            if a.kind == "kill":
+                training.discard(a.member)
+            elif a.kind == "restart":
+                back_at[a.member] = t + join_s
+            elif a.kind == "stop":
+                frozen.add(a.member)  # a frozen daemon is alive and has stepped: it counts as training
+            elif a.kind == "cont":
+                frozen.discard(a.member)
+            elif a.kind == "partition":
+                cut |= set(a.group)
+            elif a.kind == "heal":
+                cut -= set(a.group)
+        worst = max(worst, len(set(MEMBERS) - training | frozen | cut))
+        t += dt
+    return log, worst, schedule.counts
+
+
+MIXES = [("kill", "stop", "partition"), ("stop",), ("partition",), ("kill", "stop"), ("stop", "partition")]
+
+
+@pytest.mark.parametrize("kinds", MIXES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_asked_kind_is_drawn_within_limits(kinds: tuple[str, ...], seed: int) -> None:
+    timing = ChaosTiming(
+        10.0, 1.0, 5.0, 2, frozenset({"a"}), kinds, 2.0, 8.0, 0.2, 40.0, 3.0, 12.0, 0.5
+    )  # stops 2-8 s, a fifth of them 8-40 s; partitions 3-12 s
+    log, worst, counts = simulate_faults(timing, seed)
+    made = {k: sum(1 for _, a in log if a.kind == k) for k in ("kill", "stop", "partition")}
+    for kind in ("kill", "stop", "partition"):
+        assert (made[kind] > 0) is (kind in kinds), made
+    assert worst <= timing.max_down
+    assert {k: made[k] for k in kinds} == counts
+    under: dict[str, tuple[str, float]] = {}  # member -> (the fault it is under, since when)
+    partition_open = False
+    durations: dict[str, list[float]] = {"stop": [], "partition": []}
+    for t, a in log:
+        members = a.group or (a.member,)
+        assert "a" not in members  # the protected member
+        if a.kind in ("kill", "stop", "partition"):
+            for m in members:
+                assert m not in under, f"{m} under {under[m]} and {a.kind} at {t}"
+                under[m] = (a.kind, t)
+            if a.kind == "partition":
+                assert not partition_open
+                partition_open = True
+                assert 1 <= len(a.group) <= 2 and a.group == tuple(sorted(a.group))
+            if a.kind != "kill":
+                durations[a.kind].append(a.lasts_s)
+        else:
+            started = {under.pop(m)[1] for m in members}
+            assert len(started) == 1
+            lasted = t - started.pop()
+            if a.kind == "heal":
+                partition_open = False
+                assert 3.0 <= lasted <= 12.0 + 0.25
+            elif a.kind == "cont":
+                assert 2.0 <= lasted <= 40.0 + 0.25
+            else:
+                assert 1.0 <= lasted <= 5.0 + 0.25
+    assert all(2.0 <= d <= 40.0 for d in durations["stop"])
+    assert all(3.0 <= d <= 12.0 for d in durations["partition"])
+
+
+@pytest.mark.parametrize("kinds", MIXES)
+def test_same_seed_same_plan_other_seed_another(kinds: tuple[str, ...]) -> None:
+    timing = ChaosTiming(10.0, 1.0, 5.0, 2, frozenset({"a"}), kinds, long_stop_p=0.2, long_stop_max_s=40.0)
+    first, _, _ = simulate_faults(timing, seed=7, seconds=600.0)
+    again, _, _ = simulate_faults(timing, seed=7, seconds=600.0)
+    other, _, _ = simulate_faults(timing, seed=8, seconds=600.0)
+    assert first == again
+    assert first != other
+
+
+@pytest.mark.parametrize(("long_p", "lo", "hi"), [(0.0, 2.0, 8.0), (1.0, 8.0, 90.0)])
+def test_long_freezes_come_from_the_tail_bounded_by_its_option(long_p: float, lo: float, hi: float) -> None:
+    timing = ChaosTiming(5.0, kinds=("stop",), stop_min_s=2.0, stop_max_s=8.0, long_stop_p=long_p, long_stop_max_s=90.0)
+    log, _, _ = simulate_faults(timing, seed=3, seconds=3000.0)
+    lasts = [a.lasts_s for _, a in log if a.kind == "stop"]
+    assert len(lasts) >= 10
+    assert all(lo <= x <= hi for x in lasts)
+
+
+@pytest.mark.parametrize(("oneway_p", "expect"), [(0.0, {False}), (1.0, {True}), (0.5, {False, True})])
+def test_partitions_are_one_way_with_their_probability(oneway_p: float, expect: set[bool]) -> None:
+    timing = ChaosTiming(5.0, kinds=("partition",), partition_min_s=1.0, partition_max_s=3.0, oneway_p=oneway_p)
+    log, _, _ = simulate_faults(timing, seed=4, seconds=600.0)
+    assert {a.oneway for _, a in log if a.kind == "partition"} == expect
+
+
+def test_end_all_ends_freezes_and_the_partition_now_but_not_restarts() -> None:
+    timing = ChaosTiming(
+        1.0,
+        1000.0,
+        1000.0,
+        4,
+        kinds=("kill", "stop", "partition"),
+        stop_min_s=500.0,
+        stop_max_s=500.0,
+        long_stop_max_s=500.0,
+        partition_min_s=20.0,
+        partition_max_s=20.0,
+    )
+    # seed 1 draws a kill, a partition and a stop first (the others fill max_down before all three came)
+    schedule = FaultSchedule(timing, MEMBERS, random.Random(1), start=0.0)
+    training, t, made = set(MEMBERS), 0.0, set()
+    while not (made >= {"kill", "stop"} and schedule.cut is not None):
+        assert t < 300.0, made
+        for a in schedule.due(t, set(training)):
+            made.add(a.kind)
+            if a.kind == "kill":
+                training.discard(a.member)
+        t += 0.5
+    ends = schedule.end_all(t)
+    assert {a.kind for a in ends} == {"cont", "heal"}
+    assert schedule.cont_at == {} and schedule.cut is None
+    assert set(schedule.restart_at) == set(MEMBERS) - training  # the killed come back when due, not now
+    assert schedule.due(t + 1.0, training, killing=False) == []
+
+
+def test_a_partition_never_takes_a_majority_nor_comes_without_members() -> None:
+    # two members: no minority group exists, the partition stays due forever
+    schedule = FaultSchedule(ChaosTiming(1.0, kinds=("partition",)), ["a", "b"], random.Random(0), start=0.0)
+    assert all(schedule.due(float(t), {"a", "b"}) == [] for t in range(100))
+    none = FaultSchedule(ChaosTiming(1.0, kinds=()), MEMBERS, random.Random(0), start=0.0)
+    assert all(none.due(float(t), set(MEMBERS)) == [] for t in range(100))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"kill_every_s": 0.0}, "kill_every_s"),
+        ({"stop_min_s": 9.0, "stop_max_s": 2.0}, "stop_min_s"),
+        ({"partition_min_s": -1.0}, "partition_min_s"),
+        ({"stop_max_s": 30.0, "long_stop_max_s": 20.0}, "long_stop_max_s"),
+        ({"long_stop_p": 1.5}, "long_stop_p"),
+        ({"oneway_p": -0.1}, "oneway_p"),
+        ({"kinds": ("kill", "freeze")}, "kinds"),
+        ({"kinds": ("kill", "kill")}, "kinds"),
         ({"down_min_s": 5.0, "down_max_s": 2.0}, "down_min_s"),
         ({"down_min_s": -1.0}, "down_min_s"),
         ({"max_down": 0}, "max_down"),
@@ -159,6 +318,11 @@ def test_flap_times(duration: float, every: float, down: float, expected: list[f
 )
 def test_percentile(values: list[float], q: float, expected: float | None) -> None:
     assert percentile(values, q) == expected
+
+
+def test_p50_p99_max() -> None:
+    assert p50_p99_max([float(x) for x in range(101)]) == {"p50": 50.0, "p99": 99.0, "max": 100.0, "n": 101}
+    assert p50_p99_max([]) == {"p50": None, "p99": None, "max": None, "n": 0}
 
 
 def test_p50_max() -> None:
@@ -206,6 +370,23 @@ def test_kill_outcomes_say_when_a_survivor_never_stepped_again() -> None:
     (out,) = kill_outcomes([Kill(10.0, "a", ("b", "c"))], {"b": [11.0], "c": [5.0]}, end=40.0, window_s=20.0)
     assert out.recovery_s is None
     assert out.longest_gap_s == pytest.approx(20.0)
+
+
+def test_fault_recovery_counts_from_the_end_and_waits_for_the_faults_own_members() -> None:
+    steps = {"b": [5.0, 20.5, 21.0], "c": [5.0, 20.2], "d": [5.0, 24.0]}
+    freeze = Fault("stop", 10.0, 20.0, ("b",), ("c", "d"))
+    cut = Fault("partition", 12.0, 20.0, ("c", "d"), ("b",), oneway=True)
+    lonely = Fault("stop", 10.0, 20.0, ("c",), ())
+    never = Fault("stop", 10.0, 30.0, ("b",), ("c",))
+    got = fault_recoveries([freeze, cut, lonely, never], steps, kills=[])
+    assert got[:3] == pytest.approx([4.0, 4.0, 0.2])
+    assert got[3] is None
+
+
+def test_fault_recovery_leaves_out_a_member_killed_before_it_could_step() -> None:
+    steps = {"b": [20.5], "c": [5.0, 40.0]}  # c's 40.0 is its next life
+    got = fault_recoveries([Fault("stop", 10.0, 20.0, ("b",), ("c",))], steps, [Kill(20.3, "c", ("b",))])
+    assert got == pytest.approx([0.5])
 
 
 STEPS = [(0.0, 0), (1.0, 10), (2.0, 20), (2.5, 19), (3.0, 30), (4.0, 36)]

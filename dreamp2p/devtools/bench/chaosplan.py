@@ -1,10 +1,11 @@
-"""`bench chaos`'s pure parts: when to kill whom and when to restart, and the report's arithmetic.
+"""`bench chaos`'s pure parts: which fault to inject on whom and when to end it, and the report's arithmetic.
 
 No processes, clocks or files here: the orchestration (`dreamp2p.devtools.bench.chaos`) passes in the
 time, the members now training and the records it read, and a seeded :class:`random.Random`.
 
 A member counts as down from its kill until its restarted daemon logs a training step again (a daemon
-still joining trains nobody's steps), so "never more than ``max_down`` down" holds across restarts.
+still joining trains nobody's steps), so "never more than ``max_down`` down" holds across restarts; a
+frozen (SIGSTOP) or partitioned-off member counts as down until its fault ends.
 """
 
 from __future__ import annotations
@@ -15,37 +16,79 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+FAULT_KINDS = ("kill", "stop", "partition")
+
 
 @dataclass(frozen=True)
 class ChaosTiming:
-    """How often members are killed, how long they stay dead, and how many may be down at once."""
+    """Which faults are drawn, how often, how long each lasts, and how many members may be down at once.
 
-    kill_every_s: float = 20.0  # mean time between kills; each gap is drawn in [0.75, 1.25] of it
+    ``kinds`` (of :data:`FAULT_KINDS`): "kill" (SIGKILL, restart with ``--join`` after ``down_min_s``..
+    ``down_max_s``), "stop" (SIGSTOP, SIGCONT after ``stop_min_s``..``stop_max_s``; with probability
+    ``long_stop_p`` a long freeze of ``stop_max_s``..``long_stop_max_s`` instead), "partition" (a minority
+    group of members cut off from the rest for ``partition_min_s``..``partition_max_s``; with probability
+    ``oneway_p`` in one direction only: the group's packets to the rest are dropped, the rest's still arrive).
+    """
+
+    kill_every_s: float = 20.0  # mean time between faults of any kind; each gap is drawn in [0.75, 1.25] of it
     down_min_s: float = 2.0  # a killed member is restarted after a delay drawn in [down_min_s, down_max_s]
     down_max_s: float = 20.0
-    max_down: int = 2
-    protected: frozenset[str] = field(default_factory=frozenset)  # never killed: their RSS is tracked
+    max_down: int = 2  # killed, joining, frozen or partitioned-off members at once
+    protected: frozenset[str] = field(default_factory=frozenset)  # never faulted: their RSS is tracked
+    kinds: tuple[str, ...] = ("kill",)
+    stop_min_s: float = 2.0
+    stop_max_s: float = 20.0
+    long_stop_p: float = 0.0
+    long_stop_max_s: float = 180.0
+    partition_min_s: float = 5.0
+    partition_max_s: float = 30.0
+    oneway_p: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.kill_every_s > 0:
             raise ValueError(f"kill_every_s must be > 0, got {self.kill_every_s}")
-        if not 0 <= self.down_min_s <= self.down_max_s:
-            raise ValueError(f"need 0 <= down_min_s <= down_max_s, got {self.down_min_s}, {self.down_max_s}")
+        for name in ("down", "stop", "partition"):
+            lo, hi = getattr(self, f"{name}_min_s"), getattr(self, f"{name}_max_s")
+            if not 0 <= lo <= hi:
+                raise ValueError(f"need 0 <= {name}_min_s <= {name}_max_s, got {lo}, {hi}")
+        if not self.long_stop_max_s >= self.stop_max_s:
+            raise ValueError(f"long_stop_max_s must be >= stop_max_s, got {self.long_stop_max_s}, {self.stop_max_s}")
+        for name in ("long_stop_p", "oneway_p"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.max_down < 1:
             raise ValueError(f"max_down must be >= 1, got {self.max_down}")
+        unknown = set(self.kinds) - set(FAULT_KINDS)
+        if unknown or len(set(self.kinds)) != len(self.kinds):
+            raise ValueError(f"kinds must be distinct ones of {', '.join(FAULT_KINDS)}, got {', '.join(self.kinds)}")
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "kill" or "restart"
-    member: str
+    """One thing to do now: kill/restart, stop/cont ``member``; partition/heal ``group`` from the rest."""
+
+    kind: str  # "kill", "restart", "stop", "cont", "partition" or "heal"
+    member: str = ""
+    group: tuple[str, ...] = ()  # partition/heal: the members cut off from the rest
+    oneway: bool = False  # partition/heal: only the group's packets to the rest are dropped
+    lasts_s: float = 0.0  # stop/partition: how long it is meant to last
 
 
-class KillSchedule:
-    """Decides, at each poll, which member to kill and which killed member to restart now.
+@dataclass(frozen=True)
+class Cut:
+    group: tuple[str, ...]
+    oneway: bool
+    heal_at: float
 
-    A kill falls due ``kill_every_s`` (+-25%) after the previous one; a due kill waits while
-    ``max_down`` members are down, then takes a member drawn among those training, never a protected one.
+
+class FaultSchedule:
+    """Decides, at each poll, which fault to inject and which fault to end now.
+
+    A fault falls due ``kill_every_s`` (+-25%) after the previous one, its kind drawn then among
+    ``kinds``. A due fault waits while it cannot be made: a kill or a stop while ``max_down`` members are
+    down (killed, still joining, frozen or cut off), a partition while another is under way or no minority
+    group fits under ``max_down``. No member is ever under two faults at once and a protected one never
+    under any. The same seed and the same answers about who trains give the same faults.
     """
 
     def __init__(self, timing: ChaosTiming, members: Sequence[str], rng: random.Random, start: float) -> None:
@@ -53,33 +96,96 @@ class KillSchedule:
         self.members = list(members)
         self.rng = rng
         self.restart_at: dict[str, float] = {}  # killed members not restarted yet -> when to restart
+        self.cont_at: dict[str, float] = {}  # frozen members -> when to SIGCONT them
+        self.cut: Cut | None = None  # the partition under way
+        self.counts: dict[str, int] = dict.fromkeys(timing.kinds, 0)
         self.next_kill = start + self._gap()
-        self.kills = 0
+        self.next_kind = self._kind()
+
+    @property
+    def kills(self) -> int:
+        return self.counts.get("kill", 0)
 
     def _gap(self) -> float:
         return self.timing.kill_every_s * self.rng.uniform(0.75, 1.25)
 
-    def due(self, now: float, training: Collection[str], killing: bool = True) -> list[Action]:
-        """What to do at ``now``, given the members whose daemons are up and training.
+    def _kind(self) -> str | None:
+        kinds = self.timing.kinds
+        if len(kinds) <= 1:  # no draw: a kill-only schedule is the one it always was for a seed
+            return kinds[0] if kinds else None
+        return self.rng.choice(sorted(kinds))
 
-        Restarts come first; with ``killing`` False (the chaos is over) only restarts are given.
-        """
+    def faulted(self) -> set[str]:
+        """Members under a fault we injected: killed and not restarted yet, frozen, or cut off."""
+        return set(self.restart_at) | set(self.cont_at) | set(self.cut.group if self.cut else ())
+
+    def _ends(self, now: float, everything: bool) -> list[Action]:
         actions = [Action("restart", m) for m, at in sorted(self.restart_at.items()) if now >= at]
         for a in actions:
             del self.restart_at[a.member]
-        if not killing or now < self.next_kill:
+        conts = [Action("cont", m) for m, at in sorted(self.cont_at.items()) if everything or now >= at]
+        for a in conts:
+            del self.cont_at[a.member]
+        actions += conts
+        if self.cut is not None and (everything or now >= self.cut.heal_at):
+            actions.append(Action("heal", group=self.cut.group, oneway=self.cut.oneway))
+            self.cut = None
+        return actions
+
+    def end_all(self, now: float) -> list[Action]:
+        """The chaos is over: every freeze and partition ends now; restarts still come when due."""
+        return self._ends(now, everything=True)
+
+    def due(self, now: float, training: Collection[str], killing: bool = True) -> list[Action]:
+        """What to do at ``now``, given the members whose daemons are up and training (frozen ones count).
+
+        Ends first (restarts, SIGCONTs, a heal); with ``killing`` False (the chaos is over) only those.
+        """
+        actions = self._ends(now, everything=False)
+        if not killing or now < self.next_kill or self.next_kind is None:
             return actions
-        down = [m for m in self.members if m not in training]
-        candidates = [
-            m for m in self.members if m in training and m not in self.timing.protected and m not in self.restart_at
-        ]
-        if len(down) + 1 > self.timing.max_down or not candidates:
-            return actions  # the kill stays due: it happens once a member is back
-        victim = self.rng.choice(candidates)
-        self.restart_at[victim] = now + self.rng.uniform(self.timing.down_min_s, self.timing.down_max_s)
+        fault = self._draw(now, training, self.next_kind)
+        if fault is None:
+            return actions  # the fault stays due: it happens once it can
         self.next_kill = now + self._gap()
-        self.kills += 1
-        return [*actions, Action("kill", victim)]
+        self.counts[fault.kind] += 1
+        self.next_kind = self._kind()
+        return [*actions, fault]
+
+    def _draw(self, now: float, training: Collection[str], kind: str) -> Action | None:
+        t = self.timing
+        faulted = self.faulted()
+        down = {m for m in self.members if m not in training} | faulted
+        room = t.max_down - len(down)
+        candidates = [m for m in self.members if m in training and m not in t.protected and m not in faulted]
+        if room < 1 or not candidates:
+            return None
+        if kind == "kill":
+            victim = self.rng.choice(candidates)
+            self.restart_at[victim] = now + self.rng.uniform(t.down_min_s, t.down_max_s)
+            return Action("kill", victim)
+        if kind == "stop":
+            victim = self.rng.choice(candidates)
+            long = self.rng.random() < t.long_stop_p
+            lasts = (
+                self.rng.uniform(t.stop_max_s, t.long_stop_max_s)
+                if long
+                else self.rng.uniform(t.stop_min_s, t.stop_max_s)
+            )
+            self.cont_at[victim] = now + lasts
+            return Action("stop", victim, lasts_s=lasts)
+        # a partition: a minority group, never two at once
+        most = min(room, len(candidates), (len(self.members) - 1) // 2)
+        if self.cut is not None or most < 1:
+            return None
+        group = tuple(sorted(self.rng.sample(candidates, self.rng.randint(1, most))))
+        oneway = self.rng.random() < t.oneway_p
+        lasts = self.rng.uniform(t.partition_min_s, t.partition_max_s)
+        self.cut = Cut(group, oneway, now + lasts)
+        return Action("partition", group=group, oneway=oneway, lasts_s=lasts)
+
+
+KillSchedule = FaultSchedule  # the name it had while it only killed
 
 
 def flap_times(duration_s: float, every_s: float, down_s: float) -> list[float]:
@@ -119,6 +225,13 @@ def p50_max(values: Sequence[float], digits: int = 3) -> dict[str, float | None]
         "max": round(max(values), digits) if values else None,
         "n": len(values),
     }
+
+
+def p50_p99_max(values: Sequence[float], digits: int = 3) -> dict[str, float | None]:
+    """p50, p99 and max (None without values) and how many values."""
+    out = p50_max(values, digits)
+    p99 = percentile(values, 99)
+    return {"p50": out["p50"], "p99": None if p99 is None else round(p99, digits), "max": out["max"], "n": out["n"]}
 
 
 @dataclass(frozen=True)
@@ -217,6 +330,39 @@ def kill_outcomes(
             surv[m] = times
         w_end = min(end, k.t + window_s, kills[i + 1].t if i + 1 < len(kills) else math.inf)
         out.append(KillOutcome(recovery_s(k.t, surv), longest_gap_s(k.t, w_end, surv)))
+    return out
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A freeze or a partition that ended: recovery counts from its ``end``."""
+
+    kind: str  # "stop" or "partition"
+    start: float  # wall time of the SIGSTOP / the cut
+    end: float  # wall time of the SIGCONT / the heal
+    members: tuple[str, ...]  # the frozen member, or the group cut off
+    others: tuple[str, ...]  # the members training at its end, under no fault, its own members aside
+    oneway: bool = False  # a partition in one direction only
+
+
+def fault_recoveries(
+    faults: Sequence[Fault], steps: Mapping[str, Sequence[float]], kills: Sequence[Kill]
+) -> list[float | None]:
+    """Per fault: from its end until its own members and every other member training then completed a
+    step (the frozen member steps again, the cut-off sides train together again); None if one never did.
+
+    A member killed after the fault's end before it completed a step counts for neither (it could not).
+    """
+    out = []
+    for f in faults:
+        surv: dict[str, list[float]] = {}
+        for m in (*f.members, *f.others):
+            died = min((k.t for k in kills if k.victim == m and k.t > f.end), default=math.inf)
+            times = sorted(t for t in steps.get(m, ()) if t <= died)
+            if died < math.inf and not any(t > f.end for t in times):
+                continue
+            surv[m] = times
+        out.append(recovery_s(f.end, surv))
     return out
 
 
