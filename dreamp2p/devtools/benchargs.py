@@ -63,6 +63,12 @@ def _rtt(p: Parser, default: str, what: str = "") -> None:
     p.add_argument("--rtt", type=duration, default=default, help=f"emulated round-trip time per hop{what} ({default})")
 
 
+def _loss_jitter(p: Parser, where: str) -> None:
+    """--loss and --jitter of a bench whose links can go through the packet emulator (``where``: when they do)."""
+    p.add_argument("--jitter", type=duration, default="0ms", help=f"{where}: sd of a packet's one-way delay (0ms)")
+    p.add_argument("--loss", type=loss_fraction, default=0.0, help=f"{where}: packet loss per direction, e.g. 0.1%%")
+
+
 def _mbytes(p: Parser, default: float) -> None:
     p.add_argument("--mbytes", type=positive_float, default=default, help=f"buffer size in MB ({default:g})")
 
@@ -189,7 +195,8 @@ def _lm(p: Parser) -> None:
     _strategies(p, "which to run (all); variants too, e.g. dreamddp:error_feedback=true")
     p.add_argument("--regions", type=int_at_least(1), default=2, help="regions, one process each (2)")
     _rate(p, "20mbit")
-    _rtt(p, "0ms")
+    _rtt(p, "0ms", "; as root through the packet emulator, else the transport's in-process delay")
+    _loss_jitter(p, "as root, through the packet emulator; refused without root")
     _training(p, steps=200, period=20, width=256, depth=4)
     _max_delay(p)
     _device(p, "the regions")

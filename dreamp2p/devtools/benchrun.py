@@ -91,6 +91,8 @@ def _bench_lm(args: argparse.Namespace) -> dict[str, Any]:
         regions=args.regions,
         rate=args.rate,
         rtt_ms=parse_duration(args.rtt) * 1e3,
+        loss=args.loss,
+        jitter_ms=parse_duration(args.jitter) * 1e3,
         steps=args.steps,
         period=args.period,
         width=args.width,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -85,3 +86,24 @@ def test_bench_lm_rounds_combine_and_pair() -> None:
 def test_bench_lm_refuses_zero_rounds() -> None:
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         bench_lm(strategies=("none",), netns=False, rounds=0, **TINY)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(os.geteuid() != 0, reason="the packet emulator joins network namespaces: root")
+def test_bench_lm_through_the_packet_emulator() -> None:
+    """As root with a round trip and a loss, the regions train across the packet emulator's paths."""
+    out = bench_lm(strategies=("dreamddp",), rtt_ms=40.0, loss=0.01, **TINY)  # type: ignore[arg-type]
+    assert json.loads(json.dumps(out)) == out
+    assert out["shaping"] == "wanemu"
+    assert (out["rtt_ms"], out["loss"]) == (40.0, 0.01)
+    row = out["strategies"]["dreamddp"]
+    assert math.isfinite(row["heldout_loss"]) and math.isfinite(row["heldout_loss_flushed"])
+    assert row["identical_after_flush"] is True
+    # the wire counters are the regions' TUN devices': what they handed the emulator
+    assert row["mb_sent"] > 0 and row["mb_sent_run"] >= row["mb_sent"]
+    assert row["attach_mb"] is not None and row["attach_mb"] > 0 and row["flush_mb"] is not None
+    for emu in (row["emulator"], out["emulator"]):
+        assert emu["packets"] > 0 and emu["delivered"] > 0 and emu["cpu_s"] >= 0
+    assert out["emulator"]["MB"] >= row["emulator"]["MB"]

@@ -26,7 +26,7 @@ OPTIONS: dict[str, set[str]] = {
     },
     "lm": {
         *("--strategies", "--regions", "--rate", "--rtt", "--steps", "--period", "--width", "--depth"),
-        *("--max-delay", "--device", "--bracket", "--rounds"),
+        *("--max-delay", "--device", "--bracket", "--rounds", "--loss", "--jitter"),
     },
     "plancheck": {"--steps", "--period", "--sizes", "--rates", "--rtts", "--region-counts", "--target-cu", "--out"}
     | {"--reports"},
@@ -119,6 +119,9 @@ def test_one_name_for_the_link_rate() -> None:
         (["bench", "digits"], {"peers": 3, "max_delay": None, "strategies": None}),
         (["bench", "strategies", "--codec", "INT8"], {"codec": "int8"}),
         (["bench", "lm", "--json", "-v"], {"json": True, "verbose": 1, "what": "lm"}),
+        (["bench", "lm"], {"loss": 0.0, "jitter": "0ms"}),
+        (["bench", "lm", "--rtt", "80ms", "--loss", "0.1%"], {"rtt": "80ms", "loss": pytest.approx(0.001)}),
+        (["bench", "lm", "--loss", "0.02", "--jitter", "5ms"], {"loss": 0.02, "jitter": "5ms"}),
         (["-vv", "bench", "lm"], {"verbose": 2}),
     ],
 )
@@ -138,6 +141,14 @@ def test_each_bench_has_its_own_defaults(argv: list[str], expected: dict[str, ob
         (["bench", "regions", "--strategies", "ssgd", "dreamddp"], "regions runs one strategy"),
         (["bench", "allreduce", "--peers", "1"], "argument --peers: must be >= 2"),
         (["bench", "nope"], "argument BENCH: invalid choice: 'nope'"),
+        (["bench", "lm", "--loss", "abc"], "argument --loss: cannot parse loss 'abc'"),
+        (["bench", "lm", "--loss", "100%"], "argument --loss: loss must be a fraction in [0, 1)"),
+        (["bench", "lm", "--loss=-0.1%"], "argument --loss: loss must be a fraction in [0, 1)"),
+        (["bench", "lm", "--loss", "1.5"], "argument --loss: loss must be a fraction in [0, 1)"),
+        (["bench", "lm", "--jitter", "fast"], "argument --jitter:"),
+        (["bench", "lm", "--loss", "nan"], "argument --loss: loss must be a fraction in [0, 1)"),
+        (["bench", "chaos", "--loss", "1%"], "argument --loss: not an option of bench chaos; bench transport, lm"),
+        (["bench", "regions", "--loss", "1%"], "argument --loss: not an option of bench regions"),
     ],
 )
 def test_checks_across_options(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -166,6 +177,7 @@ dreamp2p bench lm --json --steps 200
 dreamp2p bench lm --strategies dreamddp:error_feedback=true dreamddp:delta_codec=topk,error_feedback=true
 dreamp2p bench lm --json --rate 100mbit --regions 2 --steps 200 --bracket --rounds 4 --strategies streaming dreamddp
 dreamp2p bench lm --json --rate 20mbit --regions 3 --steps 200 --bracket --strategies none dreamddp streaming
+dreamp2p bench lm --json --rtt 80ms --loss 0.1% --strategies dreamddp
 dreamp2p bench plancheck --json --steps 100 --period 20 --sizes small --rates 20mbit 100mbit 10mbit --rtts 0ms 80ms
 dreamp2p bench plancheck --json --sizes small large --region-counts 2 3 --out grid.jsonl
 dreamp2p bench plancheck --reports grid.jsonl out.json

@@ -14,12 +14,18 @@ calls ``sync.flush()``, as a user ends a run: ``heldout_loss_flushed`` is the lo
 (``identical_after_flush``: every region's state digest equal), ``flush_s`` the slowest region's flush,
 and with tbf ``attach_mb`` / ``flush_mb`` what one region put on the wire during attach and flush.
 
-Regions and links. As root (and unless ``netns=False``) every region runs in its own network namespace
-and each direction of its link is shaped by ``tc tbf`` to ``rate``: two regions are joined by one veth
-pair (deploy/netns-wan.sh), three or more each by a veth to a bridge in a namespace of their own (a star:
-every region has an access link of ``rate`` each way). Otherwise the transport's in-process token bucket
-(``transport.rate_limit``) emulates the rate. ``rtt_ms`` is always the transport's in-process one-way
-delay ``transport.delay_s = rtt / 2`` (this kernel has no netem).
+Regions and links (``shaping`` in the report). As root (and unless ``netns=False``) every region runs in
+its own network namespace. With a round trip, jitter or loss (``rtt_ms``, ``jitter_ms``, ``loss``) and two
+regions or more, the packet emulator joins them ("wanemu", `dreamp2p.devtools.wanemu`): every directed
+pair of regions is a path of its own at ``rate`` with one-way delay rtt/2, the jitter and the loss, so TCP
+itself sees the path (no in-process delay); the report adds the emulator's counters and CPU
+(``emulator``, per strategy and for the whole run). Without any of them each direction of a region's link
+is shaped by ``tc tbf`` to ``rate`` ("tbf"): two regions are joined by one veth pair
+(deploy/netns-wan.sh), three or more each by a veth to a bridge in a namespace of their own (a star: every
+region has an access link of ``rate`` each way). Not root (or ``netns=False``): the transport's in-process
+token bucket (``transport.rate_limit``) emulates the rate and its delay line (``transport.delay_s = rtt /
+2``) the round trip ("in-process"); it cannot lose or jitter packets, so ``loss`` and ``jitter_ms`` are
+refused there.
 
 The ceiling: ``regions`` plain processes started together (same model, data, AdamW loop; no dreamp2p,
 no network) give the steps/s the hardware allows; ``compute_utilization`` = steps_per_s / that. On a shared
@@ -39,9 +45,10 @@ Measured per strategy (per region, then combined over regions):
 - ``mb_sent``: MB (1e6 bytes) one region sent during the training loop, mean over regions. With tbf it is
   what the region's tbf put on the wire (its qdisc's byte counter, every segment's headers included, read
   inside its namespace at loop start and end: every frame, heartbeats and link probes included); in process
-  it is the strategy's ``totals.bytes_sent`` (round payload). With tbf, ``mb_sent_run`` adds the whole run
-  as the parent saw the same counters before and after it: connect, attach's broadcast of rank 0's model,
-  final landing;
+  it is the strategy's ``totals.bytes_sent`` (round payload). With the packet emulator the counter is the
+  region's TUN device's (the IP bytes it handed the emulator, before drops and losses). In namespaces,
+  ``mb_sent_run`` adds the whole run as the parent saw the same counters before and after it: connect,
+  attach's broadcast of rank 0's model, final landing;
 - ``comm_cpu_s``: CPU time of everything but the training thread during the loop (comm thread, gRPC's
   threads): ``time.process_time()`` minus the training thread's ``time.thread_time()``, plus the comm
   process's CPU time with ``comm=process`` (a variant key routed to ``[node] comm``); and
@@ -83,6 +90,7 @@ from dreamp2p.devtools.bench.lmwork import JOB, VOCAB, count_params, eval_every,
 from dreamp2p.devtools.bench.rounds import AVERAGED, combine_rows, mean_curve, paired, round_order
 from dreamp2p.devtools.launch import run_local
 from dreamp2p.devtools.netns import Namespaces
+from dreamp2p.devtools.wanemu import summary as emulator_summary
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +247,10 @@ def _run_strategy(
         "extra_sync": {**extra, **own},
         "workload": workload,
         "wire_devs": [dev for _, dev in ns_ctx.devs] if ns_ctx is not None else [None] * regions,
+        "wire_counter": "dev" if ns_ctx is not None and ns_ctx.emulator is not None else "tbf",
     }
     before = ns_ctx.tx_bytes() if ns_ctx is not None else None
+    emu_before = ns_ctx.emulator_stats() if ns_ctx is not None and ns_ctx.emulator is not None else None
     t0 = time.perf_counter()
     res = run_local(
         regions,
@@ -256,6 +266,8 @@ def _run_strategy(
     if ns_ctx is not None and before is not None:
         wire_run = [a - b for a, b in zip(ns_ctx.tx_bytes(), before, strict=True)]
     row = _summarize(res, workload["steps"], wire_run)
+    if ns_ctx is not None and emu_before is not None:
+        row["emulator"] = emulator_summary(stats_delta(ns_ctx.emulator_stats(), emu_before))
     row["compute_utilization"] = _r(row["steps_per_s"] / ceiling_sps, 3)
     row["run_s"] = _r(total, 1)
     log.info(
@@ -305,17 +317,54 @@ def _run_ceiling(regions: int, workload: dict[str, Any]) -> tuple[list[dict[str,
     return ceiling_res, ceiling_curve, ceiling_sps
 
 
-def _shaping(rate: str, netns: bool | None, rtt_ms: float) -> tuple[float, bool, dict[str, Any]]:
-    """The link rate in bytes/s, whether the regions run in tbf-shaped namespaces, the [transport] table."""
+def stats_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """The packet emulator's counters (`WanEmulator.stats`) between two readings, in the same form."""
+    earlier = {(p["src"], p["dst"]): p for p in before["paths"]}
+    paths = []
+    for p in after["paths"]:
+        b = earlier.get((p["src"], p["dst"]), {})
+        paths.append({**p, **{k: v - b.get(k, 0) for k, v in p.items() if k not in ("src", "dst")}})
+    scalars = ("cpu_s", "user_s", "sys_s", "wakeups")
+    return {**after, "paths": paths, **{k: after[k] - before[k] for k in scalars}}
+
+
+def _shaping(
+    rate: str, netns: bool | None, rtt_ms: float, loss: float = 0.0, jitter_ms: float = 0.0, regions: int = 2
+) -> tuple[float, str, dict[str, Any]]:
+    """The link rate in bytes/s, how the links are emulated ("wanemu", "tbf" or "in-process": see the module
+    docstring), and the [transport] table of the regions."""
     rate_Bps = parse_rate(rate)
+    if not 0.0 <= loss < 1.0:
+        raise ValueError(f"loss must be a fraction in [0, 1), got {loss}")
+    if jitter_ms < 0:
+        raise ValueError(f"jitter_ms must be >= 0, got {jitter_ms}")
     root = os.geteuid() == 0
     if netns and not root:
         raise ValueError("netns=True needs root (network namespaces, tc)")
     use_netns = root if netns is None else netns
+    if not use_netns and (loss or jitter_ms):
+        why = "netns=False" if root else "not root"
+        raise ValueError(
+            f"loss and jitter need the packet emulator (network namespaces, root); {why}: the links are "
+            "emulated in process, which delays and paces but cannot lose or jitter packets"
+        )
+    if use_netns and regions >= 2 and (rtt_ms or loss or jitter_ms):
+        return rate_Bps, "wanemu", {}  # the path delays the packets: no in-process delay
     transport: dict[str, Any] = {"delay_s": rtt_ms / 2000.0}
     if not use_netns:
         transport["rate_limit"] = rate_Bps
-    return rate_Bps, use_netns, transport
+    return rate_Bps, "tbf" if use_netns else "in-process", transport
+
+
+def _namespaces(
+    shaping: str, regions: int, rate: str, rtt_ms: float, loss: float, jitter_ms: float
+) -> Namespaces | None:
+    """The regions' namespaces for ``shaping`` (not entered yet), or None in process."""
+    if shaping == "in-process":
+        return None
+    if shaping == "tbf":
+        return Namespaces(regions, rate)
+    return Namespaces(regions, rate, rtt=rtt_ms / 1e3, jitter=jitter_ms / 1e3, loss=loss)
 
 
 def _run_strategies(
@@ -325,25 +374,25 @@ def _run_strategies(
     extra: dict[str, Any],
     workload: dict[str, Any],
     regions: int,
-    netns_rate: str | None,
+    net: Namespaces | None,
     transport: dict[str, Any],
     timeout: float,
     ceiling_sps: float,
     bracket: bool,
     rounds: int = 1,
-) -> tuple[dict[str, dict[str, Any]], dict[str, list[list[float]]], list[float]]:
-    """Every strategy in turn (in namespaces shaped to ``netns_rate`` when given): rows and loss curves.
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[list[float]]], list[float], dict[str, Any] | None]:
+    """Every strategy in turn (in the namespaces ``net`` when given, entered here): rows and loss curves.
 
     ``ceiling_sps``: the ceiling measured before the first strategy; with ``bracket`` the ceiling runs again
     after each strategy and the strategy's utilization is against its two neighbours. With ``rounds`` > 1
     every strategy runs once per round, the order rotated each round (`rounds.round_order`), and its row
     and curve combine its rounds (`rounds.combine_rows`, `rounds.mean_curve`). Also returns every ceiling
-    measured, in order.
+    measured, in order, and the packet emulator's totals for the whole run (None without it).
     """
     ceilings = [ceiling_sps]
     runs: dict[str, list[tuple[dict[str, Any], list[list[float]]]]] = {name: [] for name in names}
     with contextlib.ExitStack() as stack:
-        ns_ctx = stack.enter_context(Namespaces(regions, netns_rate)) if netns_rate is not None else None
+        ns_ctx = stack.enter_context(net) if net is not None else None
         for k in range(rounds):
             for name in round_order(names, k):
                 row, curve = _run_strategy(
@@ -358,7 +407,8 @@ def _run_strategies(
     curves: dict[str, list[list[float]]] = {}
     for name, done in runs.items():
         rows[name], curves[name] = done[0] if rounds == 1 else _combined(done)
-    return rows, curves, ceilings
+    emulator = emulator_summary(net.emulator_stats()) if net is not None and net.emulator is not None else None
+    return rows, curves, ceilings, emulator
 
 
 def _combined(done: list[tuple[dict[str, Any], list[list[float]]]]) -> tuple[dict[str, Any], list[list[float]]]:
@@ -419,6 +469,8 @@ def bench_lm(
     regions: int = 2,
     rate: str = "20mbit",
     rtt_ms: float = 0.0,
+    loss: float = 0.0,
+    jitter_ms: float = 0.0,
     steps: int = 200,
     period: int = 20,
     width: int = 256,
@@ -437,12 +489,13 @@ def bench_lm(
 ) -> dict[str, Any]:
     """Run the ceiling, then every strategy, on ``regions`` region processes; a JSON-serialisable report.
 
-    ``netns``: None = namespaces with tbf when root, else in-process shaping; True = namespaces (needs root);
-    False = in-process shaping. ``extra_sync``: SyncConfig overrides for every strategy (not ``strategy`` or
-    ``period``). ``bracket``: the ceiling again after every strategy (see the module docstring). ``rounds``:
-    every strategy that many times, the order rotated each round; rows are means over the rounds and
-    ``paired`` compares the winner with each other syncing strategy round by round. Invalid settings raise
-    ValueError before anything starts.
+    ``netns``: None = namespaces when root (the packet emulator with ``rtt_ms``, ``loss`` or ``jitter_ms``,
+    else tbf), else in-process shaping; True = namespaces (needs root); False = in-process shaping, which
+    refuses ``loss`` and ``jitter_ms``. ``loss``: the fraction of packets lost per direction.
+    ``extra_sync``: SyncConfig overrides for every strategy (not ``strategy`` or ``period``). ``bracket``:
+    the ceiling again after every strategy (see the module docstring). ``rounds``: every strategy that many
+    times, the order rotated each round; rows are means over the rounds and ``paired`` compares the winner
+    with each other syncing strategy round by round. Invalid settings raise ValueError before anything starts.
     """
     names = list(strategies) if strategies is not None else list(STRATEGIES)
     variants = {name: parse_variant(name) for name in names}
@@ -461,15 +514,15 @@ def bench_lm(
     _check_lm(names, variants, extra, period, regions, workload, rtt_ms)
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    rate_Bps, use_netns, transport = _shaping(rate, netns, rtt_ms)
+    rate_Bps, shaping, transport = _shaping(rate, netns, rtt_ms, loss, jitter_ms, regions)
     params = count_params(width, layers, heads, context)
     # the slowest strategy (ssgd) moves about twice the model per step over the link
     timeout = 600.0 + steps * (2.0 * 4 * params / rate_Bps + 2.0 * rtt_ms / 1000.0 + 5.0)
     t_start = time.perf_counter()
     ceiling_res, ceiling_curve, ceiling_sps = _run_ceiling(regions, workload)
-    netns_rate = rate if use_netns else None
-    rows, curves, ceilings = _run_strategies(
-        names, variants, period, extra, workload, regions, netns_rate, transport, timeout, ceiling_sps, bracket, rounds
+    net = _namespaces(shaping, regions, rate, rtt_ms, loss, jitter_ms)
+    rows, curves, ceilings, emulator = _run_strategies(
+        names, variants, period, extra, workload, regions, net, transport, timeout, ceiling_sps, bracket, rounds
     )
     target, target_from = _target(target_loss, curves, ceiling_curve)
     for name, curve in curves.items():
@@ -483,10 +536,13 @@ def bench_lm(
         "regions": regions,
         "rate": rate,
         "rtt_ms": float(rtt_ms),
+        "loss": float(loss),
+        "jitter_ms": float(jitter_ms),
         "steps": steps,
         "period": period,
         "params": params,
-        "shaping": "tbf" if use_netns else "in-process",
+        "shaping": shaping,
+        "emulator": emulator,
         "model": {"width": width, "layers": layers, "heads": heads, "context": context, "vocab": VOCAB},
         "batch": batch,
         "lr": lr,

@@ -6,12 +6,14 @@ ceiling); the bench itself (`bench.lm`) starts the regions and writes the report
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import multiprocessing as mp
 import multiprocessing.connection
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -134,14 +136,19 @@ class _Workload:
         self.model = make_model(a["width"], a["layers"], a["heads"], a["context"], a["device"])
         self.opt = make_optimizer(self.model, a["lr"])
 
-    def loop(self, step: Callable[[], Any], zero_grad: Callable[[], Any], wire_dev: str | None) -> dict[str, Any]:
-        """The timed training loop; parameter copies every ``eval_every`` steps (clock paused meanwhile)."""
+    def loop(
+        self, step: Callable[[], Any], zero_grad: Callable[[], Any], wire: Callable[[], int] | None
+    ) -> dict[str, Any]:
+        """The timed training loop; parameter copies every ``eval_every`` steps (clock paused meanwhile).
+
+        ``wire``: the region's link counter (bytes it has put on the wire so far), read at loop start and end.
+        """
         a, model = self.a, self.model
         steps, device, every = a["steps"], a["device"], eval_every(a["steps"])
         snaps: list[tuple[int, float, list[torch.Tensor]]] = []
         losses: list[float] = []
         clock = copies = 0.0
-        wire0 = wire_bytes(wire_dev) if wire_dev else 0
+        wire0 = wire() if wire else 0
         cpu0, thread0 = time.process_time(), time.thread_time()
         t = time.perf_counter()
         for k in range(steps):
@@ -163,14 +170,14 @@ class _Workload:
         thread = time.thread_time() - thread0
         comm_cpu = (time.process_time() - cpu0) - thread
         train_cpu = thread - copies
-        wire = wire_bytes(wire_dev) - wire0 if wire_dev else None
+        sent = wire() - wire0 if wire else None
         snaps.append((steps, clock, [p.detach().clone() for p in model.parameters()]))
         tail = losses[-10:]
         return {
             "wall_s": clock,
             "comm_cpu_s": max(0.0, comm_cpu),
             "train_cpu_s": train_cpu,
-            "wire_bytes": wire,
+            "wire_bytes": sent,
             "train_loss_last10": sum(tail) / len(tail) if tail else None,
             "snaps": snaps,
         }
@@ -198,16 +205,22 @@ def lm_job(
     extra_sync: dict[str, Any],
     workload: dict[str, Any],
     wire_devs: list[str | None],
+    wire_counter: str = "tbf",
 ) -> dict[str, Any]:
-    """One region (a peer process started by `dreamp2p.devtools.launch.run_local`)."""
+    """One region (a peer process started by `dreamp2p.devtools.launch.run_local`).
+
+    ``wire_devs[rank]``: the region's end of its link in its namespace (None: no wire counter), read by
+    ``wire_counter`` (see :func:`link_tx_bytes`).
+    """
     w = _Workload(rank, world, workload)
     dev = wire_devs[rank]
-    wire0 = wire_bytes(dev) if dev else 0
+    wire = functools.partial(link_tx_bytes, dev, wire_counter) if dev else None
+    wire0 = wire() if wire else 0
     sync = node.attach(w.model, w.opt, strategy=strategy, period=period, **extra_sync)
-    attach_wire = wire_bytes(dev) - wire0 if dev else None
+    attach_wire = wire() - wire0 if wire else None
     child_cpu = node.comm.cpu_seconds if isinstance(node.comm, CommProcess) else lambda: 0.0
     cpu0 = child_cpu()
-    out = w.loop(sync.step, sync.zero_grad, wire_devs[rank])
+    out = w.loop(sync.step, sync.zero_grad, wire)
     out["comm_cpu_s"] += child_cpu() - cpu0  # the comm process's CPU, with [node] comm = "process"
     out["comm"] = node.config.comm
     tot = sync.totals
@@ -230,17 +243,37 @@ def lm_job(
         out["plan_report"] = {**sync.plan_report(), "codec": sync.sync_codec, "anchor_codec": sync.plan_codec}
     sync.close()
     # the replicas as a user ends a run: one flush, then the model every region holds alike
-    wire0 = wire_bytes(dev) if dev else 0
+    wire0 = wire() if wire else 0
     t0 = time.perf_counter()
     sync.flush()
     out.update(
         attach_wire_bytes=attach_wire,
-        flush_wire_bytes=wire_bytes(dev) - wire0 if dev else None,
+        flush_wire_bytes=wire() - wire0 if wire else None,
         flush_s=time.perf_counter() - t0,
         flushed_digest=state_digest(w.model),
         heldout_loss_flushed=heldout_loss(w.model, w.evals),
     )
     return w.evaluate(out)
+
+
+def link_tx_bytes(dev: str, counter: str) -> int:
+    """Bytes the region's link end ``dev`` (in this process's namespace) has put on the wire so far.
+
+    ``counter``: "tbf", its tbf root qdisc's counter (`netns.wire_bytes`: every segment's headers counted);
+    "dev", the device's own transmit counter: on the packet emulator's TUN device, the IP bytes the region
+    handed the emulator (equal to the emulator's ``in_bytes`` from this region, before its drops and losses).
+    """
+    if counter == "tbf":
+        return wire_bytes(dev)
+    if counter == "dev":
+        # /proc/net/dev is this process's namespace's (the region entered its namespace with setns, so /sys
+        # still shows the parent's): "name: 8 receive counters, then transmit bytes ..."
+        for line in Path("/proc/net/dev").read_text().splitlines():
+            name, colon, fields = line.partition(":")
+            if colon and name.strip() == dev:
+                return int(fields.split()[8])
+        raise RuntimeError(f"no device {dev} in this process's network namespace")
+    raise ValueError(f"unknown wire counter {counter!r}: tbf or dev")
 
 
 def _mb(bps: float) -> float | None:
