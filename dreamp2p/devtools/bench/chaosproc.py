@@ -1,4 +1,5 @@
-"""`bench chaos`'s daemons as processes: start, SIGKILL, restart with ``--join``, sample RSS, follow their logs.
+"""`bench chaos`'s daemons as processes: start, SIGKILL, SIGSTOP/SIGCONT, restart with ``--join``, sample RSS,
+follow their logs.
 
 Every daemon is a real `dreamp2p node` process (``python -P -m dreamp2p.cli node``), started through
 :func:`dreamp2p.devtools.localrun.start_node`, inside a network namespace when the run has them. Records
@@ -7,6 +8,7 @@ are read incrementally from each member's ``metrics.jsonl`` (only whole lines: a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -103,6 +105,29 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (/proc's children lists, all its threads'), nearest first; [] once gone."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop(0)
+        try:
+            tids = os.listdir(f"/proc/{parent}/task")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as fh:
+                    kids = [int(x) for x in fh.read().split()]
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+            for kid in kids:
+                if kid not in out:
+                    out.append(kid)
+                    todo.append(kid)
+    return out
+
+
 class Cluster:
     """The run's daemons: one process per member at a time, the ones we killed, and RSS per process."""
 
@@ -124,6 +149,7 @@ class Cluster:
         self.killed: set[int] = set()  # pids this bench killed
         self.rss: dict[int, Sample] = {}  # per process
         self.lives: dict[str, list[int]] = {m: [] for m in configs}  # pids of each member, in order
+        self.frozen: dict[str, list[int]] = {}  # members SIGSTOPped now -> the pids stopped
 
     def start(self, member: str, join: bool = False) -> None:
         self.started_at[member] = time.time()
@@ -148,6 +174,33 @@ class Cluster:
         p.wait(30)
         log.info("killed %s (pid %d)", member, p.pid)
         return t
+
+    def freeze(self, member: str) -> float:
+        """SIGSTOP the member's daemon and any process it started; the wall time of the stop."""
+        p = self.procs[member]
+        t = time.time()
+        os.kill(p.pid, signal.SIGSTOP)
+        kids = descendants(p.pid)
+        for kid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kid, signal.SIGSTOP)
+        self.frozen[member] = [p.pid, *kids]
+        log.info("froze %s (pid %d%s)", member, p.pid, f" and {len(kids)} below it" if kids else "")
+        return t
+
+    def thaw(self, member: str) -> float:
+        """SIGCONT what :meth:`freeze` stopped (children first); the wall time of the SIGCONT."""
+        pids = self.frozen.pop(member, [])
+        t = time.time()
+        for pid in reversed(pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        log.info("thawed %s", member)
+        return t
+
+    def thaw_all(self) -> None:
+        for member in list(self.frozen):
+            self.thaw(member)
 
     def alive(self, member: str) -> bool:
         p = self.procs.get(member)
@@ -189,4 +242,5 @@ class Cluster:
                     self.rss[self.procs[m].pid].samples.append((now, rss))
 
     def stop_all(self) -> None:
+        self.thaw_all()  # a stopped daemon would sit on its SIGTERM until the grace ran out
         stop_nodes(self.procs, grace_s=5.0)
