@@ -78,7 +78,8 @@ class Namespaces:
     With ``rtt``, ``jitter`` or ``loss`` (e.g. ``rtt="100ms", loss="0.1%"``), or a whole ``wan`` path, every
     region gets a TUN device instead and the packet emulator forwards between them: each directed pair of
     regions is a path of its own at ``rate`` (see `dreamp2p.devtools.wanmodel`). `split`, `join` and
-    `set_rate` are the tbf layout's only; `tx_bytes` then counts the IP bytes each region handed the emulator.
+    `set_rate` are the tbf layout's only (`block` and `unblock` work in every layout); `tx_bytes` then
+    counts the IP bytes each region handed the emulator.
     """
 
     def __init__(
@@ -205,6 +206,42 @@ class Namespaces:
         _ip("-n", hub, "link", "set", other, "up")
         for i in apart:
             _ip("-n", hub, "link", "set", f"{self.prefix}-p{i}", "master", other)
+
+    def block(self, src: list[int], dst: list[int]) -> None:
+        """One direction of a partition: what regions ``src`` send to regions ``dst`` is dropped on arrival,
+        silently, while ``dst``'s packets still reach ``src``. :meth:`unblock` heals it.
+
+        A blackhole policy rule in each ``dst`` region's namespace for packets from a ``src`` address
+        arriving on its link, ranked before the local table (moved from rank 0 to 1000 there once): no tc
+        action or netfilter module is needed, and the links' shaping stays as it is.
+        """
+        for j in dst:
+            ns = self.hosts[j][0]
+            assert ns is not None
+            if "lookup local" in _ip("-n", ns, "rule", "show", "pref", "0"):
+                _ip("-n", ns, "rule", "add", "pref", "1000", "lookup", "local")
+                _ip("-n", ns, "rule", "del", "pref", "0")
+            for i in src:
+                _ip("-n", ns, "rule", "add", *self._drop(i, j))
+
+    def unblock(self, src: list[int], dst: list[int]) -> None:
+        """Heal :meth:`block` of the same regions."""
+        for j in dst:
+            for i in src:
+                _ip("-n", str(self.hosts[j][0]), "rule", "del", *self._drop(i, j))
+
+    def _drop(self, i: int, j: int) -> list[str]:
+        return ["pref", "10", "from", f"{self.hosts[i][1]}/32", "iif", self.devs[j][1], "blackhole"]
+
+    def hub_link(self, i: int) -> tuple[str, str]:
+        """(namespace, device) of region ``i``'s port on the hub (star layout): down, the region is cut off."""
+        self._star_only("hub_link")
+        return f"{self.prefix}-x", f"{self.prefix}-p{i}"
+
+    def _star_only(self, what: str) -> None:
+        self._tbf_only(what)
+        if self.n == 2:
+            raise ValueError(f"{what}() needs the star layout (3 regions or more)")
 
     def set_rate(self, ranks: list[int], rate: str) -> None:
         """Reshape the links of regions ``ranks`` (both directions, star layout) to ``rate`` (e.g. "4mbit")."""
