@@ -1,9 +1,16 @@
 """`dreamp2p demo`: a multi-region run on one machine, from nothing to a report folder.
 
-Starts N real node daemons (`dreamp2p node`, one process each) on 127.0.0.1 whose links are paced to a
-WAN rate with a per-hop delay, trains the embedded byte-level transformer with DreamDDP for a few
-minutes, shows live progress, stops every node cleanly after the same step, and writes plots
-(loss vs time, link bandwidth, the layer schedule's Gantt chart) and a summary into the run folder.
+Starts N real node daemons (`dreamp2p node`, one process each) joined by emulated WAN links, trains the
+embedded byte-level transformer with DreamDDP for a few minutes, shows live progress, stops every node
+cleanly after the same step, and writes plots (loss vs time, link bandwidth, the layer schedule's Gantt
+chart) and a summary into the run folder.
+
+The links, said in one line at the start. As root (two nodes or more), each daemon runs in a network
+namespace of its own and the packet emulator (`dreamp2p.devtools.wanemu`) joins them: every directed pair
+of nodes is a path at the rate with one-way delay rtt/2, so TCP itself sees the round trip and the
+bottleneck queue; its counters and CPU are printed at the end. Otherwise, or when the emulator cannot start
+(no gcc, no /dev/net/tun), the daemons run on 127.0.0.1 and the transport paces each link and delays it in
+process (``transport.rate_limit``, ``transport.delay_s``).
 
 A daemon that exits early (a config it rejects, a port taken, a crash) is noticed within a fraction of a
 second, during start-up as well as during training: the demo then stops the others and prints which node
@@ -12,6 +19,9 @@ exited with which code and the end of its log.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +38,7 @@ from dreamp2p.devtools.localrun import (
     wait_started,
     write_configs,
 )
+from dreamp2p.devtools.netns import Namespaces
 from dreamp2p.service.metrics import RecordKind
 
 POLL_S = 0.25  # how often the daemons are checked for an early exit
@@ -55,6 +66,35 @@ def _progress_line(run_dir: Path, names: list[str]) -> list[str]:
             f"link {mbit:7.1f} Mbit/s  hidden {hid:5.2f}  plan v{steps[-1]['plan_version']}"
         )
     return rows
+
+
+def _emulated_links(stack: contextlib.ExitStack, nodes: int, link: str, rtt: str) -> tuple[Namespaces | None, str]:
+    """The packet emulator's namespaces (entered on ``stack``) when this process can make them, else None;
+    and the line saying which emulation runs."""
+    path = f"{parse_rate(link) * 8 / 1e6:g} Mbit/s, {parse_duration(rtt) * 1e3:g} ms RTT"
+    in_process = f"links: in-process delay and rate limit, {path}"
+    if os.geteuid() != 0:
+        return None, f"{in_process} (not root)"
+    if nodes < 2:
+        return None, f"{in_process} (one node: no links)"
+    if shutil.which("ip") is None:
+        return None, f"{in_process} (no ip command: iproute2)"
+    try:
+        ns = stack.enter_context(Namespaces(nodes, link, rtt=rtt))
+    except (OSError, RuntimeError, ValueError) as exc:  # no gcc, no /dev/net/tun, ip failing: say why
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return None, f"{in_process} (the packet emulator did not start: {reason})"
+    return ns, f"links: packet emulator, {path} (a network namespace per node, a path per pair)"
+
+
+def _emulator_line(ns: Namespaces) -> str:
+    from dreamp2p.devtools.wanemu import summary
+
+    s = summary(ns.emulator_stats())
+    return (
+        f"packet emulator: {s['MB']} MB in {s['packets']} packets, {s['queue_drops']} queue drops, "
+        f"{s['lost']} lost, {s['cpu_s']} s CPU ({s['cpu_ms_per_MB']} ms/MB)"
+    )
 
 
 def _report(run_dir: Path, names: list[str], t0: float) -> int:
@@ -103,16 +143,52 @@ def run_demo(
         "control_every": 20,
     }
     task: dict[str, Any] = {"steps": 1_000_000, "eval_every": 50}
-    configs = write_configs(
-        run_dir, nodes, rate_Bps=rate, delay_s=delay, sync=sync, task=task, checkpoint_every=500, device=device
-    )
+    with contextlib.ExitStack() as stack:
+        ns, links = _emulated_links(stack, nodes, link, rtt)
+        where = "in network namespaces" if ns is not None else "on 127.0.0.1"
+        print(
+            f"dreamp2p demo: {nodes} node daemons {where}, links {link} with {rtt} RTT per hop, "
+            f"{strategy} ({codec}), ~{minutes:g} min of training"
+        )
+        print(links)
+        if ns is None:
+            configs = write_configs(
+                run_dir, nodes, rate_Bps=rate, delay_s=delay, sync=sync, task=task, checkpoint_every=500, device=device
+            )
+        else:  # the emulator's paths pace and delay: nothing in process
+            configs = write_configs(
+                run_dir,
+                nodes,
+                rate_Bps=None,
+                delay_s=0.0,
+                sync=sync,
+                task=task,
+                checkpoint_every=500,
+                device=device,
+                hosts=[addr for _, addr in ns.hosts],
+            )
+        code = _run(
+            run_dir, names, configs, [h for h, _ in ns.hosts] if ns else [None] * nodes, minutes, startup_timeout_s
+        )
+        if ns is not None:
+            print(_emulator_line(ns))
+    return code
+
+
+def _run(
+    run_dir: Path,
+    names: list[str],
+    configs: list[Path],
+    netns: list[str | None],
+    minutes: float,
+    startup_timeout_s: float,
+) -> int:
+    """Start the daemons (each in its namespace, if any), train ``minutes``, stop them together, report."""
     stop_file = run_dir / "stop_at"
-    print(
-        f"dreamp2p demo: {nodes} node daemons on 127.0.0.1, links {link} with {rtt} RTT per hop, "
-        f"{strategy} ({codec}), ~{minutes:g} min of training"
-    )
     print(f"run folder: {run_dir}")
-    procs = {name: start_node(c, stop_at_file=stop_file) for name, c in zip(names, configs, strict=True)}
+    procs = {
+        name: start_node(c, stop_at_file=stop_file, netns=n) for name, c, n in zip(names, configs, netns, strict=True)
+    }
     t0 = time.monotonic()
 
     def progress() -> None:
