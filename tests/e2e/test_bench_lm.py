@@ -47,7 +47,7 @@ def test_bench_lm_tiny_report() -> None:
         assert row["curve"][-1][0] == 6 and row["curve"][-1][2] == row["heldout_loss"], name
         assert "time_to_target_s" in row, name
         # the run ends as a user's does: one flush, after which every region holds the same model
-        assert row["identical_after_flush"] is True, name
+        assert row["identical_after_flush"] is True and row["flush_errors"] == [], name
         assert math.isfinite(row["heldout_loss_flushed"]) and row["flush_s"] >= 0, name
         assert row["attach_mb"] is None and row["flush_mb"] is None, name  # wire counters need tbf
     dream = out["strategies"]["dreamddp"]

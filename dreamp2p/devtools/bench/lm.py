@@ -11,7 +11,8 @@ strategy=name, period=period, **extra_sync)`` then ``sync.step()`` / ``sync.zero
 The held-out loss is that of each region's own model after the last step, averaged over regions;
 ``identical_replicas`` (equal parameter digests then) is information only. After the timed loop each region
 calls ``sync.flush()``, as a user ends a run: ``heldout_loss_flushed`` is the loss of the flushed model
-(``identical_after_flush``: every region's state digest equal), ``flush_s`` the slowest region's flush,
+(``identical_after_flush``: every region's state digest equal; ``flush_errors``: each flush that raised,
+e.g. FlushIncomplete when a member dropped out of the view meanwhile), ``flush_s`` the slowest region's flush,
 and with tbf ``attach_mb`` / ``flush_mb`` what one region put on the wire during attach and flush.
 
 Regions and links (``shaping`` in the report). As root (and unless ``netns=False``) every region runs in
@@ -152,6 +153,7 @@ def _summarize(res: list[dict[str, Any]], steps: int, wire_run: list[int] | None
         row["heldout_loss_flushed"] = _r(_mean([r["heldout_loss_flushed"] for r in res]))
         row["identical_after_flush"] = len({r["flushed_digest"] for r in res}) == 1
         row["flush_s"] = _r(max(r["flush_s"] for r in res), 3)
+        row["flush_errors"] = [r["flush_error"] for r in res if r.get("flush_error")]
         for key in ("attach", "flush"):
             counted = [r[f"{key}_wire_bytes"] for r in res if r.get(f"{key}_wire_bytes") is not None]
             row[f"{key}_mb"] = _r(sum(counted) / 1e6 / len(counted), 3) if counted else None

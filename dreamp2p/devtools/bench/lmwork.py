@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from dreamp2p.devtools.launch import expect_message, reap, start_child
 from dreamp2p.devtools.netns import wire_bytes
+from dreamp2p.errors import FlushIncomplete, RoundFailed
 from dreamp2p.manifest import param_digest, state_digest
 from dreamp2p.node import Node
 from dreamp2p.service.tasks import ByteTransformer, stdlib_files
@@ -245,7 +246,11 @@ def lm_job(
     # the replicas as a user ends a run: one flush, then the model every region holds alike
     wire0 = wire() if wire else 0
     t0 = time.perf_counter()
-    sync.flush()
+    try:
+        sync.flush()
+        out["flush_error"] = None
+    except (FlushIncomplete, RoundFailed) as exc:  # reported, not fatal: the table shows which runs it hit
+        out["flush_error"] = f"{type(exc).__name__}: {exc}"
     out.update(
         attach_wire_bytes=attach_wire,
         flush_wire_bytes=wire() - wire0 if wire else None,
