@@ -2,7 +2,8 @@
 
 Busy links are measured passively from real transfers (see `transport.linkstats`); a link with no
 traffic for a whole interval gets a burst now and then, so a plan made for a link that went quiet or
-changed rate still has a current goodput. After each probe the link's estimate is checked against the
+changed rate still has a current goodput, and a link with no sample yet gets one even while busy
+(`wants_burst`). After each probe the link's estimate is checked against the
 kernel's TCP ceilings (`transport.kernelnet.KernelCheck`, a warning once per link). Runs on the peer's event loop.
 """
 
@@ -28,6 +29,18 @@ def _check(kernel: KernelCheck | None, link: Link) -> None:
         kernel.check(link.dest.node_id, link.stats, link.cfg.streams_per_link)
 
 
+def wants_burst(idle: bool, samples: int, tick: int) -> bool:
+    """Whether a probe tick sends a link a burst: an idle link every `BURST_EVERY` ticks, and any link that
+    has no goodput sample yet, busy or not.
+
+    A busy link is measured from its own transfers, but only while data backs up in our queue for it
+    (`transport.linkstats.BusyMeter`). Through a real path the kernel's socket buffers take a modest sync at
+    once, nothing backs up here, and a link that carries every sync would never be measured: its goodput
+    stays unknown and DreamDDP's planner, which waits for a measured link, never makes its first plan.
+    """
+    return samples == 0 or (idle and tick % BURST_EVERY == 0)
+
+
 async def probe_forever(
     links: Callable[[], Iterable[Link]], interval_s: float, burst_bytes: int, kernel: KernelCheck | None = None
 ) -> None:
@@ -40,7 +53,7 @@ async def probe_forever(
             idle = time.monotonic() - link.stats.last_activity >= interval_s
             try:
                 await link.probe_rtt()  # a tiny echo costs nothing even on a busy link
-                if idle and (link.stats.samples == 0 or tick % BURST_EVERY == 0):
+                if wants_burst(idle, link.stats.samples, tick):
                     await link.probe_bandwidth(burst_bytes)
                     link.stats.last_activity = time.monotonic()
             except PeerError as exc:
