@@ -34,7 +34,7 @@ from dreamp2p.sync.collective import Collective
 from dreamp2p.sync.groups import GROUP_FLUSH, GROUP_FLUSH_CHECK
 from dreamp2p.sync.layers import FlatGroup, Layer, discover_layers
 from dreamp2p.sync.optim import OptimizerFacade
-from dreamp2p.sync.replicas import bits_agree, digest_bits, tensors_digest
+from dreamp2p.sync.replicas import agreement_group, bits_agree
 
 log = logging.getLogger(__name__)
 
@@ -311,8 +311,7 @@ class Strategy(OptimizerFacade, abc.ABC):
 
     def _flush_check(self, tensors: list[torch.Tensor], round_id: int) -> tuple[bool, RoundResult | None]:
         """Whether every member holds ``tensors`` bit-identical already (a failed check says no)."""
-        group = FlatGroup([digest_bits(tensors_digest(tensors))])
-        group.snapshot()
+        group = agreement_group(tensors)
         res = self._wait(
             self.comm.allreduce_group(group, GROUP_FLUSH_CHECK, "fp32", round_id=round_id, guard_norm=False)
         )

@@ -41,7 +41,8 @@ from dreamp2p.sync.groups import (
     fragment_heal_group,
 )
 from dreamp2p.sync.layers import FlatGroup
-from dreamp2p.sync.outercheck import CheckRound, OuterCheck, outer_digest
+from dreamp2p.sync.outercheck import CheckRound, OuterCheck
+from dreamp2p.sync.replicas import tensors_digest
 
 
 def _outer_sgd(shadow: nn.Parameter, cfg: SyncConfig) -> torch.optim.Optimizer:
@@ -176,7 +177,7 @@ class DiLoCo(Strategy):
 
     def outer_digest(self) -> str:
         """64 bits naming the global copy and outer momentum: equal on members holding them bit-identical."""
-        return f"{outer_digest(self.outer_state()):016x}"
+        return f"{tensors_digest(self.outer_state()):016x}"
 
     def _extra_state(self) -> dict[str, Any]:
         return {"global": self._global.clone(), "outer": self._outer.state_dict(), "check": self._check.state()}
@@ -289,7 +290,7 @@ class StreamingDiLoCo(Strategy):
 
     def outer_digest(self) -> str:
         """64 bits naming every fragment's global copy and outer momentum."""
-        return f"{outer_digest(t for p in range(len(self._groups)) for t in self.outer_state(p)):016x}"
+        return f"{tensors_digest(t for p in range(len(self._groups)) for t in self.outer_state(p)):016x}"
 
     def _finish(self, timeout: float | None) -> None:
         for p in sorted(self._inflight):
@@ -431,7 +432,7 @@ class CO2(Strategy):
 
     def outer_digest(self) -> str:
         """64 bits naming the outer parameters and momentum."""
-        return f"{outer_digest(self.outer_state()):016x}"
+        return f"{tensors_digest(self.outer_state()):016x}"
 
     @property
     def outer_heals(self) -> int:

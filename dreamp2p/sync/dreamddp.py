@@ -225,7 +225,7 @@ class DreamDDP(Strategy):
             prepare=pseudo_gradient,
             error_feedback=self.cfg.error_feedback,
         )
-        check, check_fut = self._check_round(sync.layers, gid) if self._is_check(self.step_count) else (None, None)
+        check, check_fut = self._sync_check(sync.layers, gid) if self._is_check(self.step_count) else (None, None)
         self._inflight.append(InFlight(self.step_count + sync.delay, key, group, sync.layers, fut, check, check_fut))
 
     def _flush_params(self, round_id: int) -> RoundResult | None:
@@ -252,9 +252,7 @@ class DreamDDP(Strategy):
             round_id=round_id,
             prepare=pseudo_gradient,
         )
-        check = FlatGroup([self._weights.check_vector(layers)])
-        check.snapshot()
-        check_fut = self.comm.allreduce_group(check, GROUP_FLUSH_THETA, "fp32", round_id=round_id, guard_norm=False)
+        check, check_fut = self._check_round(layers, GROUP_FLUSH_THETA, round_id)
         res = self._wait(fut)
         checked = self._wait(check_fut)
         if res is None or checked is None:
@@ -279,20 +277,21 @@ class DreamDDP(Strategy):
         return not self.cfg.delta_codec or self._weights.needs_anchor(layers)
 
     def _check_round(
-        self, layers: tuple[int, ...], gid: int
+        self, layers: tuple[int, ...], group_id: int, round_id: int, plan_version: int = 0
     ) -> tuple[FlatGroup, concurrent.futures.Future[RoundResult]]:
         """The 17-element round of (flag, digest bits) that checks ``layers``' outer weights on every member."""
         check = FlatGroup([self._weights.check_vector(layers)])
         check.snapshot()
         fut = self.comm.allreduce_group(
-            check,
-            anchor_check_group(gid),
-            "fp32",
-            plan_version=self.plan.version,
-            round_id=self._round(),
-            guard_norm=False,
+            check, group_id, "fp32", plan_version=plan_version, round_id=round_id, guard_norm=False
         )
         return check, fut
+
+    def _sync_check(
+        self, layers: tuple[int, ...], gid: int
+    ) -> tuple[FlatGroup, concurrent.futures.Future[RoundResult]]:
+        """The check beside layer sync ``gid`` of the plan in force."""
+        return self._check_round(layers, anchor_check_group(gid), self._round(), self.plan.version)
 
     def _launch_anchor(self, sync: GroupSync, key: tuple[int, int], group: FlatGroup, gid: int) -> None:
         group.snapshot()
@@ -303,7 +302,7 @@ class DreamDDP(Strategy):
             plan_version=self.plan.version,
             round_id=self._round(),
         )
-        check, check_fut = self._check_round(sync.layers, gid)
+        check, check_fut = self._sync_check(sync.layers, gid)
         inf = InFlight(self.step_count + sync.delay, key, group, sync.layers, fut, check, check_fut, anchor=True)
         self._inflight.append(inf)
 

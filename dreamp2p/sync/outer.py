@@ -22,6 +22,7 @@ import torch
 import xxhash
 
 from dreamp2p.sync.layers import Layer
+from dreamp2p.sync.replicas import bits_agree, digest_bits
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,8 @@ DIGEST_BITS = 16
 
 def anchor_check_vector(want_reset: bool, digest: int) -> torch.Tensor:
     """One member's contribution to an anchor's check round: a reset flag and its digest's low bits."""
-    bits = [float((digest >> i) & 1) for i in range(DIGEST_BITS)]
-    return torch.tensor([1.0 if want_reset else 0.0, *bits], dtype=torch.float32)
+    flag = torch.tensor([1.0 if want_reset else 0.0], dtype=torch.float32)
+    return torch.cat([flag, digest_bits(digest)[:DIGEST_BITS]])
 
 
 def anchor_verdict(mean: torch.Tensor) -> str:
@@ -40,10 +41,9 @@ def anchor_verdict(mean: torch.Tensor) -> str:
 
     Each digest bit averages to exactly 0 or 1 only where every member holds the same bit.
     """
-    bits = mean[1:]
     if bool(mean[0] > 0):
         return "fresh"
-    return "differ" if bool(((bits > 0) & (bits < 1)).any()) else "agree"
+    return "agree" if bits_agree(mean[1:]) else "differ"
 
 
 class OuterWeights:

@@ -23,31 +23,23 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xxhash
 
 from dreamp2p.messages import RoundResult
 from dreamp2p.sync.base import landed, settled
 from dreamp2p.sync.collective import Collective
 from dreamp2p.sync.layers import FlatGroup
 from dreamp2p.sync.outer import anchor_check_vector, anchor_verdict
+from dreamp2p.sync.replicas import tensors_digest
 
 log = logging.getLogger(__name__)
 
 # `Strategy._wait`: a round's result, None where it failed (everywhere), within a timeout (None: the default)
 Wait = Callable[[concurrent.futures.Future[RoundResult], float | None], RoundResult | None]
-
-
-def outer_digest(tensors: Iterable[torch.Tensor]) -> int:
-    """64 bits of xxh3 over the bytes of CPU tensors, in order: equal on members holding them bit-identical."""
-    h = xxhash.xxh3_64()
-    for t in tensors:
-        h.update(t.detach().contiguous().reshape(-1).numpy().data)
-    return h.intdigest()
 
 
 @dataclass
@@ -101,7 +93,7 @@ class OuterCheck:
 
     def launch(self, key: int, tensors: Sequence[torch.Tensor], round_id: int) -> CheckRound:
         """Send the digest of ``tensors`` (this member's outer state of ``key``) in a 17-element fp32 round."""
-        group = FlatGroup([anchor_check_vector(False, outer_digest(tensors))])
+        group = FlatGroup([anchor_check_vector(False, tensors_digest(tensors))])
         group.snapshot()
         fut = self._comm.allreduce_group(group, self._check_group(key), "fp32", round_id=round_id, guard_norm=False)
         return CheckRound(group, fut)

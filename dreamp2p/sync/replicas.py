@@ -8,6 +8,7 @@ state (seeded alike, resumed from one checkpoint, just flushed) skip the transfe
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 import xxhash
@@ -43,13 +44,21 @@ def broadcast_state(comm: Collective, model: nn.Module, timeout: float) -> None:
     broadcast_tensors(comm, tensors, timeout)
 
 
-def tensors_digest(tensors: list[torch.Tensor]) -> int:
+def tensors_digest(tensors: Iterable[torch.Tensor]) -> int:
     """64 bits of xxh3 over the tensors' bytes, in order (equal digests: bit-identical tensors, but for
-    a collision no replica can arrange)."""
+    a collision no replica can arrange); a CPU tensor's memory is hashed in place, not copied."""
     h = xxhash.xxh3_64()
     for t in tensors:
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return h.intdigest()
+
+
+def agreement_group(tensors: Iterable[torch.Tensor]) -> FlatGroup:
+    """This member's contribution to an agreement round over ``tensors``: its digest's bits, snapshotted;
+    after the round, `bits_agree` on the group's ``work`` says whether every member sent the same."""
+    group = FlatGroup([digest_bits(tensors_digest(tensors))])
+    group.snapshot()
+    return group
 
 
 def states_agree(comm: Collective, tensors: list[torch.Tensor], timeout: float) -> bool:
@@ -59,8 +68,7 @@ def states_agree(comm: Collective, tensors: list[torch.Tensor], timeout: float) 
     holds the same bit, so any fraction means some replica differs (the anchors' check, `sync.outer`, on a
     whole digest). A failed round answers False: the caller then does the full transfer.
     """
-    group = FlatGroup([digest_bits(tensors_digest(tensors))])
-    group.snapshot()
+    group = agreement_group(tensors)
     try:
         comm.allreduce_group(group, GROUP_AGREE, "fp32", guard_norm=False).result(timeout)
     except RoundFailed:
