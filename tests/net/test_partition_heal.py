@@ -96,9 +96,15 @@ def test_sides_that_planned_apart_converge_on_one_plan_after_the_heal(tmp_path: 
 def test_a_2_plus_2_split_that_keeps_one_plan_heals_without_a_held_round(tmp_path: Path) -> None:
     """Issue 40, item 2: 4 regions split 2+2 while training, keep the same plan, heal.
 
-    While apart, each side runs its own control rounds; one side's link slows (its planner sees a change, so
-    its control rounds stay every ``control_every`` steps) while the other's holds (its rounds space out).
-    No side re-plans (``replan_sustain`` is out of reach), so no plan tells them apart: before the fix each
+    While apart, each side runs its own control rounds and their re-planning memories part. The model is wide
+    (512) so that its syncs (over 256 KB) are paced: the first plan is made from that pace before any link is
+    measured, and the goodput measured next lies far below it, on both sides alike, so every control round
+    counts one more change (``replan_sustain`` is out of reach: no re-plan). The side whose link
+    drops to 4 Mbit/s steps more slowly, runs fewer control rounds while apart, and ends the split with
+    another count than the other side. (With the default tiny model no sync is paced and a busy link's
+    goodput is measured once, so both sides saw the same thing, their memories stayed one, nothing needed
+    healing, and the test asserted a resync that had no reason to happen: CI on 96827bd, [0, 0, 0, 0].)
+    No plan tells the sides apart: before the fix each
     side then launched control rounds at steps the other skipped after the heal, and every member stood
     still until the round deadline, when sync.step() raised. Now the control memory is named in the
     heartbeats beside the plan, one side takes the other's state, and training goes on.
@@ -130,6 +136,7 @@ def test_a_2_plus_2_split_that_keeps_one_plan_heals_without_a_held_round(tmp_pat
             {
                 "strategy": "dreamddp",
                 "steps": 1000,
+                "width": 512,
                 "sync": sync,
                 "step_sleep": 0.04,
                 "quiet_steps": 60,
