@@ -1,7 +1,7 @@
 """How a node's log records look, text lines or JSON objects, and which of the two this process writes.
 
 The node daemon's console script picks the format (`dreamp2p.service.logsetup`); a comm process
-(`dreamp2p.sync.commchild`) must write the same, so both build their handler from here, and the parent tells
+(`dreamp2p.sync.comm.child`) must write the same, so both build their handler from here, and the parent tells
 the child what its own root handler writes (:func:`root_format`). Every record carries the node id and the
 cluster id. In JSON mode (python-json-logger) each record is one JSON object per line with ``time`` (ISO 8601,
 UTC), ``level``, ``logger``, ``message``, ``node_id``, ``cluster_id``, every ``extra={...}`` field the call

@@ -139,7 +139,7 @@ class TrainingInfo:
     plan_version: int = 0
     plan_effective_step: int = 0
     plan_summary: str = ""
-    # in a region of many ranks (dreamp2p.sync.sharded): this peer's local rank and the region's rank count
+    # in a region of many ranks (dreamp2p.sync.comm.sharded): this peer's local rank and the region's rank count
     region_rank: int = 0
     region_ranks: int = 0  # 0: not a region of many ranks
     plan_digest: int = 0  # Plan.digest of the plan in force (0: no plan)

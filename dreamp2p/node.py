@@ -10,13 +10,13 @@ node.close()
 In a region of many ranks (a torchrun job: torch.distributed initialized with more than one rank, or a
 process group passed as ``region``), each local rank makes its own Node from the region's config: its
 peer gets its own node id and port and rings with the same local rank of the other regions, and the
-strategy averages one shard of each group per rank (`dreamp2p.sync.sharded`); wrap the model in
+strategy averages one shard of each group per rank (`dreamp2p.sync.comm.sharded`); wrap the model in
 DistributedDataParallel before ``attach``.
 
 A node joining a running cluster (a new member, or one restarted after a crash) passes ``joining=True``
 and ``attach(..., join=True)``: it takes the training state from the live members (`dreamp2p.state`),
 starts at their step, and only then takes part in rounds (see :meth:`Node.join`). In a region every local
-rank does so at once: local rank 0 fetches, the region shares it (`dreamp2p.sync.regionjoin`).
+rank does so at once: local rank 0 fetches, the region shares it (`dreamp2p.sync.comm.regionjoin`).
 """
 
 from __future__ import annotations
@@ -40,16 +40,16 @@ from dreamp2p.manifest import manifest_hash
 from dreamp2p.messages import PeerStatus
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.state.snapshot import unflatten_state
-from dreamp2p.sync.agreement import inner_momentum, is_adaptive, training_settings
-from dreamp2p.sync.base import Strategy
-from dreamp2p.sync.collective import Collective
-from dreamp2p.sync.comm import CommThread
-from dreamp2p.sync.commproc import CommProcess, RemoteDonor
-from dreamp2p.sync.regionjoin import join_region
-from dreamp2p.sync.registry import strategy_class
-from dreamp2p.sync.replicas import broadcast_state, state_tensors
-from dreamp2p.sync.sharded import ShardedCollective, region_group
-from dreamp2p.sync.shards import rank_config
+from dreamp2p.sync.comm.collective import Collective
+from dreamp2p.sync.comm.process import CommProcess, RemoteDonor
+from dreamp2p.sync.comm.regionjoin import join_region
+from dreamp2p.sync.comm.sharded import ShardedCollective, region_group
+from dreamp2p.sync.comm.shards import rank_config
+from dreamp2p.sync.comm.thread import CommThread
+from dreamp2p.sync.model.agreement import inner_momentum, is_adaptive, training_settings
+from dreamp2p.sync.strategies.base import Strategy
+from dreamp2p.sync.strategies.registry import strategy_class
+from dreamp2p.sync.strategies.replicas import broadcast_state, state_tensors
 
 log = logging.getLogger(__name__)
 

@@ -128,7 +128,7 @@ async def _region_ranks(target: Target, st: PeerStatus) -> list[RankAnswer]:
     if tr is None or tr.region_ranks < 2 or tr.region_rank != 0:
         return []
     from dreamp2p.config import PeerInfo, TransportConfig
-    from dreamp2p.sync.shards import shift_port
+    from dreamp2p.sync.comm.shards import shift_port
     from dreamp2p.transport.client import Link
 
     out: list[RankAnswer] = []

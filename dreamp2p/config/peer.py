@@ -178,7 +178,7 @@ class PeerConfig:
     health_listen: str | None = None
     health_stall_s: float = 600.0
     # where the peer's event loop runs: "thread" (in the trainer's process) or "process" (a child process
-    # of its own, off the trainer's GIL; see dreamp2p.sync.commproc)
+    # of its own, off the trainer's GIL; see dreamp2p.sync.comm.process)
     comm: str = "thread"
 
     def __post_init__(self) -> None:

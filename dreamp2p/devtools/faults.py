@@ -56,7 +56,7 @@ def _child(
     from dreamp2p.devtools.bench.training import batch, student
     from dreamp2p.manifest import param_digest
     from dreamp2p.node import Node
-    from dreamp2p.sync.comm import CommThread
+    from dreamp2p.sync.comm.thread import CommThread
 
     torch.set_num_threads(1)
     node = Node(node_config(rank, config), joining=join)

@@ -5,7 +5,7 @@ its defaults, the ceiling measured in the same run). Two predictions are compare
 
 * **plan** (the one users see): what ``dreamp2p plan`` predicts for dreamddp from what a user would give it:
   the measured ceiling step time as ``--step-time``, the parameter count, the layers dreamp2p schedules
-  (``sync.layers.discover_layers``: 28 for the default model), ``--peers`` = regions, ``--link`` = the rate,
+  (``sync.model.layers.discover_layers``: 28 for the default model), ``--peers`` = regions, ``--link`` = the rate,
   ``--rtt``, ``--period``, and dreamddp's defaults as ``--max-delay period-1 --codec int4`` (``delay_cap``
   and ``delta_codec``, the pseudo-gradients' codec the run's planner prices its syncs at). It is
   `schedule.whatif.what_if`, the function behind the command;

@@ -1,7 +1,7 @@
 """The DreamDDP plan as data: which layer groups each iteration of the period syncs, validated on construction.
 
 A :class:`Plan` is what the planner (``schedule.dreamddp``) produces, what every peer must agree on
-(:meth:`Plan.digest` names its rounds) and what the runtime (``sync.dreamddp``) executes; it round-trips
+(:meth:`Plan.digest` names its rounds) and what the runtime (``sync.strategies.dreamddp``) executes; it round-trips
 through plain dicts for reports and the wire. Pure: no I/O.
 """
 

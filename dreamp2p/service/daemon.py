@@ -50,7 +50,7 @@ from dreamp2p.service.region import (
     torchrun_place,
 )
 from dreamp2p.service.sdnotify import Notifier
-from dreamp2p.sync.shards import rank_node_id
+from dreamp2p.sync.comm.shards import rank_node_id
 
 log = logging.getLogger(__name__)
 

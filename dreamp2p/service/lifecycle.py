@@ -54,8 +54,8 @@ from dreamp2p.service.checkpoint import (
     save_checkpoint,
 )
 from dreamp2p.settings import resume_changes, resume_refusal
-from dreamp2p.sync.base import Strategy, saved_settings
-from dreamp2p.sync.registry import strategy_class
+from dreamp2p.sync.strategies.base import Strategy, saved_settings
+from dreamp2p.sync.strategies.registry import strategy_class
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from dreamp2p.service.jsonl import RotatingJsonl
 from dreamp2p.service.progress import lifecycle_message
 
 if TYPE_CHECKING:
-    from dreamp2p.sync.base import StepStats  # torch: not for readers of RecordKind such as the report
+    from dreamp2p.sync.strategies.base import StepStats  # torch: not for readers of RecordKind such as the report
 
 # Rounds cross WAN links: tens of ms on loopback up to minutes for a large group on a slow link.
 ROUND_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

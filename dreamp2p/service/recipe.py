@@ -18,7 +18,7 @@ scheduler to the step it joins at (``last_epoch = step``).
 
 fp16 steps whose gradients overflow must still call the strategy's ``step()`` on every member, so that all
 count the same steps and take part in the same rounds. A strategy that declares GradScaler support
-(``_step_supports_amp_scaling``, see ``dreamp2p.sync.optim``) is stepped through ``scaler.step(sync)`` after
+(``_step_supports_amp_scaling``, see ``dreamp2p.sync.model.optim``) is stepped through ``scaler.step(sync)`` after
 ``scaler.unscale_(sync)`` and clipping: it skips only its optimizer's update on an overflow. Without it, the
 gradients are unscaled on the optimizer and, when not finite, zeroed before ``sync.step()``: the optimizer
 then steps on zero gradients (momentum and weight decay act), which keeps S-SGD's replicas identical (they

@@ -5,7 +5,7 @@ file. Each finds its place from torchrun's environment (``RANK``, ``WORLD_SIZE``
 joins the region's process group (gloo on CPU, NCCL on GPU), trains on ``cuda:LOCAL_RANK`` when the
 device is CUDA, wraps the task's model in DDP, and reads its own share of the data (its global position
 among every rank of every region). `dreamp2p.node.Node` then gives it its own peer (node id, ports,
-ring: `dreamp2p.sync.shards`) and shard of every WAN round (`dreamp2p.sync.sharded`).
+ring: `dreamp2p.sync.comm.shards`) and shard of every WAN round (`dreamp2p.sync.comm.sharded`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dreamp2p.node import Node
 from dreamp2p.service.checkpoint import checkpoint_file, save_checkpoint
 from dreamp2p.service.lifecycle import JOIN, agree_and_load
 from dreamp2p.state.snapshot import flatten_state, unflatten_state
-from dreamp2p.sync.regionjoin import decode_fetched, encode_fetched
-from dreamp2p.sync.shards import shift_port
+from dreamp2p.sync.comm.regionjoin import decode_fetched, encode_fetched
+from dreamp2p.sync.comm.shards import shift_port
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def rank_daemon_config(cfg: DaemonConfig, place: RankPlace, resume: bool, join: 
     Every rank holds the region's one replica, so the region keeps one checkpoint, written by local rank 0
     into ``[checkpoint] dir`` (:func:`save_region_checkpoint`); a resuming region loads it on rank 0 and
     shares it (:func:`region_agree_and_load`). Joining: every rank joins its shard ring, local rank 0
-    fetches the state for the region (`dreamp2p.sync.regionjoin`).
+    fetches the state for the region (`dreamp2p.sync.comm.regionjoin`).
     """
     metrics = cfg.metrics
     if metrics.listen:

@@ -79,7 +79,7 @@ class StateDonor:
         # read by the training thread every step without the lock: a bool assignment is atomic
         self._wanted = False
         # told every change of ``wanted`` (lock held; must not block): a comm process forwards it to the
-        # trainer's process, whose training thread reads it there (see `dreamp2p.sync.commproc`)
+        # trainer's process, whose training thread reads it there (see `dreamp2p.sync.comm.process`)
         self._on_wanted = on_wanted
         self.bytes_served = 0
 

@@ -8,7 +8,7 @@ methods the peer does not have. Fixed inputs that must always run are ``@example
 case, with the exact detail its refusal names, is in test_bad_input.py.
 
 Setup. One token-protected ring ``[p0, p1]`` runs for the whole module on its own asyncio loop in a
-background thread (as :class:`dreamp2p.sync.comm.CommThread` runs a peer), so the ``@given`` functions stay
+background thread (as :class:`dreamp2p.sync.comm.thread.CommThread` runs a peer), so the ``@given`` functions stay
 plain synchronous functions that drive a synchronous ``grpc`` client from the test thread. The attacker aims
 at p1 and handshakes as ``p0``, p1's ring predecessor, so its frames get past the sender check (the
 mutated-frame tests also handshake as ``p1``, whose frames then reach the round and are refused there). For

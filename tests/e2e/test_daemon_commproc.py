@@ -78,7 +78,7 @@ def comm_child(daemon: subprocess.Popen[bytes]) -> int | None:
     """The pid of ``daemon``'s comm process, once it has one; None if the daemon exits first."""
     while daemon.poll() is None:
         out = subprocess.run(
-            ["pgrep", "-P", str(daemon.pid), "-f", "dreamp2p.sync.commchild"], capture_output=True, check=False
+            ["pgrep", "-P", str(daemon.pid), "-f", "dreamp2p.sync.comm.child"], capture_output=True, check=False
         )
         if out.stdout.split():
             return int(out.stdout.split()[0])

@@ -16,7 +16,7 @@ import yaml
 
 from dreamp2p.messages import LinkSnapshot, PeerStatus
 from dreamp2p.service.metrics import NodeMetrics
-from dreamp2p.sync.base import StepStats
+from dreamp2p.sync.strategies.base import StepStats
 
 MONITORING = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
 # metric names in dreamp2p's namespace and the collectors' (process_*, python_*)

@@ -1,7 +1,7 @@
 """The region examples (issue 11): a torchrun job per region on Kubernetes (GPUs) and in compose (CPU).
 
 Each local rank k of a region listens on its region's peer, health and metrics ports plus k
-(`dreamp2p.sync.shards.rank_config`, `dreamp2p.service.region.rank_daemon_config`), so the examples must
+(`dreamp2p.sync.comm.shards.rank_config`, `dreamp2p.service.region.rank_daemon_config`), so the examples must
 give every rank's ports without collisions, ask for as many GPUs as they start ranks, probe rank 0's
 health port, expose every rank's peer port, let torchrun restart a region whose rank died
 (``--max-restarts``: it rejoins by state transfer) and resume a restarted container from the region's

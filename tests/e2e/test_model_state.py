@@ -120,8 +120,8 @@ def test_checkpoints_and_state_transfer_carry_buffers_and_frozen_parameters(rout
     from dreamp2p.manifest import state_digest
     from dreamp2p.service.checkpoint import load_step, save_checkpoint
     from dreamp2p.state.snapshot import flatten_state, unflatten_state
-    from dreamp2p.sync.baselines import NoSync
-    from dreamp2p.sync.inprocess import InProcessHub
+    from dreamp2p.sync.comm.inprocess import InProcessHub
+    from dreamp2p.sync.strategies.baselines import NoSync
 
     comm = InProcessHub(1).member(0)
     source, target = BatchNormNet(seed=1), BatchNormNet(seed=2)

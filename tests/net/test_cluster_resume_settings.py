@@ -102,7 +102,7 @@ def test_a_changed_period_or_codec_is_adopted_and_logged_on_every_member(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     dirs = copied(trained, tmp_path)
-    with caplog.at_level(logging.INFO, logger="dreamp2p.sync.base"):
+    with caplog.at_level(logging.INFO, logger="dreamp2p.sync.strategies.base"):
         outcomes = [f.result() for f in cluster(dirs, 6, {**SYNC, **changed})]
     assert [(o.start, o.resumed_from) for o in outcomes] == [(STEPS, d / f"ckpt-{STEPS:010d}.pt") for d in dirs]
     assert [o.adopted for o in outcomes] == [[adopted]] * 2

@@ -27,10 +27,10 @@ from dreamp2p.devtools.localrun import free_ports
 from dreamp2p.manifest import param_digest
 from dreamp2p.messages import TrainingInfo
 from dreamp2p.node import Node
-from dreamp2p.sync.base import Strategy
-from dreamp2p.sync.commproc import CommProcess
-from dreamp2p.sync.commwire import CommProcessError
-from dreamp2p.sync.layers import FlatGroup
+from dreamp2p.sync.comm.process import CommProcess
+from dreamp2p.sync.comm.wire import CommProcessError
+from dreamp2p.sync.model.layers import FlatGroup
+from dreamp2p.sync.strategies.base import Strategy
 
 SYNC: dict[str, Any] = {"period": 4, "warmup_steps": 2, "control_every": 4}
 
@@ -206,8 +206,8 @@ def test_the_comm_process_ignores_sigterm_and_sigint() -> None:
 
 def test_a_shared_buffer_is_the_same_memory_on_both_ends() -> None:
     """share_memory_() in place keeps the strategy's views valid; the child's tensor writes into them."""
-    from dreamp2p.sync.commchild import _receive_buffer
-    from dreamp2p.sync.commwire import ShareBuffer
+    from dreamp2p.sync.comm.child import _receive_buffer
+    from dreamp2p.sync.comm.wire import ShareBuffer
 
     base = torch.arange(10, dtype=torch.float32)
     buf = base[2:8]  # a view, as a strategy might hold into a buffer

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dreamp2p.messages import LinkSnapshot, PeerStatus
 from dreamp2p.service.metrics import NodeMetrics
-from dreamp2p.sync.base import StepStats
+from dreamp2p.sync.strategies.base import StepStats
 
 RING = ("eu-west", "us-east", "ap-south")
 

@@ -19,10 +19,10 @@ import torch.multiprocessing as mp
 
 from dreamp2p.errors import RoundFailed
 from dreamp2p.state.snapshot import flatten_state
-from dreamp2p.sync.inprocess import InProcessHub
-from dreamp2p.sync.layers import FlatGroup
-from dreamp2p.sync.regionjoin import decode_fetched, encode_fetched, join_region
-from dreamp2p.sync.sharded import ShardedCollective
+from dreamp2p.sync.comm.inprocess import InProcessHub
+from dreamp2p.sync.comm.regionjoin import decode_fetched, encode_fetched, join_region
+from dreamp2p.sync.comm.sharded import ShardedCollective
+from dreamp2p.sync.model.layers import FlatGroup
 
 STATE: dict[str, Any] = {
     "model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)},

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from dreamp2p.errors import RoundFailed
-from dreamp2p.sync.inprocess import InProcessHub
-from dreamp2p.sync.layers import FlatGroup
-from dreamp2p.sync.sharded import ShardedCollective, region_group
+from dreamp2p.sync.comm.inprocess import InProcessHub
+from dreamp2p.sync.comm.sharded import ShardedCollective, region_group
+from dreamp2p.sync.model.layers import FlatGroup
 
 
 @pytest.fixture

@@ -763,8 +763,8 @@ async def test_fetched_state_type() -> None:
 async def test_strategy_step_publishes_only_when_wanted() -> None:
     """`Strategy.step` hands the trainer's state to a waiting request between two steps, and only then."""
     from dreamp2p.config.sync import SyncConfig
-    from dreamp2p.sync.baselines import NoSync
-    from dreamp2p.sync.inprocess import InProcessHub
+    from dreamp2p.sync.comm.inprocess import InProcessHub
+    from dreamp2p.sync.strategies.baselines import NoSync
 
     donor = StateDonor()
     torch.manual_seed(0)

@@ -10,8 +10,8 @@ import torch
 
 from dreamp2p.config.sync import SyncConfig
 from dreamp2p.schedule.cost import LayerCost
-from dreamp2p.sync.control import in_background, pack_control, unpack_control
-from dreamp2p.sync.outer import DIGEST_BITS, anchor_check_vector, anchor_verdict
+from dreamp2p.sync.strategies.control import in_background, pack_control, unpack_control
+from dreamp2p.sync.strategies.outer import DIGEST_BITS, anchor_check_vector, anchor_verdict
 
 
 def _mean(*vectors: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dreamp2p.collective.ring import RoundAborted
 from dreamp2p.config import PeerConfig
 from dreamp2p.errors import PeerError, RoundFailed, Status
 from dreamp2p.state.fetch import StateTransferError
-from dreamp2p.sync.commwire import (
+from dreamp2p.sync.comm.wire import (
     CALL_OPS,
     BufferRegistry,
     Call,

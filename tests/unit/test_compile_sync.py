@@ -15,8 +15,8 @@ from test_strategy_logic import batch, config, make_model
 from torch import nn
 
 from dreamp2p.node import unwrap
-from dreamp2p.sync.dreamddp import DreamDDP
-from dreamp2p.sync.inprocess import InProcessHub
+from dreamp2p.sync.comm.inprocess import InProcessHub
+from dreamp2p.sync.strategies.dreamddp import DreamDDP
 
 
 @pytest.fixture

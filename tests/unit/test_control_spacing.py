@@ -10,10 +10,10 @@ import pytest
 from dreamp2p.config.sync import SyncConfig
 from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.schedule.dreamddp import warmup_plan
-from dreamp2p.sync.control import Gathered, Replanner, control_interval
-from dreamp2p.sync.dreamddp import DreamDDP
-from dreamp2p.sync.groups import GROUP_CONTROL
-from dreamp2p.sync.inprocess import InProcessHub
+from dreamp2p.sync.comm.inprocess import InProcessHub
+from dreamp2p.sync.model.groups import GROUP_CONTROL
+from dreamp2p.sync.strategies.control import Gathered, Replanner, control_interval
+from dreamp2p.sync.strategies.dreamddp import DreamDDP
 from tests.unit.test_strategy_logic import config, local_step, members, train
 
 

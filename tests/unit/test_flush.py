@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from dreamp2p.config.sync import SyncConfig
-from dreamp2p.sync.base import Strategy
-from dreamp2p.sync.groups import GROUP_AGREE, GROUP_FLUSH, GROUP_FLUSH_DELTA, GROUP_INIT
-from dreamp2p.sync.inprocess import InProcessHub
-from dreamp2p.sync.registry import strategy_class
-from dreamp2p.sync.replicas import broadcast_state
+from dreamp2p.sync.comm.inprocess import InProcessHub
+from dreamp2p.sync.model.groups import GROUP_AGREE, GROUP_FLUSH, GROUP_FLUSH_DELTA, GROUP_INIT
+from dreamp2p.sync.strategies.base import Strategy
+from dreamp2p.sync.strategies.registry import strategy_class
+from dreamp2p.sync.strategies.replicas import broadcast_state
 
 # every strategy that averages anything; dreamddp's plan needs measured links, which the hub gives
 STRATEGIES = ["ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dreamp2p.sync.groups import (
+from dreamp2p.sync.model.groups import (
     GROUP_CONTROL,
     GROUP_FRAGMENT_BASE,
     GROUP_PLAN_BASE,

@@ -12,8 +12,8 @@ import torch
 import xxhash
 from torch import nn
 
-from dreamp2p.sync.layers import FlatGroup, discover_layers
-from dreamp2p.sync.outer import OuterWeights, anchor_check_vector
+from dreamp2p.sync.model.layers import FlatGroup, discover_layers
+from dreamp2p.sync.strategies.outer import OuterWeights, anchor_check_vector
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""DiLoCo's, Streaming DiLoCo's and CO2's outer-state check (`dreamp2p.sync.outercheck`): a member whose global
-copy or outer momentum drifted from the others' (as after a partition) is found by the next check and every
+"""DiLoCo's, Streaming DiLoCo's and CO2's outer-state check (`dreamp2p.sync.strategies.outercheck`): a member
+whose global copy or outer momentum drifted from the others' (as after a partition) is found by the next check and every
 member's copy is reset to the mean, bit-identical, within ``anchor_every`` + 1 periods."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from dreamp2p.sync.base import Strategy
-from dreamp2p.sync.groups import GROUP_OUTER_CHECK, GROUP_OUTER_HEAL, fragment_check_group, fragment_heal_group
-from dreamp2p.sync.inprocess import InProcessHub, RoundRecord
-from dreamp2p.sync.registry import strategy_class
+from dreamp2p.sync.comm.inprocess import InProcessHub, RoundRecord
+from dreamp2p.sync.model.groups import GROUP_OUTER_CHECK, GROUP_OUTER_HEAL, fragment_check_group, fragment_heal_group
+from dreamp2p.sync.strategies.base import Strategy
+from dreamp2p.sync.strategies.registry import strategy_class
 from tests.unit.test_strategy_logic import config, digest, each, make_model, members, train
 
 STRATEGIES = ["diloco", "streaming", "co2"]

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from dreamp2p.config import DaemonConfig, SyncConfig, TrainConfig
 from dreamp2p.config.train import scheduled_lr
 from dreamp2p.service.recipe import Batches, Recipe, Training, make_training, task_recipe, total_norm
-from dreamp2p.sync.inprocess import InProcessHub
-from dreamp2p.sync.registry import strategy_class
+from dreamp2p.sync.comm.inprocess import InProcessHub
+from dreamp2p.sync.strategies.registry import strategy_class
 
 
 class FakeSync:

@@ -14,7 +14,7 @@ from dreamp2p.config.sync import SyncConfig
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import plan_dreamddp
 from dreamp2p.schedule.linkcodec import wire_ratio
-from dreamp2p.sync.control import PlanRequest, Replanner
+from dreamp2p.sync.strategies.control import PlanRequest, Replanner
 
 # the judged workload's shape: 3.3M parameters in 6 scheduled layers, 0.27 s per step
 COSTS = tuple(LayerCost(f"l{i}", 0.015, 0.03, 2_215_000) for i in range(6))

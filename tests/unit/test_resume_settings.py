@@ -20,10 +20,10 @@ from dreamp2p.errors import PeerError, Status
 from dreamp2p.service.checkpoint import save_checkpoint
 from dreamp2p.service.lifecycle import check_resume
 from dreamp2p.settings import resume_changes, resume_refusal
-from dreamp2p.sync.base import Strategy, saved_settings
-from dreamp2p.sync.groups import GROUP_PARAMS, GROUP_PLAN_BASE
-from dreamp2p.sync.inprocess import InProcessHub
-from dreamp2p.sync.registry import strategy_class
+from dreamp2p.sync.comm.inprocess import InProcessHub
+from dreamp2p.sync.model.groups import GROUP_PARAMS, GROUP_PLAN_BASE
+from dreamp2p.sync.strategies.base import Strategy, saved_settings
+from dreamp2p.sync.strategies.registry import strategy_class
 
 ADOPTED = "resume: {} {} -> {} (config changed since the checkpoint)"
 
@@ -73,7 +73,7 @@ def digest(s: Strategy) -> bytes:
     return b"".join(p.detach().numpy().tobytes() for p in s.model.parameters())
 
 
-CHECK_ELEMENTS = 17  # a check round: a flag and 16 digest bits (see dreamp2p.sync.dreamddp)
+CHECK_ELEMENTS = 17  # a check round: a flag and 16 digest bits (see dreamp2p.sync.strategies.dreamddp)
 DREAMDDP = {"strategy": "dreamddp", "period": 4, "max_delay": 2, "warmup_steps": 2, "control_every": 4}
 
 
@@ -92,7 +92,7 @@ def test_dreamddp_resumed_under_another_period_plans_for_it_on_every_member(
 
     hub = InProcessHub(2, goodput_Bps=50e6, rtt_s=0.001)
     resumed = members(hub, SyncConfig(**{**DREAMDDP, "period": 8}))
-    with caplog.at_level(logging.INFO, logger="dreamp2p.sync.base"):
+    with caplog.at_level(logging.INFO, logger="dreamp2p.sync.strategies.base"):
         each(resumed, lambda rank, s: s.load_state_dict(saved[rank]))
     assert [s.adopted for s in resumed] == [[("sync.period", "4", "8")]] * 2
     assert [r.getMessage() for r in caplog.records].count(ADOPTED.format("sync.period", 4, 8)) == 2
@@ -138,7 +138,7 @@ def test_whole_model_strategies_resumed_under_another_period_and_codec_follow_th
 
     hub = InProcessHub(2)
     resumed = members(hub, SyncConfig(**{**cfg, "period": 4, "codec": "fp16"}))
-    with caplog.at_level(logging.INFO, logger="dreamp2p.sync.base"):
+    with caplog.at_level(logging.INFO, logger="dreamp2p.sync.strategies.base"):
         each(resumed, lambda rank, s: s.load_state_dict(saved[rank]))
     changes = [("sync.codec", "fp32", "fp16"), ("sync.period", "3", "4")]
     assert [s.adopted for s in resumed] == [changes] * 2

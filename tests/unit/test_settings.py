@@ -7,8 +7,8 @@ import torch
 
 from dreamp2p.config.sync import ADAPTIVE_OUTER, PLAIN_OUTER, SyncConfig
 from dreamp2p.settings import MAX_NAMED, settings_mismatch
-from dreamp2p.sync.agreement import inner_momentum, is_adaptive, model_settings, training_settings
-from dreamp2p.sync.layers import FlatGroup
+from dreamp2p.sync.model.agreement import inner_momentum, is_adaptive, model_settings, training_settings
+from dreamp2p.sync.model.layers import FlatGroup
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dreamp2p.config import PeerConfig, PeerInfo
-from dreamp2p.sync.shards import rank_config, rank_node_id, shard_bounds, shard_length, shift_port
+from dreamp2p.sync.comm.shards import rank_config, rank_node_id, shard_bounds, shard_length, shift_port
 
 
 @pytest.mark.parametrize(

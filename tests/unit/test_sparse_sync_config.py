@@ -12,9 +12,9 @@ from torch import nn
 from dreamp2p.cli import main
 from dreamp2p.config.sync import SyncConfig
 from dreamp2p.settings import settings_mismatch
-from dreamp2p.sync.groups import GROUP_PLAN_BASE
-from dreamp2p.sync.inprocess import InProcessHub
-from dreamp2p.sync.registry import strategy_class
+from dreamp2p.sync.comm.inprocess import InProcessHub
+from dreamp2p.sync.model.groups import GROUP_PLAN_BASE
+from dreamp2p.sync.strategies.registry import strategy_class
 
 
 def test_delta_codec_topk_with_error_feedback_is_accepted_and_shared() -> None:

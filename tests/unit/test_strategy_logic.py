@@ -20,12 +20,8 @@ from torch import nn
 from dreamp2p.config.sync import STRATEGIES, SyncConfig
 from dreamp2p.errors import PeerError
 from dreamp2p.state.donor import StateDonor
-from dreamp2p.sync import base
-from dreamp2p.sync import control as control_sync
-from dreamp2p.sync import dreamddp as dreamddp_sync
-from dreamp2p.sync import inflight as inflight_sync
-from dreamp2p.sync.base import Strategy
-from dreamp2p.sync.groups import (
+from dreamp2p.sync.comm.inprocess import InProcessHub
+from dreamp2p.sync.model.groups import (
     ANCHOR_OFFSET,
     GROUP_FLUSH,
     GROUP_FLUSH_CHECK,
@@ -34,8 +30,12 @@ from dreamp2p.sync.groups import (
     GROUP_PARAMS,
     GROUP_PLAN_BASE,
 )
-from dreamp2p.sync.inprocess import InProcessHub
-from dreamp2p.sync.registry import STRATEGY_CLASSES, strategy_class
+from dreamp2p.sync.strategies import base
+from dreamp2p.sync.strategies import control as control_sync
+from dreamp2p.sync.strategies import dreamddp as dreamddp_sync
+from dreamp2p.sync.strategies import inflight as inflight_sync
+from dreamp2p.sync.strategies.base import Strategy
+from dreamp2p.sync.strategies.registry import STRATEGY_CLASSES, strategy_class
 
 DETERMINISTIC = ["ssgd", "localsgd", "diloco", "streaming", "co2"]  # no measured timings in their decisions
 
@@ -391,7 +391,7 @@ def test_a_state_request_while_a_round_is_held_waits_for_a_later_step(
         request = pool.submit(loop.run_until_complete, donor.manifest(math.inf))
         while not donor.wanted:
             time.sleep(0.01)
-        with caplog.at_level(logging.WARNING, logger="dreamp2p.sync.base"):
+        with caplog.at_level(logging.WARNING, logger="dreamp2p.sync.strategies.base"):
             local_step(a, 0)  # alone: its new rounds wait for b
         assert a.step_count == 7 and donor.wanted and donor.publications == 0
         assert "cannot offer the training state of step 7 yet" in caplog.text

@@ -1,6 +1,6 @@
 """The sync object where PyTorch expects an optimizer (issue 13, deliver 4): LR schedulers, GradScaler and
 gradient accumulation act on it as on the user's optimizer, and an fp16 overflow on one member leaves every
-member on the same step and round ids. In-process members (`dreamp2p.sync.inprocess`), one thread each."""
+member on the same step and round ids. In-process members (`dreamp2p.sync.comm.inprocess`), one thread each."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from test_strategy_logic import batch, config, digest, each, make_model, members
 from torch import nn
 
-from dreamp2p.sync.base import Strategy
-from dreamp2p.sync.inprocess import InProcessHub
-from dreamp2p.sync.registry import strategy_class
+from dreamp2p.sync.comm.inprocess import InProcessHub
+from dreamp2p.sync.strategies.base import Strategy
+from dreamp2p.sync.strategies.registry import strategy_class
 
 SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)),

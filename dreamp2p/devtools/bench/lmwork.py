@@ -26,8 +26,8 @@ from dreamp2p.errors import FlushIncomplete, RoundFailed
 from dreamp2p.manifest import param_digest, state_digest
 from dreamp2p.node import Node
 from dreamp2p.service.tasks import ByteTransformer, stdlib_files
-from dreamp2p.sync.commproc import CommProcess
-from dreamp2p.sync.dreamddp import DreamDDP, plan_summary
+from dreamp2p.sync.comm.process import CommProcess
+from dreamp2p.sync.strategies.dreamddp import DreamDDP, plan_summary
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from dreamp2p.schedule.cost import LinkModel
 from dreamp2p.schedule.linkcodec import wire_ratio
 from dreamp2p.schedule.recommend import SEARCH_PERIODS, recommend
 from dreamp2p.schedule.whatif import uniform_costs
-from dreamp2p.sync.layers import discover_layers
+from dreamp2p.sync.model.layers import discover_layers
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ Needs root (ip netns, tc). For R regions of N local ranks, rank k of region r li
 
 Region r's WAN address is ``10.77.0.<r + 1>`` on every shard link. The links are separate namespaces, so
 the same address may sit on each: local rank k dials region r's ring address (host:port) at port + k
-(`dreamp2p.sync.shards.rank_config`) and, in its own namespace, that host is reached over shard k's link
+(`dreamp2p.sync.comm.shards.rank_config`) and, in its own namespace, that host is reached over shard k's link
 only. A region of one rank (the baseline) runs in the ``k0`` namespaces: it has shard 0's link alone.
 Everything created here is removed on exit, also when the run is interrupted.
 """

@@ -1,7 +1,7 @@
 """`bench regions`: WAN goodput of regions of many local ranks against regions of one, over tbf-shaped links.
 
 Issue 11's claim is that a region of N ranks spreads its WAN traffic over N links (each local rank k
-runs its own peer and ring with local rank k of the other regions: `dreamp2p.sync.sharded`), so it moves
+runs its own peer and ring with local rank k of the other regions: `dreamp2p.sync.comm.sharded`), so it moves
 about N times the bytes per second of a one-rank region when every link has the same rate. This bench
 measures that on one machine, as root.
 

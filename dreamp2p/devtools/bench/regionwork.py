@@ -38,7 +38,7 @@ from dreamp2p.devtools.netns import wire_bytes
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.region import data_parallel, data_position, torchrun_place
-from dreamp2p.sync.base import Strategy
+from dreamp2p.sync.strategies.base import Strategy
 
 
 def _steps(

@@ -17,7 +17,7 @@ from torch import nn
 
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
-from dreamp2p.sync.base import Strategy
+from dreamp2p.sync.strategies.base import Strategy
 
 
 def student(width: int = 64, depth: int = 3, dim: int = 16, seed: int = 0) -> nn.Module:
@@ -189,7 +189,7 @@ def train_job(
         "rounds_skipped": s.rounds_skipped,
         "anchors_healed": getattr(s, "anchors_healed", 0),
         # DiLoCo's, Streaming DiLoCo's and CO2's global copy and outer momentum: equal on every member once
-        # a check found them apart and averaged them (`dreamp2p.sync.outercheck`); None for the others
+        # a check found them apart and averaged them (`dreamp2p.sync.strategies.outercheck`); None for the others
         "outer_digest": s.outer_digest() if hasattr(s, "outer_digest") else None,
         "outer_heals": getattr(s, "outer_heals", 0),
         # DreamDDP's agreed control schedule: equal on every member that ends at the same step

@@ -19,7 +19,7 @@ GROUP_FLUSH_CHECK = 10  # the same check within flush(), before a part of the st
 GROUP_FLUSH_DELTA = 11  # DreamDDP's flush: every layer's pseudo-gradient at once, in its delta codec
 GROUP_FLUSH_THETA = 12  # ... and the check of every layer's outer weights beside it
 GROUP_CONTROL = 9  # DreamDDP's control round (link and profile gather)
-GROUP_OUTER_CHECK = 20  # DiLoCo's and CO2's check of the members' outer state (17 floats, `sync.outercheck`)
+GROUP_OUTER_CHECK = 20  # DiLoCo's and CO2's check of the members' outer state (17 floats, `sync.strategies.outercheck`)
 GROUP_OUTER_HEAL = 21  # ... and the fp32 average of it where the check found the members apart
 GROUP_FRAGMENT_BASE = 100  # Streaming DiLoCo fragment p: base + p (its checks and heals: + MAX_FRAGMENTS, + 2x)
 GROUP_PLAN_BASE = 1_000_000  # DreamDDP plan v's sync i: base + v * SYNCS_PER_PLAN + i
@@ -43,7 +43,7 @@ def fragment_group(fragment: int) -> int:
 
 
 def fragment_check_group(fragment: int) -> int:
-    """Group id of the checks of fragment ``fragment``'s outer state (`dreamp2p.sync.outercheck`)."""
+    """Group id of the checks of fragment ``fragment``'s outer state (`dreamp2p.sync.strategies.outercheck`)."""
     return fragment_group(fragment) + MAX_FRAGMENTS
 
 

@@ -2,8 +2,8 @@
 
 A region is a torch.distributed job (torchrun) whose ranks train one replica with ordinary data
 parallelism (DDP); on the WAN it is one member. :class:`ShardedCollective` implements the
-:class:`~dreamp2p.sync.collective.Collective` protocol for local rank k: a round over a group averages
-shard k of the group's flat buffer (`dreamp2p.sync.shards`) over this rank's own peer, whose ring holds
+:class:`~dreamp2p.sync.comm.collective.Collective` protocol for local rank k: a round over a group averages
+shard k of the group's flat buffer (`dreamp2p.sync.comm.shards`) over this rank's own peer, whose ring holds
 local rank k of every region, then an all-gather inside the region hands every rank the whole average.
 Strategies are unchanged: they see one member per region, and every rank gets the same bytes.
 
@@ -34,9 +34,9 @@ import torch.distributed as dist
 
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import LinkSnapshot, RingCodecPlan, RoundResult, TrainingInfo
-from dreamp2p.sync.collective import Collective
-from dreamp2p.sync.layers import FlatGroup
-from dreamp2p.sync.shards import shard_bounds, shard_length
+from dreamp2p.sync.comm.collective import Collective
+from dreamp2p.sync.comm.shards import shard_bounds, shard_length
+from dreamp2p.sync.model.layers import FlatGroup
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

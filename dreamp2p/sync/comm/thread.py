@@ -21,7 +21,7 @@ from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.messages import LinkSnapshot, PeerStatus, RingCodecPlan, RoundResult, TrainingInfo
 from dreamp2p.peer import Peer
 from dreamp2p.state.fetch import FetchedState, fetch_state
-from dreamp2p.sync.layers import FlatGroup
+from dreamp2p.sync.model.layers import FlatGroup
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

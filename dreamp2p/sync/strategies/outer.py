@@ -9,7 +9,7 @@ Checks and anchors: a 17-element round beside a layer sync carries a reset flag 
 of each member's theta and momentum (`anchor_verdict` reads the mean). An anchor sync averages the
 parameters themselves: where the check agrees, g = theta - mean(params) feeds the same outer step; where
 any differs, every member resets theta to the parameter mean and the momentum to zero, identically (see
-`dreamp2p.sync.dreamddp` for when each runs).
+`dreamp2p.sync.strategies.dreamddp` for when each runs).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import xxhash
 
-from dreamp2p.sync.layers import Layer
-from dreamp2p.sync.replicas import bits_agree, digest_bits
+from dreamp2p.sync.model.layers import Layer
+from dreamp2p.sync.strategies.replicas import bits_agree, digest_bits
 
 log = logging.getLogger(__name__)
 

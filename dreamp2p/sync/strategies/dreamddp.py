@@ -53,8 +53,18 @@ from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.schedule.dreamddp import warmup_plan
 from dreamp2p.schedule.pace import PaceFilter, delivery_rate
 from dreamp2p.schedule.plan import GroupSync, Plan
-from dreamp2p.sync.base import Strategy
-from dreamp2p.sync.control import (
+from dreamp2p.sync.model.groups import (
+    GROUP_CONTROL,
+    GROUP_FLUSH_DELTA,
+    GROUP_FLUSH_THETA,
+    anchor_check_group,
+    anchor_group,
+    plan_sync_group,
+)
+from dreamp2p.sync.model.layers import FlatGroup
+from dreamp2p.sync.model.profiler import LayerProfiler
+from dreamp2p.sync.strategies.base import Strategy
+from dreamp2p.sync.strategies.control import (
     Control,
     Gathered,
     PlanRequest,
@@ -65,18 +75,8 @@ from dreamp2p.sync.control import (
     restore_control,
     unpack_control,
 )
-from dreamp2p.sync.groups import (
-    GROUP_CONTROL,
-    GROUP_FLUSH_DELTA,
-    GROUP_FLUSH_THETA,
-    anchor_check_group,
-    anchor_group,
-    plan_sync_group,
-)
-from dreamp2p.sync.inflight import InFlight
-from dreamp2p.sync.layers import FlatGroup
-from dreamp2p.sync.outer import OuterWeights, anchor_verdict
-from dreamp2p.sync.profiler import LayerProfiler
+from dreamp2p.sync.strategies.inflight import InFlight
+from dreamp2p.sync.strategies.outer import OuterWeights, anchor_verdict
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""An in-memory :class:`~dreamp2p.sync.collective.Collective`: N members in one process, no network.
+"""An in-memory :class:`~dreamp2p.sync.comm.collective.Collective`: N members in one process, no network.
 
 For unit tests of a strategy's own logic (what it averages when, what it merges, what it checkpoints),
 and for anyone who writes a strategy. Each member runs on its own thread, as a node's trainer would;
@@ -24,7 +24,7 @@ from dreamp2p.compression import get_codec
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import LinkSnapshot, RingCodecPlan, RoundResult, TrainingInfo
 from dreamp2p.peer.guard import ContributionGuard
-from dreamp2p.sync.layers import FlatGroup
+from dreamp2p.sync.model.layers import FlatGroup
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """The peer's event loop in a child process (``[node] comm = "process"``): a drop-in for CommThread.
 
 The trainer's process keeps the model, the strategy, its flat group buffers and a reader thread; the
-child (`dreamp2p.sync.commchild`, a fresh interpreter that imports nothing of the model) runs the Peer,
+child (`dreamp2p.sync.comm.child`, a fresh interpreter that imports nothing of the model) runs the Peer,
 its gRPC server and channels, heartbeats and every round. So the Python half of communication (framing,
 codecs, asyncio) no longer takes the trainer's GIL. What crosses the local socket is small typed
-messages (`dreamp2p.sync.commwire`, sent and answered through `dreamp2p.sync.commpipe`); a round's
+messages (`dreamp2p.sync.comm.wire`, sent and answered through `dreamp2p.sync.comm.pipe`); a round's
 tensors do not: each group buffer is moved into shared memory (``share_memory_()``, in place, so every
 view of it stays valid) and its file descriptor is handed to the child once. ``prepare`` callbacks (a
 Python closure, e.g. DreamDDP's pseudo-gradient) run here on a launcher thread, so the training thread
@@ -29,8 +29,8 @@ from dreamp2p.messages import LinkSnapshot, PeerStatus, RingCodecPlan, RoundResu
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.state.fetch import FetchedState
 from dreamp2p.state.snapshot import Snapshot
-from dreamp2p.sync.commpipe import ChildPipe, settle
-from dreamp2p.sync.commwire import (
+from dreamp2p.sync.comm.pipe import ChildPipe, settle
+from dreamp2p.sync.comm.wire import (
     AllReduce,
     BufferRegistry,
     Call,
@@ -45,7 +45,7 @@ from dreamp2p.sync.commwire import (
     ShareBuffer,
     check_shareable,
 )
-from dreamp2p.sync.layers import FlatGroup
+from dreamp2p.sync.model.layers import FlatGroup
 
 log = logging.getLogger(__name__)
 

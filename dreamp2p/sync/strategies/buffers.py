@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from dreamp2p.messages import RoundResult
-from dreamp2p.sync.collective import Collective
-from dreamp2p.sync.groups import GROUP_BUFFERS
-from dreamp2p.sync.layers import FlatGroup
+from dreamp2p.sync.comm.collective import Collective
+from dreamp2p.sync.model.groups import GROUP_BUFFERS
+from dreamp2p.sync.model.layers import FlatGroup
 
 
 def frozen_parameters(model: nn.Module) -> list[nn.Parameter]:

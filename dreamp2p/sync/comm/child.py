@@ -1,8 +1,8 @@
 """The comm process itself: one Peer on one event loop, driven by its trainer over a local socket.
 
-Started by `dreamp2p.sync.commproc.CommProcess` as ``python -m dreamp2p.sync.commchild FD`` (a fresh
+Started by `dreamp2p.sync.comm.process.CommProcess` as ``python -m dreamp2p.sync.comm.child FD`` (a fresh
 interpreter: it imports nothing of the model or of the trainer's script). A reader thread turns the
-trainer's messages (`dreamp2p.sync.commwire`) into work on the loop; every reply is sent from the loop.
+trainer's messages (`dreamp2p.sync.comm.wire`) into work on the loop; every reply is sent from the loop.
 Shared buffers arrive as file descriptors right behind their ShareBuffer message. When the trainer's end
 of the socket closes (it exited or was killed) the peer is closed with grace and the process exits.
 SIGINT and SIGTERM are ignored: only the trainer ends the comm process.
@@ -31,8 +31,8 @@ from dreamp2p.peer import Peer
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.state.fetch import fetch_state
 from dreamp2p.state.snapshot import Snapshot
-from dreamp2p.sync.comm import _drain_loop
-from dreamp2p.sync.commwire import (
+from dreamp2p.sync.comm.thread import _drain_loop
+from dreamp2p.sync.comm.wire import (
     AllReduce,
     Call,
     Diverged,

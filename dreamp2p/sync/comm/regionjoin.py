@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dreamp2p.state.snapshot import TensorMeta, tensor_from_bytes, tensor_to_bytes, unflatten_state
-from dreamp2p.sync.sharded import ShardedCollective
+from dreamp2p.sync.comm.sharded import ShardedCollective
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import xxhash
 from torch import nn
 
 from dreamp2p.errors import RoundFailed
-from dreamp2p.sync.buffers import frozen_parameters, model_buffers
-from dreamp2p.sync.collective import Collective
-from dreamp2p.sync.groups import GROUP_AGREE, GROUP_INIT
-from dreamp2p.sync.layers import FlatGroup
+from dreamp2p.sync.comm.collective import Collective
+from dreamp2p.sync.model.groups import GROUP_AGREE, GROUP_INIT
+from dreamp2p.sync.model.layers import FlatGroup
+from dreamp2p.sync.strategies.buffers import frozen_parameters, model_buffers
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def states_agree(comm: Collective, tensors: list[torch.Tensor], timeout: float) 
     """Whether every member holds bit-identical ``tensors``: one round of 64 floats, the same answer everywhere.
 
     Each member sends its digest's bits as 0.0/1.0; a bit's mean is exactly 0 or 1 only where every member
-    holds the same bit, so any fraction means some replica differs (the anchors' check, `sync.outer`, on a
+    holds the same bit, so any fraction means some replica differs (the anchors' check, `sync.strategies.outer`, on a
     whole digest). A failed round answers False: the caller then does the full transfer.
     """
     group = agreement_group(tensors)

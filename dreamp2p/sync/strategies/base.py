@@ -7,7 +7,7 @@ blocks only where its method requires; time spent blocked is the step's exposed 
 One failure policy for every strategy: a round that fails (after the peer's retry) failed on every member
 (rounds are all-or-none, see `dreamp2p.peer`), so it is skipped everywhere and training goes on; nobody
 applied it, so the replicas stay consistent. Buffers (BatchNorm statistics) are synced alongside, see
-`dreamp2p.sync.buffers`.
+`dreamp2p.sync.strategies.buffers`.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from dreamp2p.errors import FlushIncomplete, PeerError, RoundFailed, Status
 from dreamp2p.messages import RoundResult, TrainingInfo
 from dreamp2p.settings import FIXED_ON_RESUME, resume_changes, resume_refusal
 from dreamp2p.state.donor import StateDonor
-from dreamp2p.sync.agreement import is_adaptive
-from dreamp2p.sync.buffers import BufferSync, frozen_parameters, model_buffers
-from dreamp2p.sync.collective import Collective
-from dreamp2p.sync.groups import GROUP_FLUSH, GROUP_FLUSH_CHECK
-from dreamp2p.sync.layers import FlatGroup, Layer, discover_layers
-from dreamp2p.sync.optim import OptimizerFacade
-from dreamp2p.sync.replicas import agreement_group, bits_agree
+from dreamp2p.sync.comm.collective import Collective
+from dreamp2p.sync.model.agreement import is_adaptive
+from dreamp2p.sync.model.groups import GROUP_FLUSH, GROUP_FLUSH_CHECK
+from dreamp2p.sync.model.layers import FlatGroup, Layer, discover_layers
+from dreamp2p.sync.model.optim import OptimizerFacade
+from dreamp2p.sync.strategies.buffers import BufferSync, frozen_parameters, model_buffers
+from dreamp2p.sync.strategies.replicas import agreement_group, bits_agree
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Totals:
 class Strategy(OptimizerFacade, abc.ABC):
     """Base of every synchronization strategy; subclasses implement :meth:`_step`.
 
-    It is also a ``torch.optim.Optimizer`` over the user's optimizer (`dreamp2p.sync.optim`): LR schedulers
+    It is also a ``torch.optim.Optimizer`` over the user's optimizer (`dreamp2p.sync.model.optim`): LR schedulers
     and ``GradScaler`` take the strategy where they take an optimizer. Subclasses update the weights from
     local gradients with :meth:`_inner_step` (skipped on a ``GradScaler`` overflow), never
     ``self.optimizer.step()`` directly.

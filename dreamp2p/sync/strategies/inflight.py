@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dreamp2p.messages import RoundResult
-from dreamp2p.sync.base import landed, settled
-from dreamp2p.sync.layers import FlatGroup, Layer
+from dreamp2p.sync.model.layers import FlatGroup, Layer
+from dreamp2p.sync.strategies.base import landed, settled
 
 
 @dataclass
@@ -33,7 +33,7 @@ class InFlight:
 
     def record(self, timeout: float) -> dict[str, Any] | None:
         """Wait for the sync, then its checkpoint record; None when it failed (everywhere: nobody applies it).
-        RoundFailed when a round is still in flight after ``timeout`` (`dreamp2p.sync.base.settled`)."""
+        RoundFailed when a round is still in flight after ``timeout`` (`dreamp2p.sync.strategies.base.settled`)."""
         if not settled(self.fut, timeout) or (self.check_fut is not None and not settled(self.check_fut, timeout)):
             return None
         rec = {

@@ -1,6 +1,6 @@
 """Which part of a flat group each local rank of a region owns on the WAN, and each rank's peer settings.
 
-Pure arithmetic, no torch.distributed and no network (see `dreamp2p.sync.sharded` for their use). A
+Pure arithmetic, no torch.distributed and no network (see `dreamp2p.sync.comm.sharded` for their use). A
 region runs N local ranks (a torchrun job); local rank k owns shard k of every group the plan syncs and
 averages only that shard with local rank k of the other regions. Shards are contiguous, each
 ``ceil(numel / N)`` elements long except the last ones, which the region's all-gather pads to that length

@@ -1,9 +1,9 @@
 """What a strategy needs from the network, as a Protocol: averaging rounds, the members, the links.
 
-Strategies talk only to this interface. Two classes implement it for real runs: `dreamp2p.sync.comm.CommThread`
-(a gRPC peer on its own event loop, in the trainer's process) and `dreamp2p.sync.commproc.CommProcess`
+Strategies talk only to this interface. Two classes implement it for real runs: `dreamp2p.sync.comm.thread.CommThread`
+(a gRPC peer on its own event loop, in the trainer's process) and `dreamp2p.sync.comm.process.CommProcess`
 (``[node] comm = "process"``: the same peer in a child process of its own, off the trainer's GIL).
-`dreamp2p.sync.inprocess` implements it in memory so that a strategy's logic (what it averages when, what
+`dreamp2p.sync.comm.inprocess` implements it in memory so that a strategy's logic (what it averages when, what
 it merges, what it checkpoints) is tested in one process in milliseconds. Every call is made from the training thread.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from dreamp2p.messages import LinkSnapshot, RingCodecPlan, RoundResult, TrainingInfo
-from dreamp2p.sync.layers import FlatGroup
+from dreamp2p.sync.model.layers import FlatGroup
 
 
 class Collective(Protocol):

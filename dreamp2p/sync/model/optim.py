@@ -3,8 +3,8 @@
 PyTorch code that drives an optimizer expects an ``Optimizer`` instance: every LR scheduler checks
 ``isinstance(optimizer, torch.optim.Optimizer)`` and then reads and writes ``optimizer.param_groups``;
 ``torch.amp.GradScaler.step(opt)`` looks for inf/NaN in the gradients of ``opt.param_groups`` and calls
-``opt.step()``. :class:`OptimizerFacade` is that view of a strategy (every :class:`~dreamp2p.sync.base.Strategy`
-derives from it) over the user's own ("inner") optimizer:
+``opt.step()``. :class:`OptimizerFacade` is that view of a strategy (every
+:class:`~dreamp2p.sync.strategies.base.Strategy` derives from it) over the user's own ("inner") optimizer:
 
 - ``param_groups``, ``state`` and ``defaults`` *are* the inner optimizer's objects, not copies: a scheduler
   that sets ``group["lr"]`` changes the learning rate the inner optimizer applies at its next step.

@@ -7,7 +7,7 @@ every member holds them bit-identical as long as it took part in every round. A 
 good: each side averages among itself and moves its own global copy, and after the heal the rounds average
 pseudo-gradients or parameters relative to copies that stay apart.
 
-The check is DreamDDP's (`dreamp2p.sync.outer`): beside a sync launched in every ``anchor_every``-th period
+The check is DreamDDP's (`dreamp2p.sync.strategies.outer`): beside a sync launched in every ``anchor_every``-th period
 (decided from the launch step, so every member agrees without asking) a 17-element fp32 round carries a
 flag and 16 bits of an xxh3 digest of the member's outer state; a bit's mean is exactly 0 or 1 only where
 every member holds the same bit, so every member reads the same verdict. Where it says "differ", the key
@@ -30,11 +30,11 @@ from typing import Any
 import torch
 
 from dreamp2p.messages import RoundResult
-from dreamp2p.sync.base import landed, settled
-from dreamp2p.sync.collective import Collective
-from dreamp2p.sync.layers import FlatGroup
-from dreamp2p.sync.outer import anchor_check_vector, anchor_verdict
-from dreamp2p.sync.replicas import tensors_digest
+from dreamp2p.sync.comm.collective import Collective
+from dreamp2p.sync.model.layers import FlatGroup
+from dreamp2p.sync.strategies.base import landed, settled
+from dreamp2p.sync.strategies.outer import anchor_check_vector, anchor_verdict
+from dreamp2p.sync.strategies.replicas import tensors_digest
 
 log = logging.getLogger(__name__)
 

@@ -32,9 +32,9 @@ from dreamp2p.schedule.dreamddp import plan_dreamddp
 from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs, wire_ratio
 from dreamp2p.schedule.plan import Plan
 from dreamp2p.schedule.plancodec import choose_anchor_codec, choose_plan_codec
-from dreamp2p.sync.base import settled
-from dreamp2p.sync.groups import GROUP_CONTROL
-from dreamp2p.sync.layers import FlatGroup
+from dreamp2p.sync.model.groups import GROUP_CONTROL
+from dreamp2p.sync.model.layers import FlatGroup
+from dreamp2p.sync.strategies.base import settled
 
 log = logging.getLogger(__name__)
 A = TypeVar("A")

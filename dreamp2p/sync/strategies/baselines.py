@@ -1,6 +1,6 @@
 """The baseline strategies, all on the same transport so benchmarks compare like with like.
 
-A round that fails is skipped by every member (see `dreamp2p.sync.base`): S-SGD then skips that step's
+A round that fails is skipped by every member (see `dreamp2p.sync.strategies.base`): S-SGD then skips that step's
 update everywhere, the others skip that average or outer step and carry on locally.
 
 - ``none``: local training only, the compute-only reference.
@@ -29,8 +29,7 @@ from dreamp2p.config.sync import SyncConfig
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RoundResult
 from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided_fragments
-from dreamp2p.sync.base import Strategy, landed
-from dreamp2p.sync.groups import (
+from dreamp2p.sync.model.groups import (
     GROUP_CO2_GAP,
     GROUP_GRADS,
     GROUP_OUTER_CHECK,
@@ -40,9 +39,10 @@ from dreamp2p.sync.groups import (
     fragment_group,
     fragment_heal_group,
 )
-from dreamp2p.sync.layers import FlatGroup
-from dreamp2p.sync.outercheck import CheckRound, OuterCheck
-from dreamp2p.sync.replicas import tensors_digest
+from dreamp2p.sync.model.layers import FlatGroup
+from dreamp2p.sync.strategies.base import Strategy, landed
+from dreamp2p.sync.strategies.outercheck import CheckRound, OuterCheck
+from dreamp2p.sync.strategies.replicas import tensors_digest
 
 
 def _outer_sgd(shadow: nn.Parameter, cfg: SyncConfig) -> torch.optim.Optimizer:

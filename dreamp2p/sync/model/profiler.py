@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from dreamp2p.schedule.cost import LayerCost
-from dreamp2p.sync.layers import Layer
+from dreamp2p.sync.model.layers import Layer
 
 
 class LayerProfiler:

@@ -1,8 +1,8 @@
 """The trainer's end of its comm process: start it, send typed messages, resolve replies, notice its death.
 
-`dreamp2p.sync.commproc.CommProcess` talks through a :class:`ChildPipe`. The child is a fresh interpreter
-(``python -m dreamp2p.sync.commchild FD``) joined by a ``socketpair``: messages are pickled dataclasses
-(`dreamp2p.sync.commwire`; both ends are our own code), a shared buffer's file descriptor follows its
+`dreamp2p.sync.comm.process.CommProcess` talks through a :class:`ChildPipe`. The child is a fresh interpreter
+(``python -m dreamp2p.sync.comm.child FD``) joined by a ``socketpair``: messages are pickled dataclasses
+(`dreamp2p.sync.comm.wire`; both ends are our own code), a shared buffer's file descriptor follows its
 message as SCM_RIGHTS ancillary data. A reader thread resolves each request's Future; when the socket
 closes it fails every pending one, and every later one, with CommProcessError naming the pid and exit
 code.
@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from dreamp2p.sync.commwire import CommProcessError, Failure, Init, Reply, ShareBuffer, Started, decode_error
+from dreamp2p.sync.comm.wire import CommProcessError, Failure, Init, Reply, ShareBuffer, Started, decode_error
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class ChildPipe:
         pkg_root = str(Path(__file__).resolve().parents[2])  # the folder holding the dreamp2p package
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dreamp2p.sync.commchild", str(theirs.fileno())],
+            [sys.executable, "-m", "dreamp2p.sync.comm.child", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             env=env,
         )

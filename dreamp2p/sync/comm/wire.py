@@ -1,6 +1,6 @@
 """The messages between a trainer and its comm process, how errors cross, and the shared-buffer registry.
 
-Pure parts of `dreamp2p.sync.commproc` (no I/O). Messages are small frozen dataclasses pickled over a
+Pure parts of `dreamp2p.sync.comm.process` (no I/O). Messages are small frozen dataclasses pickled over a
 local socket between our own two processes (never peer data). A round's tensors never travel in them:
 flat group buffers live in shared memory and are named by a buffer id, each handed to the child once.
 Exceptions are sent as :class:`ErrorInfo` and rebuilt as the same types (PeerError with its status,
