@@ -280,3 +280,42 @@ def test_the_check_names_a_new_upward_import_and_the_cycle_it_closes(tmp_path: P
     assert cycle.startswith("import cycle between node, sync:")
     assert "dreamp2p/node.py:1 imports dreamp2p.sync.base" in cycle and "dreamp2p/sync/base.py:4" in cycle
     assert check(graph, frozenset({("sync", "node"), ("transport", "node")})) == []
+
+
+# The rooms of ``dreamp2p.sync``, highest first: a room imports its own or a lower one, never a higher one.
+SYNC_ROOMS: tuple[str, ...] = ("strategies", "comm", "model")
+
+
+def sync_room_imports(package_dir: Path = PACKAGE_DIR) -> list[Import]:
+    """Every import from one room of ``dreamp2p.sync`` into another (module-level, lazy or type-only)."""
+    files = module_files(package_dir)
+    known = set(files)
+    prefix = f"{package_dir.name}.sync."
+    found = []
+    for module, path in files.items():
+        if not module.startswith(prefix):
+            continue
+        src = module.removeprefix(prefix).split(".")[0]
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for target, line in imported_modules(tree, module, path.name == "__init__.py", known):
+            if target.startswith(prefix) and (dst := target.removeprefix(prefix).split(".")[0]) != src:
+                found.append(Import(src, dst, path.relative_to(package_dir.parent).as_posix(), line, target))
+    return found
+
+
+def test_sync_has_only_its_rooms_and_each_holds_few_modules() -> None:
+    sync = PACKAGE_DIR / "sync"
+    loose = sorted(p.name for p in sync.glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"a module of sync/ outside its rooms {SYNC_ROOMS}: {loose}"
+    rooms = sorted(p.name for p in sync.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert rooms == sorted(SYNC_ROOMS)
+    for room in SYNC_ROOMS:
+        modules = [p for p in (sync / room).glob("*.py") if p.name != "__init__.py"]
+        assert 0 < len(modules) <= 15, f"sync/{room} holds {len(modules)} modules"
+
+
+def test_sync_rooms_import_one_way() -> None:
+    imports = sync_room_imports()
+    assert {(i.src, i.dst) for i in imports} >= {("strategies", "comm"), ("strategies", "model"), ("comm", "model")}
+    upward = [str(i) for i in imports if SYNC_ROOMS.index(i.src) > SYNC_ROOMS.index(i.dst)]
+    assert upward == [], "an import up the rooms of sync/ (" + " -> ".join(SYNC_ROOMS) + "):\n" + "\n".join(upward)
