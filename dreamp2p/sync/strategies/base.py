@@ -24,24 +24,19 @@ import torch
 from torch import nn
 
 from dreamp2p.config.sync import SyncConfig
-from dreamp2p.errors import FlushIncomplete, PeerError, RoundFailed, Status
+from dreamp2p.errors import PeerError, RoundFailed, Status
 from dreamp2p.messages import RoundResult, TrainingInfo
 from dreamp2p.settings import FIXED_ON_RESUME, resume_changes, resume_refusal
 from dreamp2p.state.donor import StateDonor
 from dreamp2p.sync.comm.collective import Collective
 from dreamp2p.sync.model.agreement import is_adaptive
-from dreamp2p.sync.model.groups import GROUP_FLUSH, GROUP_FLUSH_CHECK
-from dreamp2p.sync.model.layers import FlatGroup, Layer, discover_layers
+from dreamp2p.sync.model.layers import Layer, discover_layers
 from dreamp2p.sync.model.optim import OptimizerFacade
-from dreamp2p.sync.strategies.buffers import BufferSync, frozen_parameters, model_buffers
-from dreamp2p.sync.strategies.replicas import agreement_group, bits_agree
+from dreamp2p.sync.strategies.buffers import BufferSync, model_buffers
+from dreamp2p.sync.strategies.flush import ReplicaFlush
 
 log = logging.getLogger(__name__)
 
-# flush() tries this many rounds before it gives up (it promises identical replicas, so it cannot skip)
-FLUSH_ATTEMPTS = 3
-# round ids one flush reserves per group: an average of each of its two parts, with its attempts
-FLUSH_IDS = 2 * FLUSH_ATTEMPTS
 # seconds the trainer waits for a round beyond the peer's round deadline before it calls the round lost
 ROUND_MARGIN_S = 30.0
 
@@ -124,12 +119,12 @@ class Strategy(OptimizerFacade, abc.ABC):
         self.params: list[nn.Parameter] = [p for layer in self.layers for p in layer.params]
         self.step_count = 0
         self.rounds_skipped = 0
-        self._flush_round = 0  # the id of the newest flush round (see flush)
         self._last_members: tuple[str, ...] = ()  # who the newest landed round ran among (see flush)
         self.totals = Totals()
         self._last_end = time.perf_counter()
         self._stats = StepStats(0)
         self.pin = any(p.device.type == "cuda" for p in self.params)
+        self._flusher = ReplicaFlush(comm, model, self.pin, self._wait)
         self.buffers = model_buffers(model) if self.syncs_buffers else []
         self._bufsync = BufferSync(comm, self.buffers, cfg.buffers, self.pin) if self.buffers else None
         self._resync: Callable[[tuple[str, ...]], None] | None = None
@@ -282,53 +277,15 @@ class Strategy(OptimizerFacade, abc.ABC):
         every member of the flush ends bit-identical. Two parts, each checked first with a round of 64
         digest bits: the trainable parameters (unless the strategy already made them identical through its
         compressed path, `_flush_params`), then frozen parameters and buffers; a part every member already
-        holds alike sends nothing more, the others are averaged in fp32. A failed average is tried again
-        (up to FLUSH_ATTEMPTS in all); RoundFailed if none completes. FlushIncomplete when the flush
-        completed among fewer members than our newest round or the view at its start held: those members
-        kept their own state (they closed without this flush, died or were cut off).
+        holds alike sends nothing more, the others are averaged in fp32 (`dreamp2p.sync.strategies.flush`).
+        A failed average is tried again (up to FLUSH_ATTEMPTS in all); RoundFailed if none completes.
+        FlushIncomplete when the flush completed among fewer members than our newest round or the view at
+        its start held: those members kept their own state (they closed without this flush, died or were
+        cut off).
         """
         self.close()
         expected = set(self._last_members) | set(self.comm.members)
-        # Round ids from the step, as every other round's: a member that joined refuses rounds numbered
-        # before its first step, and ids counted from 1 were (whenever a frame beat its own round open).
-        # Every member flushes at the same step, the same number of times, so the ids agree.
-        first = max(self._flush_round + 1, (self.step_count + 1) * FLUSH_IDS)
-        self._flush_round = first + FLUSH_IDS - 1
-        done = self._flush_params(first)
-        rest: list[torch.Tensor] = [*frozen_parameters(self.model), *model_buffers(self.model)]
-        trainable: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
-        parts = [rest] if done is not None else [trainable, rest]
-        last = done
-        for k, tensors in enumerate(part for part in parts if part):
-            agree, res = self._flush_check(tensors, first + k)
-            if not agree:
-                res = self._flush_average(tensors, first + k * FLUSH_ATTEMPTS)
-            last = res or last
-        averaged = last.members if last is not None and last.members else tuple(self.comm.members)
-        missing = tuple(sorted(expected - set(averaged)))
-        if missing:
-            raise FlushIncomplete(averaged, missing)
-
-    def _flush_check(self, tensors: list[torch.Tensor], round_id: int) -> tuple[bool, RoundResult | None]:
-        """Whether every member holds ``tensors`` bit-identical already (a failed check says no)."""
-        group = agreement_group(tensors)
-        res = self._wait(
-            self.comm.allreduce_group(group, GROUP_FLUSH_CHECK, "fp32", round_id=round_id, guard_norm=False)
-        )
-        return (res is not None and bits_agree(group.work)), res
-
-    def _flush_average(self, tensors: list[torch.Tensor], first: int) -> RoundResult:
-        """Average ``tensors`` in the configured codec, tried up to FLUSH_ATTEMPTS times."""
-        group = FlatGroup(tensors, pin=self.pin)
-        for attempt in range(FLUSH_ATTEMPTS):
-            group.snapshot()
-            fut = self.comm.allreduce_group(group, GROUP_FLUSH, self.cfg.codec, round_id=first + attempt)
-            res = self._wait(fut)
-            if res is not None:
-                group.merge()
-                return res
-            log.warning("flush: round %d of %d failed; trying again", attempt + 1, FLUSH_ATTEMPTS)
-        raise RoundFailed(None, f"flush: no averaging round completed in {FLUSH_ATTEMPTS} attempts")
+        self._flusher.run(self.step_count, self.cfg.codec, expected, self._flush_params)
 
     # ------------------------------------------------------------------ for subclasses
 

@@ -1,4 +1,4 @@
-"""DreamDDP's control round and re-planning: what every member gathers, and the plan it derives alike.
+"""DreamDDP's control round and re-planning: what every member gathers, when, and the plan it derives alike.
 
 One plan for all (DreamDDP, Tang et al., arXiv 2502.11058, extended for the WAN in docs/PLANNING.md):
 plans are computed only from inputs every member holds bit-identically, gathered by a small control
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hashlib
 import logging
 import math
 import threading
@@ -32,9 +33,11 @@ from dreamp2p.schedule.dreamddp import plan_dreamddp
 from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs, wire_ratio
 from dreamp2p.schedule.plan import Plan
 from dreamp2p.schedule.plancodec import choose_anchor_codec, choose_plan_codec
+from dreamp2p.sync.comm.collective import Collective
 from dreamp2p.sync.model.groups import GROUP_CONTROL
 from dreamp2p.sync.model.layers import FlatGroup
 from dreamp2p.sync.strategies.base import settled
+from dreamp2p.sync.strategies.outercheck import Wait
 
 log = logging.getLogger(__name__)
 A = TypeVar("A")
@@ -289,3 +292,127 @@ def restore_control(rec: dict[str, Any], world: int) -> Control:
     done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
     done.set_result(RoundResult(GROUP_CONTROL, 0, 0.0, 0, 0, group.numel, "fp32", 0))
     return (int(rec["land"]), done, group, int(rec.get("world", world)))
+
+
+def successor_link(comm: Collective) -> tuple[int, int, float, float]:
+    """(members, our rank, goodput B/s, RTT s) of our link to the next member, NaN where not measured yet:
+    what this member's slot of a control round reports (`pack_control`)."""
+    links = {s.peer: s for s in comm.links()}
+    members = comm.members  # read once: the view may change on the comm thread meanwhile
+    world, rank = len(members), members.index(comm.node_id)
+    succ = members[(rank + 1) % world] if world > 1 else None
+    snap = links.get(succ) if succ else None
+    bw = snap.goodput_Bps if snap is not None and snap.goodput_Bps > 0 else math.nan
+    rtt = snap.rtt_s if snap is not None and snap.rtt_s > 0 else math.nan
+    return world, rank, bw, rtt
+
+
+class ControlSchedule:
+    """When control rounds run, and the one in flight: agreed memory, the same on every member.
+
+    The step the next round launches at is checkpointed, since its spacing follows what the rounds decided
+    (`control_interval`). The step the schedule or the re-planning memory last changed at, with their
+    digest, is what heartbeats name beside the plan: two sides of a partition keep their plan but run their
+    own control rounds, so their memories part, and each side would wait for rounds the other skips until
+    the round deadline; the side with the lesser name takes the others' state (`dreamp2p.peer.drift`).
+    """
+
+    def __init__(self, cfg: SyncConfig, comm: Collective) -> None:
+        self._cfg = cfg
+        self._comm = comm
+        self._control: Control | None = None
+        self.next_step = self._fixed_step(0)
+        self.changed_at = 0  # the step the schedule or the re-planning memory last changed at
+        self._name: tuple[object, int] = (None, 0)  # (the memory, its digest), cached
+
+    def _fixed_step(self, step: int) -> int:
+        """The first control step at or after ``step`` on the fixed grid: the first control round of a run,
+        and where a checkpoint that predates spacing resumes."""
+        start, every = max(self._cfg.warmup_steps, 1), self._cfg.control_every
+        return start + max(0, -(-(step - start) // every)) * every
+
+    def landed(self, step: int) -> Control | None:
+        """The round in flight, taken out of flight, if its result is used at or before ``step``."""
+        if self._control is not None and self._control[0] <= step:
+            control, self._control = self._control, None
+            return control
+        return None
+
+    def overdue(self, step: int) -> Control | None:
+        """The round in flight, taken out of flight, if its result was used before ``step`` (a jump)."""
+        if self._control is not None and self._control[0] < step:
+            control, self._control = self._control, None
+            return control
+        return None
+
+    def due(self, step: int) -> bool:
+        """Whether a control round launches at ``step``."""
+        return self._control is None and step >= self.next_step
+
+    def launch(
+        self, step: int, interval: int, round_id: int, contribution: Callable[[], tuple[torch.Tensor, int]]
+    ) -> None:
+        """Launch the round of ``step``, the next one ``interval`` steps on. ``contribution``: this member's
+        control vector and the member count it was packed for, read once the schedule has moved on."""
+        self.next_step = step + interval
+        self.changed_at = step
+        vec, world = contribution()
+        group = FlatGroup([vec])
+        group.snapshot()
+        fut = self._comm.allreduce_group(group, GROUP_CONTROL, "fp32", round_id=round_id, guard_norm=False)
+        self._control = (step + self._cfg.control_lead, fut, group, world)
+
+    def decided(self, land: int) -> None:
+        """A round whose result was used at ``land`` decided (its re-planning memory may have changed)."""
+        self.changed_at = max(self.changed_at, land)
+
+    def hasten(self, land: int) -> None:
+        """After a round landing at ``land`` that saw a change or made a plan: the rounds that confirm the
+        change (replan_sustain) or watch the new plan come at the full pace again."""
+        launched = land - self._cfg.control_lead
+        self.next_step = min(self.next_step, launched + self._cfg.control_every)
+
+    def catch_up(self, step: int, interval: int) -> None:
+        """Move past the rounds the members launched before ``step`` (a join or a resync): those that
+        included us failed (we refused their frames), deciding nothing, so each spaced the next by
+        ``interval``."""
+        while self.next_step < step:
+            self.changed_at = max(self.changed_at, self.next_step)
+            self.next_step += interval
+
+    def digest(self, replanning: dict[str, Any]) -> int:
+        """64 bits naming the schedule and the re-planning memory (``replanning``: `Replanner.state`)."""
+        memory = (self.next_step, *replanning.values())
+        if self._name[0] != memory:
+            raw = hashlib.sha256(repr(memory).encode()).digest()
+            self._name = (memory, int.from_bytes(raw[:8], "big"))
+        return self._name[1]
+
+    def finish(self, wait: Wait, timeout: float | None) -> None:
+        """Finish the round in flight but keep it: its result is used at its landing step, as on every peer;
+        one that failed did so everywhere, and no member will use it."""
+        if self._control is not None and wait(self._control[1], timeout) is None:
+            self._control = None
+
+    def drop(self) -> None:
+        self._control = None
+
+    def restart(self, step: int) -> None:
+        """The re-planning memory starts over at ``step``, on every member alike."""
+        self.changed_at = step
+
+    def state(self) -> dict[str, Any]:
+        """Checkpoint entries ``next_control`` and ``schedule_step``."""
+        return {"next_control": self.next_step, "schedule_step": self.changed_at}
+
+    def record(self, timeout: float) -> dict[str, Any] | None:
+        """The checkpoint entry ``control`` (`control_record`); None without a finished round in flight."""
+        return control_record(self._control, timeout) if self._control is not None else None
+
+    def load(self, state: dict[str, Any], step: int, world: int) -> None:
+        """From checkpoint entries, resuming at ``step``; ``world``: the members, for old control records."""
+        control = state.get("control")
+        if control is not None:
+            self._control = restore_control(control, world)
+        self.next_step = int(state.get("next_control", self._fixed_step(step)))
+        self.changed_at = int(state.get("schedule_step", 0))

@@ -39,9 +39,6 @@ first measured plan, a warm-up plan of two large syncs runs.
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
-import hashlib
 import logging
 import math
 from typing import Any
@@ -50,33 +47,24 @@ import torch
 
 from dreamp2p.messages import RingCodecPlan, RoundResult, TrainingInfo
 from dreamp2p.schedule.cost import LayerCost
-from dreamp2p.schedule.dreamddp import warmup_plan
 from dreamp2p.schedule.pace import PaceFilter, delivery_rate
-from dreamp2p.schedule.plan import GroupSync, Plan
-from dreamp2p.sync.model.groups import (
-    GROUP_CONTROL,
-    GROUP_FLUSH_DELTA,
-    GROUP_FLUSH_THETA,
-    anchor_check_group,
-    anchor_group,
-    plan_sync_group,
-)
-from dreamp2p.sync.model.layers import FlatGroup
+from dreamp2p.schedule.plan import Plan
 from dreamp2p.sync.model.profiler import LayerProfiler
 from dreamp2p.sync.strategies.base import Strategy
 from dreamp2p.sync.strategies.control import (
     Control,
+    ControlSchedule,
     Gathered,
-    PlanRequest,
     Replanner,
-    control_record,
-    in_background,
     pack_control,
-    restore_control,
+    successor_link,
     unpack_control,
 )
+from dreamp2p.sync.strategies.deltaflush import DeltaFlush
 from dreamp2p.sync.strategies.inflight import InFlight
-from dreamp2p.sync.strategies.outer import OuterWeights, anchor_verdict
+from dreamp2p.sync.strategies.layersync import LayerSyncs
+from dreamp2p.sync.strategies.outer import OuterWeights
+from dreamp2p.sync.strategies.plans import PlanBook
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +73,6 @@ log = logging.getLogger(__name__)
 # transport's hand-off rate, this sees through socket buffers and a shaper's token bucket, which absorb
 # the first megabytes of a burst at several times the link's rate.
 RATE_SAMPLE_MIN_BYTES = 256 << 10
-# syncs per period before the first measured plan (see `warmup_plan`)
-WARMUP_GROUPS = 2
 
 
 def plan_summary(s: DreamDDP) -> str:
@@ -107,6 +93,43 @@ def plan_summary(s: DreamDDP) -> str:
     return "\n".join(lines)
 
 
+class LinkPace:
+    """What this member's layer syncs tell about its link to the next member: their pace (bytes sent /
+    seconds), with the ring's latency chain taken off (`delivery_rate`)."""
+
+    def __init__(self, world: int) -> None:
+        self._filter = PaceFilter()
+        # (members, the least RTT to the next member any control round read). The least: an RTT read while
+        # syncs queue on the link includes that queueing, which the pace must keep. NaN until the first one
+        self.latency: tuple[int, float] = (world, math.nan)
+
+    @property
+    def rate(self) -> float:
+        """The link's rate (B/s) from recent layer syncs; NaN before the first."""
+        return self._filter.rate
+
+    def read_rtt(self, world: int, rtt: float) -> None:
+        """A control round read ``rtt`` (NaN: none) on a ring of ``world`` members."""
+        least = min((r for r in (self.latency[1], rtt) if math.isfinite(r)), default=math.nan)
+        self.latency = (world, least)
+
+    def sample(self, inf: InFlight) -> None:
+        """Fold a finished sync's pace into the estimate, once.
+
+        Taken as soon as the round is done, not when it lands: a sync launched at step 0 with a long delay
+        would otherwise tell the control rounds nothing until it lands, and the first measured plan would be
+        made from the transport's goodput alone, then re-made once the syncs' pace arrives.
+        """
+        fut = inf.fut
+        if inf.rated or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return
+        inf.rated = True
+        res = fut.result()
+        if res.bytes_sent >= RATE_SAMPLE_MIN_BYTES and res.seconds > 0:
+            world, rtt = self.latency
+            self._filter.add(delivery_rate(res.bytes_sent, res.seconds, world, rtt))
+
+
 class DreamDDP(Strategy):
     name = "dreamddp"
     buffers_inline = False  # buffer rounds hide behind the next step like the layer syncs
@@ -114,31 +137,13 @@ class DreamDDP(Strategy):
     def _setup(self) -> None:
         self.profiler = LayerProfiler(self.layers)
         self._blank = [LayerCost(layer.name, 0.0, 0.0, layer.nbytes) for layer in self.layers]
-        # before the link is measured: a few large syncs, landing as late as the WAN extension allows
-        self.plan: Plan = warmup_plan(self._blank, self.cfg.period, WARMUP_GROUPS, delay=self.cfg.delay_cap)
-        self._next_plan: Plan | None = None
-        # a plan being made off the training thread: (its request, the future of (plan, codec))
-        self._planning: tuple[PlanRequest, concurrent.futures.Future[tuple[Plan, str]]] | None = None
-        self.plan_history: list[tuple[int, int]] = [(0, 0)]
-        self._groups: dict[tuple[int, int], FlatGroup] = {}
+        self._plans = PlanBook(self.cfg, self._blank)
         self._inflight: list[InFlight] = []
         self._layer_of = {id(p): layer.index for layer in self.layers for p in layer.params}
         self._armed: dict[int, set[int]] = {}
         self._pending: dict[int, int] = {}
-        # (landing step, round, buffer, members it was packed for)
-        self._control: Control | None = None
-        # the step the next control round launches at: agreed memory (checkpointed), since its spacing
-        # follows what the control rounds decided (`control_interval`)
-        self._next_control = self._fixed_control_step(0)
-        # the step the control schedule and re-planning memory last changed at (a launch or a landing): with
-        # their digest, what heartbeats name beside the plan (see _training_info and `dreamp2p.peer.drift`)
-        self._schedule_step = 0
-        self._schedule_name: tuple[object, int] = (None, 0)  # (the memory, its digest), cached
-        self._pace = PaceFilter()  # bytes sent / seconds of this member's recent layer syncs
-        # (members, the least RTT to the next member any control round read): a sync's latency chain, taken
-        # off its pace (`delivery_rate`). The least: an RTT read while syncs queue on the link includes that
-        # queueing, which the pace must keep. Unknown (NaN) until the first control round
-        self._ring_latency: tuple[int, float] = (self.comm.world, math.nan)
+        self._schedule = ControlSchedule(self.cfg, self.comm)
+        self._pace = LinkPace(self.comm.world)
         self._replanner = Replanner(self.cfg)
         # (plan, link codecs) -> plan_summary text and the plan's digest
         self._summary: tuple[object, str, int] = (None, "", 0)
@@ -147,33 +152,21 @@ class DreamDDP(Strategy):
         lr, mu = self.cfg.group_outer
         self._weights = OuterWeights(self.layers, lr, mu)
         self._weights.start()
-        # codec of each plan's layer syncs (plan version -> name); warm-up syncs use the most compressive
-        # candidate, since the link is not measured yet
-        self._plan_codecs: dict[int, str] = {0: self._warmup_codec()}
+        self._syncs = LayerSyncs(self.cfg, self.comm, self.layers, self.pin, self._weights)
+        self._delta_flush = DeltaFlush(
+            self.comm, self._weights, self.layers, self.pin, self.cfg.delta_codec, self._wait, self._syncs.check
+        )
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         if self.cfg.warmup_steps > 0:
             self.profiler.start()
         self._arm(0)
 
-    def _warmup_codec(self) -> str:
-        """The warm-up plan's codec: the most compressive candidate, since the link is not measured yet."""
-        return self.cfg.plan_codecs[-1] if self.cfg.plan_codecs else self.cfg.codec
-
     # ------------------------------------------------------------------ backward hooks
-
-    def _iteration(self, step: int) -> int:
-        return (step - self.plan.effective_step) % self.plan.period
 
     def _arm(self, step: int) -> None:
         """Prepare the syncs of ``step``: they launch as their layers' gradients become ready."""
-        if self._planning is not None and step >= self._planning[0].start:
-            self._collect_plan()
-        if self._next_plan is not None and step >= self._next_plan.effective_step:
-            self.plan = self._next_plan
-            self._next_plan = None
-            self.plan_history.append((self.plan.version, self.plan.effective_step))
-            log.info("adopted plan v%d at step %d", self.plan.version, step)
-        h = self._iteration(step)
+        self._plans.adopt(step)
+        h = (step - self.plan.effective_step) % self.plan.period
         self._armed = {i: set(s.layers) for i, s in enumerate(self.plan.syncs) if s.iteration == h}
         self._pending = {}
         for layers in self._armed.values():
@@ -195,121 +188,32 @@ class DreamDDP(Strategy):
                 self._launch(idx)
 
     def _launch(self, idx: int) -> None:
-        sync: GroupSync = self.plan.syncs[idx]
         key = (self.plan.version, idx)
         for inf in [f for f in self._inflight if f.key == key]:
             # still travelling from the previous period: it must land before its buffers are reused
             self._inflight.remove(inf)
             self._land(inf)
-        group = self._groups.get(key)
-        if group is None:
-            group = FlatGroup([p for li in sync.layers for p in self.layers[li].params], pin=self.pin)
-            self._groups[key] = group
-        gid = plan_sync_group(self.plan.version, idx)
-        if self._averages_params(sync.layers):
-            self._launch_anchor(sync, key, group, gid)
-            return
-        group.snapshot()
-        # theta is read here, on the training thread that alone changes it; `work` is ours until launch
-        self._weights.copy_theta(sync.layers, group.work)
-
-        def pseudo_gradient() -> None:  # on the comm thread, once the snapshot has landed
-            group.work.sub_(group.snap)
-
-        fut = self.comm.allreduce_group(
-            group,
-            gid,
-            self.cfg.delta_codec,
-            plan_version=self.plan.version,
-            round_id=self._round(),
-            prepare=pseudo_gradient,
-            error_feedback=self.cfg.error_feedback,
-        )
-        check, check_fut = self._sync_check(sync.layers, gid) if self._is_check(self.step_count) else (None, None)
-        self._inflight.append(InFlight(self.step_count + sync.delay, key, group, sync.layers, fut, check, check_fut))
+        anchor_codec = self.ring_codecs or self.plan_codec
+        self._inflight.append(self._syncs.launch(self.plan, idx, self.step_count, self._round(), anchor_codec))
 
     def _flush_params(self, round_id: int) -> RoundResult | None:
-        """flush()'s trainable part through the compressed path: every layer's pseudo-gradient at once in
-        ``delta_codec`` with a check of the outer weights beside it, then params = theta - mean pseudo-gradient
-        (the members' mean up to the codec's error) and theta with them, identical on every member whose
-        theta agreed. None (flush() then averages in fp32) without a delta codec, when the round failed or
-        when the check found the outer weights apart; flush()'s digest check confirms the result either way.
-        """
-        if not self.cfg.delta_codec or len(self.comm.members) == 1:
-            return None
-        layers = tuple(range(len(self.layers)))
-        group = FlatGroup(self.params, pin=self.pin)  # every layer's parameters, in layer order, as theta's
-        group.snapshot()
-        self._weights.copy_theta(layers, group.work)
+        """flush()'s trainable part through the compressed path (`dreamp2p.sync.strategies.deltaflush`)."""
+        return self._delta_flush.run(round_id)
 
-        def pseudo_gradient() -> None:  # on the comm thread, once the snapshot has landed
-            group.work.sub_(group.snap)
+    @property
+    def plan(self) -> Plan:
+        """The plan in force."""
+        return self._plans.plan
 
-        fut = self.comm.allreduce_group(
-            group,
-            GROUP_FLUSH_DELTA,
-            self.cfg.delta_codec,
-            round_id=round_id,
-            prepare=pseudo_gradient,
-        )
-        check, check_fut = self._check_round(layers, GROUP_FLUSH_THETA, round_id)
-        res = self._wait(fut)
-        checked = self._wait(check_fut)
-        if res is None or checked is None:
-            return None
-        if anchor_verdict(check.work) != "agree":
-            log.warning("flush: outer weights differ between members; the parameters are averaged in fp32")
-            return None
-        mean = torch.empty_like(group.work)
-        self._weights.copy_theta(layers, mean)
-        mean.sub_(group.work)  # theta - mean(theta - params) = mean(params), identical on every member
-        group.write(mean)
-        self._weights.set_theta(layers, mean)
-        return res
-
-    def _is_check(self, step: int) -> bool:
-        """Whether a sync launched at ``step`` checks the outer weights (decided from the step: agreed by all)."""
-        return (step // self.cfg.period) % self.cfg.anchor_every == 0
-
-    def _averages_params(self, layers: tuple[int, ...]) -> bool:
-        """Whether a sync of ``layers`` is an anchor, from agreed memory only: always without a delta codec;
-        otherwise where a check asked for it."""
-        return not self.cfg.delta_codec or self._weights.needs_anchor(layers)
-
-    def _check_round(
-        self, layers: tuple[int, ...], group_id: int, round_id: int, plan_version: int = 0
-    ) -> tuple[FlatGroup, concurrent.futures.Future[RoundResult]]:
-        """The 17-element round of (flag, digest bits) that checks ``layers``' outer weights on every member."""
-        check = FlatGroup([self._weights.check_vector(layers)])
-        check.snapshot()
-        fut = self.comm.allreduce_group(
-            check, group_id, "fp32", plan_version=plan_version, round_id=round_id, guard_norm=False
-        )
-        return check, fut
-
-    def _sync_check(
-        self, layers: tuple[int, ...], gid: int
-    ) -> tuple[FlatGroup, concurrent.futures.Future[RoundResult]]:
-        """The check beside layer sync ``gid`` of the plan in force."""
-        return self._check_round(layers, anchor_check_group(gid), self._round(), self.plan.version)
-
-    def _launch_anchor(self, sync: GroupSync, key: tuple[int, int], group: FlatGroup, gid: int) -> None:
-        group.snapshot()
-        fut = self.comm.allreduce_group(
-            group,
-            anchor_group(gid),
-            self.ring_codecs or self.plan_codec,
-            plan_version=self.plan.version,
-            round_id=self._round(),
-        )
-        check, check_fut = self._sync_check(sync.layers, gid)
-        inf = InFlight(self.step_count + sync.delay, key, group, sync.layers, fut, check, check_fut, anchor=True)
-        self._inflight.append(inf)
+    @property
+    def plan_history(self) -> list[tuple[int, int]]:
+        """Every plan adopted, as (version, effective step), oldest first."""
+        return self._plans.history
 
     @property
     def plan_codec(self) -> str:
         """The codec of the plan in force's anchors (of all its layer syncs without a delta codec)."""
-        return self._plan_codecs.get(self.plan.version, self.cfg.codec)
+        return self._plans.codec
 
     @property
     def sync_codec(self) -> str:
@@ -321,34 +225,13 @@ class DreamDDP(Strategy):
         res = self._wait(inf.fut, timeout)
         checked = self._wait(inf.check_fut, timeout) if inf.check_fut is not None else None
         if res is not None and (inf.check_fut is None or checked is not None):
-            self._merge(inf)
-        self._sample_rate(inf)
+            self._syncs.merge(inf)
+        self._pace.sample(inf)
 
-    def _sample_rate(self, inf: InFlight) -> None:
-        """Fold a finished sync's pace (bytes sent / round seconds) into the link estimate, once.
-
-        Taken as soon as the round is done, not when it lands: a sync launched at step 0 with a long delay
-        would otherwise tell the control rounds nothing until it lands, and the first measured plan would be
-        made from the transport's goodput alone, then re-made once the syncs' pace arrives.
-        """
-        fut = inf.fut
-        if inf.rated or not fut.done() or fut.cancelled() or fut.exception() is not None:
-            return
-        inf.rated = True
-        res = fut.result()
-        if res.bytes_sent >= RATE_SAMPLE_MIN_BYTES and res.seconds > 0:
-            world, rtt = self._ring_latency
-            self._pace.add(delivery_rate(res.bytes_sent, res.seconds, world, rtt))
-
-    def _merge(self, inf: InFlight) -> None:
-        """Apply a landed sync: the outer step per layer, then params = theta + local progress.
-
-        A pseudo-gradient whose check found the members' outer weights different is applied nowhere (the
-        layers keep their local values, as after a failed round) and makes the layers' next sync an anchor.
-        """
-        verdict = anchor_verdict(inf.check.work) if inf.check is not None else "agree"
-        if self._weights.land(inf.group.work, inf.layers, anchor=inf.anchor, verdict=verdict):
-            inf.group.merge()
+    @property
+    def _ring_latency(self) -> tuple[int, float]:
+        """(members, least RTT) the syncs' pace is taken from (`LinkPace.latency`)."""
+        return self._pace.latency
 
     @property
     def anchors_healed(self) -> int:
@@ -373,7 +256,7 @@ class DreamDDP(Strategy):
     @property
     def next_control_step(self) -> int:
         """The step the next control round launches at (agreed by every member)."""
-        return self._next_control
+        return self._schedule.next_step
 
     @property
     def controls_seen(self) -> list[tuple[int, float, float]]:
@@ -404,72 +287,34 @@ class DreamDDP(Strategy):
                 self.profiler.end_step()
             if self.profiler.steps >= self.cfg.warmup_steps:
                 self.profiler.stop()
-        self._control_round(t)
-        self._forget_old_groups()
+        control = self._schedule.landed(t)
+        if control is not None:
+            self._decide(control)
+        if self._schedule.due(t):
+            self._schedule.launch(t, self._replanner.control_interval(), self._round(), self._control_vector)
+        self._syncs.forget(self.plan.version, {f.key for f in self._inflight})
         self._arm(t + 1)
 
-    def _control_round(self, t: int) -> None:
-        cfg = self.cfg
-        if self._control is not None and self._control[0] <= t:
-            control, self._control = self._control, None
-            self._decide(control)
-        if self._control is None and t >= self._next_control:
-            self._next_control = t + self._replanner.control_interval()
-            self._schedule_step = t
-            links = {s.peer: s for s in self.comm.links()}
-            members = self.comm.members  # read once: the view may change on the comm thread meanwhile
-            world, rank = len(members), members.index(self.comm.node_id)
-            succ = members[(rank + 1) % world] if world > 1 else None
-            snap = links.get(succ) if succ else None
-            bw = snap.goodput_Bps if snap is not None and snap.goodput_Bps > 0 else math.nan
-            rtt = snap.rtt_s if snap is not None and snap.rtt_s > 0 else math.nan
-            least = min((r for r in (self._ring_latency[1], rtt) if math.isfinite(r)), default=math.nan)
-            self._ring_latency = (world, least)
-            for inf in self._inflight:
-                self._sample_rate(inf)
-            costs = self.profiler.costs() if self.profiler.steps else self._blank
-            group = FlatGroup([pack_control(rank, world, bw, rtt, costs, self._pace.rate)])
-            group.snapshot()
-            fut = self.comm.allreduce_group(group, GROUP_CONTROL, "fp32", round_id=self._round(), guard_norm=False)
-            self._control = (t + cfg.control_lead, fut, group, world)
+    def _control_vector(self) -> tuple[torch.Tensor, int]:
+        """This member's slot of a control round (`pack_control`) and the member count it was packed for."""
+        world, rank, bw, rtt = successor_link(self.comm)
+        self._pace.read_rtt(world, rtt)
+        for inf in self._inflight:
+            self._pace.sample(inf)
+        costs = self.profiler.costs() if self.profiler.steps else self._blank
+        return pack_control(rank, world, bw, rtt, costs, self._pace.rate), world
 
     def _decide(self, control: Control) -> None:
         """Decide on a control round that has landed (its result is waited for if need be)."""
         land, fut, gathered, world = control
-        if self._wait(fut) is not None:
-            self._schedule_step = max(self._schedule_step, land)
-            # decided as of the agreed landing step, not the step we got here: a node that joined with
-            # this round in flight and started past it adopts the plan with the members' phase
-            self._on_gathered(unpack_control(gathered.work, world, self._blank), land, world)
-            if not self._replanner.quiet:
-                # the link moved or a plan was made: the rounds that confirm the change (replan_sustain) or
-                # watch the new plan come at the full pace
-                launched = land - self.cfg.control_lead
-                self._next_control = min(self._next_control, launched + self.cfg.control_every)
-
-    def _on_gathered(self, g: Gathered, t: int, world: int) -> None:
-        """Same inputs on every peer at the same step: the same decision everywhere.
-
-        ``world`` is the member count the control round was packed for (equal on every member whose round
-        succeeded), not the live view: views differ between members for a moment while one leaves or
-        joins, and so do the shard rings of a region's ranks, which would then decide different plans.
-        """
-        self._collect_plan()  # a newer decision replaces the queued plan, as if it had been made at once
-        version = max(self.plan.version, self._next_plan.version if self._next_plan else 0) + 1
-        req = self._replanner.decide(g, t, self.plan, version, world)
-        if req is not None:
-            # the planner's search takes a good fraction of a step: run it beside training (torch kernels
-            # release the GIL); the request fixes the version and adoption step, so waiting for the result
-            # at that step (if it is not there yet) gives every member the same plan at the same step
-            self._planning = (req, in_background(self._replanner.make, req))
-
-    def _collect_plan(self) -> Plan | None:
-        """Queue the plan being made, waiting for it if it is not ready yet; the queued plan, if any."""
-        if self._planning is not None:
-            req, fut = self._planning
-            self._planning = None
-            self._next_plan, self._plan_codecs[req.version] = fut.result()
-        return self._next_plan
+        if self._wait(fut) is None:
+            return
+        self._schedule.decided(land)
+        # decided as of the agreed landing step, not the step we got here: a node that joined with this
+        # round in flight and started past it adopts the plan with the members' phase
+        self._plans.replan(self._replanner, unpack_control(gathered.work, world, self._blank), land, world)
+        if not self._replanner.quiet:
+            self._schedule.hasten(land)
 
     def plan_report(self) -> dict[str, Any]:
         """The plan in force with the profile and link it was made from (the run report's Gantt chart)."""
@@ -483,16 +328,11 @@ class DreamDDP(Strategy):
         effect at or before our first step, and a node that ran that step on the older plan would launch
         rounds of groups no member runs, which hold everyone until the round deadline.
         """
-        control = self._control
-        if control is not None and control[0] < self.step_count:
-            self._control = None
+        control = self._schedule.overdue(self.step_count)
+        if control is not None:
             self._arm(control[0])  # adopt what the members had adopted by the landing step
             self._decide(control)
-        # the members launched the control rounds we skipped: those that included us failed (we refused
-        # their frames), deciding nothing, so each spaced the next as the memory we hold says
-        while self._next_control < self.step_count:
-            self._schedule_step = max(self._schedule_step, self._next_control)
-            self._next_control += self._replanner.control_interval()
+        self._schedule.catch_up(self.step_count, self._replanner.control_interval())
         self._arm(self.step_count)
 
     def _training_info(self) -> TrainingInfo:
@@ -510,51 +350,23 @@ class DreamDDP(Strategy):
             plan.effective_step,
             self._summary[1],
             plan_digest=self._summary[2],
-            schedule_step=self._schedule_step,
-            schedule_digest=self._schedule_digest(),
+            schedule_step=self._schedule.changed_at,
+            # the control schedule and re-planning memory, which every member must hold alike
+            schedule_digest=self._schedule.digest(self._replanner.state()),
             # a member waits for each round within its delay and launches one at least once a period, so
             # in one ring no member trails another by more than a period and a delay; twice that is margin
             lag_steps=2 * (plan.period + self.cfg.delay_cap),
         )
 
-    def _schedule_digest(self) -> int:
-        """64 bits naming the control schedule and re-planning memory, which every member must hold alike.
-
-        Two sides of a partition keep their plan but run their own control rounds, so their memories part
-        (how many rounds in a row saw the link steady, hence when the next round runs): then each side
-        launches control rounds at steps the other skips, and both wait for the other's until the round
-        deadline. Heartbeats name it beside the plan, and the side with the lesser name takes the others'
-        state (`dreamp2p.peer.drift`), as for a plan it missed.
-        """
-        memory = (self._next_control, *self._replanner.state().values())
-        if self._schedule_name[0] != memory:
-            raw = hashlib.sha256(repr(memory).encode()).digest()
-            self._schedule_name = (memory, int.from_bytes(raw[:8], "big"))
-        return self._schedule_name[1]
-
-    def _fixed_control_step(self, step: int) -> int:
-        """The first control step at or after ``step`` on the fixed grid: the first control round of a run,
-        and where a checkpoint that predates spacing resumes."""
-        start, every = max(self.cfg.warmup_steps, 1), self.cfg.control_every
-        return start + max(0, -(-(step - start) // every)) * every
-
-    def _forget_old_groups(self) -> None:
-        live = {f.key for f in self._inflight}
-        for key in [k for k in self._groups if k[0] != self.plan.version and k not in live]:
-            del self._groups[key]
-
     def _finish(self, timeout: float | None) -> None:
         for inf in list(self._inflight):
             self._inflight.remove(inf)
             self._land(inf, timeout)
-        # finish the control round but keep it: its result is used at its landing step, as on every peer;
-        # one that failed did so everywhere, and no member will use it
-        if self._control is not None and self._wait(self._control[1], timeout) is None:
-            self._control = None
+        self._schedule.finish(self._wait, timeout)
 
     def _drop(self) -> None:
         self._inflight.clear()
-        self._control = None
+        self._schedule.drop()
 
     def _adopt_settings(self, changes: list[tuple[str, str, str]]) -> None:
         """A checkpoint saved under other settings (a period, a codec changed since): its plan, the plans'
@@ -563,15 +375,10 @@ class DreamDDP(Strategy):
         link. The outer weights, the repair set and the syncs in flight carry on. Every member resuming with
         the same settings from the same checkpoint starts over alike (a joiner then takes their state)."""
         step = self.step_count
-        warmup = warmup_plan(self._blank, self.cfg.period, WARMUP_GROUPS, delay=self.cfg.delay_cap)
-        self.plan = dataclasses.replace(warmup, effective_step=step)
-        self._next_plan = None
-        self._planning = None
-        self._groups.clear()
+        self._plans.restart(step)
+        self._syncs.clear()
         self._replanner = Replanner(self.cfg)
-        self._schedule_step = step  # the re-planning memory starts over here, on every member alike
-        self.plan_history = [(self.plan.version, step)]
-        self._plan_codecs = {self.plan.version: self._warmup_codec()}
+        self._schedule.restart(step)
         log.info(
             "resume: %s changed, so the plan starts over: warm-up plan (period %d) from step %d, then a measured one",
             ", ".join(name for name, _, _ in changes),
@@ -581,39 +388,32 @@ class DreamDDP(Strategy):
         self._arm(step)
 
     def _extra_state(self) -> dict[str, Any]:
+        plans = self._plans.state()
+        # the entries in the order checkpoints have always listed them
         state: dict[str, Any] = {
-            "plan": self.plan.to_dict(),
-            "next_control": self._next_control,
-            "schedule_step": self._schedule_step,
-            "next_plan": queued.to_dict() if (queued := self._collect_plan()) is not None else None,
+            "plan": plans["plan"],
+            **self._schedule.state(),
+            "next_plan": plans["next_plan"],
             **self._replanner.state(),
-            "history": [list(h) for h in self.plan_history],
+            "history": plans["history"],
             **self._weights.state(),
-            "plan_codecs": dict(self._plan_codecs),
+            "plan_codecs": plans["plan_codecs"],
             "inflight": [r for inf in self._inflight if (r := inf.record(self.round_limit_s))],
         }
-        record = control_record(self._control, self.round_limit_s) if self._control is not None else None
+        record = self._schedule.record(self.round_limit_s)
         if record is not None:
             state["control"] = record
         return state
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if "plan" in state:
-            self.plan = Plan.from_dict(state["plan"])
-            # group buffers are cached per (version, sync); a loaded plan of a version we held may group
-            # other layers (a node that took the members' state after a partition, see Node.resync)
-            self._groups.clear()
-            nxt = state.get("next_plan")
-            self._next_plan = Plan.from_dict(nxt) if nxt else None
-            self._planning = None
-            self._replanner.load(state)
-            self.plan_history = [(int(v), int(e)) for v, e in state.get("history", [])]
-            self._weights.load(state)
-            self._plan_codecs.update({int(v): str(c) for v, c in state.get("plan_codecs", {}).items()})
-            self._inflight = [InFlight.restore(rec, self.layers, self.pin) for rec in state.get("inflight", [])]
-            control = state.get("control")
-            if control is not None:
-                self._control = restore_control(control, self.comm.world)
-            self._next_control = int(state.get("next_control", self._fixed_control_step(self.step_count)))
-            self._schedule_step = int(state.get("schedule_step", 0))
-            self._arm(self.step_count)
+        if "plan" not in state:
+            return
+        self._plans.load(state)
+        # group buffers are cached per (version, sync); a loaded plan of a version we held may group
+        # other layers (a node that took the members' state after a partition, see Node.resync)
+        self._syncs.clear()
+        self._replanner.load(state)
+        self._weights.load(state)
+        self._inflight = [InFlight.restore(rec, self.layers, self.pin) for rec in state.get("inflight", [])]
+        self._schedule.load(state, self.step_count, self.comm.world)
+        self._arm(self.step_count)

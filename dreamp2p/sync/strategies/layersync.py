@@ -1,0 +1,113 @@
+"""How a DreamDDP layer sync is launched and merged: a pseudo-gradient or an anchor, with its check round.
+
+Most syncs average ``theta - params`` in ``delta_codec`` (a lossy codec then errs in proportion to the
+update, not to the weights). Every ``anchor_every``-th period, by the launch step so every member agrees
+without asking, a sync carries a 17-element check round beside it; a layer a check found apart syncs next
+as an anchor, which averages the parameters themselves with a check of its own (see
+`dreamp2p.sync.strategies.outer` for what a landing does with each). A pseudo-gradient whose check found
+the members' outer weights different is applied nowhere, as after a failed round. Each plan's syncs keep
+their flat buffers between periods, so a sync's host memory is allocated once per plan.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Sequence
+
+from dreamp2p.config.sync import SyncConfig
+from dreamp2p.messages import RingCodecPlan, RoundResult
+from dreamp2p.schedule.plan import Plan
+from dreamp2p.sync.comm.collective import Collective
+from dreamp2p.sync.model.groups import anchor_check_group, anchor_group, plan_sync_group
+from dreamp2p.sync.model.layers import FlatGroup, Layer
+from dreamp2p.sync.strategies.inflight import InFlight
+from dreamp2p.sync.strategies.outer import OuterWeights, anchor_verdict
+
+# A check round in flight: its (flag, digest bits) group, whose ``work`` receives the members' mean
+Check = tuple[FlatGroup, concurrent.futures.Future[RoundResult]]
+
+
+class LayerSyncs:
+    """Launches the layer syncs of the plans in force, over buffers kept per (plan version, sync)."""
+
+    def __init__(
+        self, cfg: SyncConfig, comm: Collective, layers: Sequence[Layer], pin: bool, weights: OuterWeights
+    ) -> None:
+        self._cfg = cfg
+        self._comm = comm
+        self._layers = layers
+        self._pin = pin
+        self._weights = weights
+        self._groups: dict[tuple[int, int], FlatGroup] = {}
+
+    def launch(self, plan: Plan, idx: int, step: int, round_id: int, anchor_codec: str | RingCodecPlan) -> InFlight:
+        """Launch sync ``idx`` of ``plan`` at ``step``; its buffers must not be in flight any more.
+        ``anchor_codec``: what an anchor's parameters travel in (the plan's codec, or the per-link codecs)."""
+        sync = plan.syncs[idx]
+        key = (plan.version, idx)
+        group = self._groups.get(key)
+        if group is None:
+            group = FlatGroup([p for li in sync.layers for p in self._layers[li].params], pin=self._pin)
+            self._groups[key] = group
+        gid = plan_sync_group(plan.version, idx)
+        if self._averages_params(sync.layers):
+            group.snapshot()
+            fut = self._comm.allreduce_group(
+                group, anchor_group(gid), anchor_codec, plan_version=plan.version, round_id=round_id
+            )
+            check, check_fut = self.check(sync.layers, anchor_check_group(gid), round_id, plan.version)
+            return InFlight(step + sync.delay, key, group, sync.layers, fut, check, check_fut, anchor=True)
+        group.snapshot()
+        # theta is read here, on the training thread that alone changes it; `work` is ours until launch
+        self._weights.copy_theta(sync.layers, group.work)
+
+        def pseudo_gradient() -> None:  # on the comm thread, once the snapshot has landed
+            group.work.sub_(group.snap)
+
+        fut = self._comm.allreduce_group(
+            group,
+            gid,
+            self._cfg.delta_codec,
+            plan_version=plan.version,
+            round_id=round_id,
+            prepare=pseudo_gradient,
+            error_feedback=self._cfg.error_feedback,
+        )
+        if not self._is_check(step):
+            return InFlight(step + sync.delay, key, group, sync.layers, fut)
+        check, check_fut = self.check(sync.layers, anchor_check_group(gid), round_id, plan.version)
+        return InFlight(step + sync.delay, key, group, sync.layers, fut, check, check_fut)
+
+    def merge(self, inf: InFlight) -> None:
+        """Apply a landed sync: the outer step per layer, then params = theta + local progress (where the
+        check, if any, let it through; else the layers keep their local values and sync next as anchors)."""
+        verdict = anchor_verdict(inf.check.work) if inf.check is not None else "agree"
+        if self._weights.land(inf.group.work, inf.layers, anchor=inf.anchor, verdict=verdict):
+            inf.group.merge()
+
+    def check(self, layers: tuple[int, ...], group_id: int, round_id: int, plan_version: int = 0) -> Check:
+        """The 17-element round of (flag, digest bits) that checks ``layers``' outer weights on every member."""
+        check = FlatGroup([self._weights.check_vector(layers)])
+        check.snapshot()
+        fut = self._comm.allreduce_group(
+            check, group_id, "fp32", plan_version=plan_version, round_id=round_id, guard_norm=False
+        )
+        return check, fut
+
+    def _is_check(self, step: int) -> bool:
+        """Whether a sync launched at ``step`` checks the outer weights (decided from the step: agreed by all)."""
+        return (step // self._cfg.period) % self._cfg.anchor_every == 0
+
+    def _averages_params(self, layers: tuple[int, ...]) -> bool:
+        """Whether a sync of ``layers`` is an anchor, from agreed memory only: always without a delta codec;
+        otherwise where a check asked for it."""
+        return not self._cfg.delta_codec or self._weights.needs_anchor(layers)
+
+    def forget(self, version: int, keep: set[tuple[int, int]]) -> None:
+        """Free the buffers of plans other than ``version``, but for the syncs ``keep`` (still in flight)."""
+        for key in [k for k in self._groups if k[0] != version and k not in keep]:
+            del self._groups[key]
+
+    def clear(self) -> None:
+        """Forget every buffer: a plan of a version held before may group other layers (a loaded state)."""
+        self._groups.clear()
