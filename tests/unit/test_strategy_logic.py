@@ -331,7 +331,7 @@ def test_dreamddp_pace_keeps_queueing_an_rtt_reading_grew_by(monkeypatch: pytest
     hub.rtt_s = rtt  # drained: later rounds wait the 0.05 s chain again
     train(strategies, 10)  # steps 7-16: their syncs are sampled
     for s in strategies:
-        assert s._ring_latency[1] == pytest.approx(rtt)  # type: ignore[attr-defined]
+        assert s._pace.latency[1] == pytest.approx(rtt)  # type: ignore[attr-defined]
         assert s._pace.rate == pytest.approx(goodput, rel=1e-6)  # type: ignore[attr-defined]
 
 

@@ -229,11 +229,6 @@ class DreamDDP(Strategy):
         self._pace.sample(inf)
 
     @property
-    def _ring_latency(self) -> tuple[int, float]:
-        """(members, least RTT) the syncs' pace is taken from (`LinkPace.latency`)."""
-        return self._pace.latency
-
-    @property
     def anchors_healed(self) -> int:
         """Anchors that found the members' outer weights different (and reset them)."""
         return self._weights.anchors_healed
