@@ -83,7 +83,7 @@ def _bench_strategies(args: argparse.Namespace) -> dict[str, Any]:
 
 def _bench_lm(args: argparse.Namespace) -> dict[str, Any]:
     from dreamp2p.config import parse_duration
-    from dreamp2p.devtools.bench.lm import bench_lm
+    from dreamp2p.devtools.bench.lm.run import bench_lm
 
     extra = {"max_delay": args.max_delay} if args.max_delay is not None else {}
     return bench_lm(
@@ -106,7 +106,7 @@ def _bench_lm(args: argparse.Namespace) -> dict[str, Any]:
 
 def _bench_regions(args: argparse.Namespace) -> dict[str, Any]:
     from dreamp2p.config import parse_duration
-    from dreamp2p.devtools.bench.regions import bench_regions
+    from dreamp2p.devtools.bench.regions.run import bench_regions
 
     strategy = args.strategies[0] if args.strategies else "ssgd"
     extra: dict[str, Any] = {"period": args.period} if strategy != "ssgd" else {}
@@ -156,8 +156,8 @@ def _bench_digits(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bench_chaos(args: argparse.Namespace) -> dict[str, Any]:
-    from dreamp2p.devtools.bench.chaos import ChaosRun, bench_chaos
-    from dreamp2p.devtools.bench.chaosplan import ChaosTiming
+    from dreamp2p.devtools.bench.chaos.plan import ChaosTiming
+    from dreamp2p.devtools.bench.chaos.run import ChaosRun, bench_chaos
     from dreamp2p.devtools.localrun import NAMES
 
     timing = ChaosTiming(

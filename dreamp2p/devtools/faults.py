@@ -1,6 +1,6 @@
 """Fault injection with real processes on loopback: a peer killed with SIGKILL mid-run, then restarted.
 
-The parent starts N trainer processes (the regression task of `bench.training`, DreamDDP by default),
+The parent starts N trainer processes (the regression task of `bench.jobs.training`, DreamDDP by default),
 kills one with SIGKILL once every rank is past ``kill_at`` (rounds are in flight all the time), checks
 that the survivors keep stepping, restarts the victim as a joining node (state transfer from the live
 members, start at the cluster's step), and finally has every rank train to the same step, then run a
@@ -53,7 +53,7 @@ def _child(
     import torch
     from torch import nn
 
-    from dreamp2p.devtools.bench.training import batch, student
+    from dreamp2p.devtools.bench.jobs.training import batch, student
     from dreamp2p.manifest import param_digest
     from dreamp2p.node import Node
     from dreamp2p.sync.comm.thread import CommThread

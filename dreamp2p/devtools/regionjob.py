@@ -1,6 +1,6 @@
 """One local rank of a region in a test run: ``torchrun --nproc-per-node N -m dreamp2p.devtools.regionjob ...``.
 
-Trains the student of `dreamp2p.devtools.bench.training` with DDP inside the region (gloo) and a
+Trains the student of `dreamp2p.devtools.bench.jobs.training` with DDP inside the region (gloo) and a
 dreamp2p strategy between regions, then a quiet stretch at learning rate 0, and writes what the tests
 check (losses, parameter digests, WAN bytes) to ``<out>/<region>.<local rank>.json``. Each rank's batches
 depend on its global position (region index x ranks + local rank), so no two ranks see the same data.
@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dreamp2p.config import PeerConfig, PeerInfo
-from dreamp2p.devtools.bench.training import batch, student
+from dreamp2p.devtools.bench.jobs.training import batch, student
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
 

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from dreamp2p.devtools.bench.lm import bench_lm
-from dreamp2p.devtools.bench.lmwork import count_params
+from dreamp2p.devtools.bench.lm.run import bench_lm
+from dreamp2p.devtools.bench.lm.work import count_params
 
 TINY = {"width": 32, "layers": 1, "heads": 4, "context": 16, "batch": 2, "steps": 6, "period": 3, "eval_batches": 2}
 

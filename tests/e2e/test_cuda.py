@@ -15,7 +15,7 @@ from dreamp2p.devtools.launch import run_local
 from dreamp2p.sync.model.layers import FlatGroup
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)")
-JOB = "dreamp2p.devtools.bench.training:train_job"
+JOB = "dreamp2p.devtools.bench.jobs.training:train_job"
 
 
 def _params(seed: int) -> list[torch.Tensor]:

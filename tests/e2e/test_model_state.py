@@ -15,8 +15,8 @@ from conftest import SYNC_STRATEGIES
 
 from dreamp2p.devtools.launch import run_local
 
-STATE_JOB = "dreamp2p.devtools.bench.statejobs:model_state_job"
-ATTACH_JOB = "dreamp2p.devtools.bench.statejobs:attach_job"
+STATE_JOB = "dreamp2p.devtools.bench.jobs.state:model_state_job"
+ATTACH_JOB = "dreamp2p.devtools.bench.jobs.state:attach_job"
 SYNC = {"period": 4, "warmup_steps": 2, "control_every": 4}
 
 
@@ -116,7 +116,7 @@ def test_checkpoints_and_state_transfer_carry_buffers_and_frozen_parameters(rout
     import torch
 
     from dreamp2p.config.sync import SyncConfig
-    from dreamp2p.devtools.bench.statejobs import BatchNormNet
+    from dreamp2p.devtools.bench.jobs.state import BatchNormNet
     from dreamp2p.manifest import state_digest
     from dreamp2p.service.checkpoint import load_step, save_checkpoint
     from dreamp2p.state.snapshot import flatten_state, unflatten_state

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from conftest import SYNC_STRATEGIES
 
-from dreamp2p.devtools.bench.training import reference_ssgd
+from dreamp2p.devtools.bench.jobs.training import reference_ssgd
 from dreamp2p.devtools.launch import run_local
 
-JOB = "dreamp2p.devtools.bench.training:train_job"
+JOB = "dreamp2p.devtools.bench.jobs.training:train_job"
 SMALL_SYNC = {"period": 5, "warmup_steps": 3, "control_every": 5}
 
 

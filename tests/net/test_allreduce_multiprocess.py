@@ -48,7 +48,7 @@ def test_ring_mean_every_codec(world: int) -> None:
     assert set(codecs) == set(QUANT_STEP)
     results = run_local(
         world,
-        "dreamp2p.devtools.bench.jobs:allreduce_check",
+        "dreamp2p.devtools.bench.jobs.averaging:allreduce_check",
         {"sizes": SIZES, "codecs": codecs, "seed": world},
         timeout=220,
     )
@@ -71,7 +71,7 @@ def test_ring_mean_every_codec(world: int) -> None:
 @pytest.mark.timeout(120)
 def test_single_peer_ring_is_identity() -> None:
     (result,) = run_local(
-        1, "dreamp2p.devtools.bench.jobs:allreduce_check", {"sizes": [1, 7, 1000], "codecs": ["int4"]}
+        1, "dreamp2p.devtools.bench.jobs.averaging:allreduce_check", {"sizes": [1, 7, 1000], "codecs": ["int4"]}
     )
     assert result["int4"]["max_abs_err"] == 0.0
     assert result["int4"]["bytes_sent"] == 0

@@ -36,7 +36,7 @@ def test_a_member_sending_a_large_round_over_a_slow_link_stays_alive() -> None:
         config = {"transport": {"heartbeat_s": 0.25, "heartbeat_misses": 3, "round_timeout_s": 120.0}}
         results = run_local(
             2,
-            "dreamp2p.devtools.bench.jobs:allreduce_check",
+            "dreamp2p.devtools.bench.jobs.averaging:allreduce_check",
             {"sizes": [1_500_000], "codecs": ["fp32"], "seed": 3},
             config,
             timeout=200,

@@ -16,7 +16,7 @@ import pytest
 from dreamp2p.devtools.launch import run_local
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "netns-wan.sh"
-JOB = "dreamp2p.devtools.bench.training:train_job"
+JOB = "dreamp2p.devtools.bench.jobs.training:train_job"
 
 
 def _sh(*args: str) -> None:

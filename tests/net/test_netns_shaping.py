@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from dreamp2p.config import parse_rate
-from dreamp2p.devtools.bench.regionnet import RegionNet
+from dreamp2p.devtools.bench.regions.net import RegionNet
 from dreamp2p.devtools.netns import Namespaces
 
 

@@ -29,7 +29,7 @@ import pytest
 from dreamp2p.devtools.launch import run_local
 from dreamp2p.devtools.netns import Namespaces
 
-JOB = "dreamp2p.devtools.bench.training:train_job"
+JOB = "dreamp2p.devtools.bench.jobs.training:train_job"
 
 
 @pytest.mark.slow

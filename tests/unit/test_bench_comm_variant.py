@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dreamp2p.devtools.bench.lm import bench_lm, parse_variant, split_node_keys
+from dreamp2p.devtools.bench.lm.run import bench_lm, parse_variant, split_node_keys
 
 
 def test_comm_key_goes_to_the_node_config() -> None:

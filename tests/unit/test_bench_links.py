@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dreamp2p.devtools.bench import lm
-from dreamp2p.devtools.bench.lm import _shaping, stats_delta
+from dreamp2p.devtools.bench.lm import run as lm
+from dreamp2p.devtools.bench.lm.run import _shaping, stats_delta
 
 
 def as_root(monkeypatch: pytest.MonkeyPatch, root: bool) -> None:

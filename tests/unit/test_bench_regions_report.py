@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from dreamp2p.cli import main
-from dreamp2p.devtools.bench.regionnet import lan_host, wan_host
-from dreamp2p.devtools.bench.regions import quiet_default, summarize_phase
+from dreamp2p.devtools.bench.regions.net import lan_host, wan_host
+from dreamp2p.devtools.bench.regions.run import quiet_default, summarize_phase
 from dreamp2p.devtools.netns import tbf_burst
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dreamp2p.devtools.bench.rounds import combine_rows, mean_curve, paired, round_order, t95
+from dreamp2p.devtools.bench.lm.rounds import combine_rows, mean_curve, paired, round_order, t95
 
 
 @pytest.mark.parametrize(

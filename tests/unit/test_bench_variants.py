@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from dreamp2p.config.sync import SyncConfig
-from dreamp2p.devtools.bench.lm import parse_variant
+from dreamp2p.devtools.bench.lm.run import parse_variant
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from dreamp2p.devtools.bench.chaosproc import Cluster, descendants
+from dreamp2p.devtools.bench.chaos.proc import Cluster, descendants
 
 PARENT = (
     "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dreamp2p.devtools.bench.chaosplan import (
+from dreamp2p.devtools.bench.chaos.plan import (
     Action,
     ChaosTiming,
     Fault,

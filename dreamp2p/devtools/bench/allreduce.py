@@ -32,7 +32,7 @@ def bench_allreduce(
     with Namespaces(peers, rate) if netns else contextlib.nullcontext() as ns:
         results = run_local(
             peers,
-            "dreamp2p.devtools.bench.jobs:allreduce_timing",
+            "dreamp2p.devtools.bench.jobs.averaging:allreduce_timing",
             {"mbytes": mbytes, "codecs": names, "rounds": rounds},
             config,
             hosts=ns.hosts if ns is not None else None,

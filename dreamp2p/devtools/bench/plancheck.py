@@ -29,8 +29,8 @@ from typing import Any
 from dreamp2p.config import parse_rate
 from dreamp2p.config.sync import dreamddp_settings
 from dreamp2p.devtools import plancheck_table as pt
-from dreamp2p.devtools.bench.lm import bench_lm
-from dreamp2p.devtools.bench.lmwork import make_model, run_ceiling
+from dreamp2p.devtools.bench.lm.run import bench_lm
+from dreamp2p.devtools.bench.lm.work import make_model, run_ceiling
 from dreamp2p.schedule.cost import LinkModel
 from dreamp2p.schedule.linkcodec import wire_ratio
 from dreamp2p.schedule.recommend import SEARCH_PERIODS, recommend

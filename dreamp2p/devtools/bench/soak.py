@@ -17,7 +17,7 @@ def bench_soak(minutes: float = 10.0, peers: int = 4, mbytes: float = 4.0) -> di
     sample_s = max(1.0, seconds / 60)
     results = run_local(
         peers,
-        "dreamp2p.devtools.bench.jobs:soak",
+        "dreamp2p.devtools.bench.jobs.averaging:soak",
         {"seconds": seconds, "mbytes": mbytes, "sample_s": sample_s},
         {"transport": {"probe_interval_s": 5.0}},
         timeout=seconds + 600,

@@ -30,7 +30,7 @@ from dreamp2p.devtools.launch import run_local
 log = logging.getLogger(__name__)
 
 ALL = [s for s in STRATEGIES if s != "none"]
-JOB = "dreamp2p.devtools.bench.training:train_job"
+JOB = "dreamp2p.devtools.bench.jobs.training:train_job"
 
 
 def _running(losses: list[float], window: int = 10) -> list[float]:

@@ -66,7 +66,7 @@ Measured per strategy (per region, then combined over regions):
   copies are evaluated after the loop: evaluating in the loop would also give in-flight rounds free time;
 - ``winner_steps_per_s``: the fastest strategy that synchronizes (``none`` only if it is the only one);
 - ``paired``: the winner's ``compute_utilization`` minus each other syncing strategy's, round by round
-  (`dreamp2p.devtools.bench.rounds.paired`): mean, standard error, Student's t 95% interval and a verdict
+  (`dreamp2p.devtools.bench.lm.rounds.paired`): mean, standard error, Student's t 95% interval and a verdict
   ("ahead", "tie", "behind"; "one round" without ``rounds`` > 1, where no spread can be estimated).
 
 Rounds (``rounds`` > 1): every strategy runs once per round, the order rotated by one each round, so a
@@ -87,8 +87,8 @@ from typing import Any
 
 from dreamp2p.config import PeerConfig, parse_rate
 from dreamp2p.config.sync import STRATEGIES, SyncConfig
-from dreamp2p.devtools.bench.lmwork import JOB, VOCAB, count_params, eval_every, run_ceiling
-from dreamp2p.devtools.bench.rounds import AVERAGED, combine_rows, mean_curve, paired, round_order
+from dreamp2p.devtools.bench.lm.rounds import AVERAGED, combine_rows, mean_curve, paired, round_order
+from dreamp2p.devtools.bench.lm.work import JOB, VOCAB, count_params, eval_every, run_ceiling
 from dreamp2p.devtools.launch import run_local
 from dreamp2p.devtools.netns import Namespaces
 from dreamp2p.devtools.wanemu import summary as emulator_summary

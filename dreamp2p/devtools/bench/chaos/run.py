@@ -15,7 +15,7 @@ started training, the run has four phases, all in one command:
    (``dreamp2p node --quiet-steps``), and their parameter digests (the STOP records) must all be equal.
 
 Everything is read from the daemons' ``metrics.jsonl`` (STEP, PEER, JOIN, STOP records); the report's
-arithmetic is in `dreamp2p.devtools.bench.chaosplan`, the processes in `dreamp2p.devtools.bench.chaosproc`.
+arithmetic is in `dreamp2p.devtools.bench.chaos.plan`, the processes in `dreamp2p.devtools.bench.chaos.proc`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamp2p.config import parse_duration, parse_rate
-from dreamp2p.devtools.bench.chaosplan import (
+from dreamp2p.devtools.bench.chaos.plan import (
     ChaosTiming,
     Kill,
     KillSchedule,
@@ -48,7 +48,7 @@ from dreamp2p.devtools.bench.chaosplan import (
     split_lives,
     steps_per_s,
 )
-from dreamp2p.devtools.bench.chaosproc import Cluster, RecordTail
+from dreamp2p.devtools.bench.chaos.proc import Cluster, RecordTail
 from dreamp2p.devtools.localrun import NAMES, wait_started, write_configs
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """`bench chaos`'s pure parts: which fault to inject on whom and when to end it, and the report's arithmetic.
 
-No processes, clocks or files here: the orchestration (`dreamp2p.devtools.bench.chaos`) passes in the
+No processes, clocks or files here: the orchestration (`dreamp2p.devtools.bench.chaos.run`) passes in the
 time, the members now training and the records it read, and a seeded :class:`random.Random`.
 
 A member counts as down from its kill until its restarted daemon logs a training step again (a daemon

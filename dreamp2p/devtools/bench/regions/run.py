@@ -5,14 +5,14 @@ runs its own peer and ring with local rank k of the other regions: `dreamp2p.syn
 about N times the bytes per second of a one-rank region when every link has the same rate. This bench
 measures that on one machine, as root.
 
-Topology (`dreamp2p.devtools.bench.regionnet`): every local rank in a network namespace of its own; the
+Topology (`dreamp2p.devtools.bench.regions.net`): every local rank in a network namespace of its own; the
 ranks of a region share an unshaped LAN (a bridge), over which their process group runs (gloo: DDP's
 gradient all-reduce, the shard gathers, the rendezvous); shard k's WAN link joins local rank k of every
 region (a veth pair for two regions, a bridge for more) and every direction of it is shaped by ``tc tbf``
 to ``rate``. The bench starts each rank itself, inside its namespace, with torchrun's variables (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT at local rank 0's LAN address, as torchrun's static
 rendezvous): torchrun's agent and its workers must share one network namespace, and here each rank has
-its own. The ranks are the same code a torchrun region runs (`dreamp2p.devtools.bench.regionwork`).
+its own. The ranks are the same code a torchrun region runs (`dreamp2p.devtools.bench.regions.work`).
 
 Two phases in one run, on the same namespaces: ``regions`` regions of one rank (each in its rank-0
 namespace: one shard link each), then ``regions`` regions of ``ranks`` ranks. The workload is `bench lm`'s
@@ -48,8 +48,8 @@ from typing import Any
 
 from dreamp2p.config import parse_rate
 from dreamp2p.config.sync import STRATEGIES, SyncConfig
-from dreamp2p.devtools.bench.lmwork import count_params
-from dreamp2p.devtools.bench.regionnet import LAN_DEV, WAN_DEV, RegionNet, lan_host, wan_host
+from dreamp2p.devtools.bench.lm.work import count_params
+from dreamp2p.devtools.bench.regions.net import LAN_DEV, WAN_DEV, RegionNet, lan_host, wan_host
 from dreamp2p.devtools.localrun import child_env
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def run_phase(net: RegionNet, ranks: int, spec: dict[str, Any], folder: Path, ti
             for k in range(ranks):
                 logs[(r, k)] = folder / f"{r}.{k}.log"
                 cmd = ["ip", "netns", "exec", net.ns(r, k), sys.executable, "-P", "-m"]
-                cmd += ["dreamp2p.devtools.bench.regionwork", str(path), str(r)]
+                cmd += ["dreamp2p.devtools.bench.regions.work", str(path), str(r)]
                 with logs[(r, k)].open("wb") as out:
                     procs[(r, k)] = subprocess.Popen(
                         cmd, env=_rank_env(r, k, ranks), stdout=out, stderr=subprocess.STDOUT

@@ -1,8 +1,8 @@
-"""One local rank of `bench regions`: ``python -m dreamp2p.devtools.bench.regionwork SPEC REGION``.
+"""One local rank of `bench regions`: ``python -m dreamp2p.devtools.bench.regions.work SPEC REGION``.
 
-Started by `dreamp2p.devtools.bench.regions` inside its rank's network namespace, with torchrun's
+Started by `dreamp2p.devtools.bench.regions.run` inside its rank's network namespace, with torchrun's
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) when its region has
-more than one rank and none when it has one. It trains `bench lm`'s byte-level GPT (`lmwork`'s corpus,
+more than one rank and none when it has one. It trains `bench lm`'s byte-level GPT (`lm.work`'s corpus,
 shards, model and AdamW) as a user would: DDP inside the region over gloo, ``Node(config).attach(...)``
 between regions, ``sync.step()`` in the loop. Step 0 warms up (connections, chunk sizes) and is not
 timed; steps 1 .. ``steps`` - 1 are the measured loop; then ``quiet_steps`` at learning rate 0. Writes
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dreamp2p.config import PeerConfig
-from dreamp2p.devtools.bench.lmwork import (
+from dreamp2p.devtools.bench.lm.work import (
     lm_loss,
     load_corpus,
     make_model,

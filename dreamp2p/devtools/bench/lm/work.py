@@ -1,7 +1,7 @@
 """`bench lm`'s workload: the byte-level GPT, its corpus and shards, one region's training loop, the ceiling.
 
 Everything a region process runs (as a `run_local` job, or with nothing of dreamp2p attached for the
-ceiling); the bench itself (`bench.lm`) starts the regions and writes the report.
+ceiling); the bench itself (`bench.lm.run`) starts the regions and writes the report.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dreamp2p.sync.strategies.dreamddp import DreamDDP, plan_summary
 
 log = logging.getLogger(__name__)
 
-JOB = "dreamp2p.devtools.bench.lmwork:lm_job"
+JOB = "dreamp2p.devtools.bench.lm.work:lm_job"
 HELDOUT_FRACTION = 0.05
 EVAL_POINTS = 10  # held-out evaluations per run (plus the final one)
 WEIGHT_DECAY = 0.1
