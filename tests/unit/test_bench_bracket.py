@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dreamp2p.devtools.bench.lm.run import bracketed
+from dreamp2p.devtools.bench.lm.report import bracketed
 
 
 @pytest.mark.parametrize(

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from dreamp2p.devtools.bench.lm import run as lm
-from dreamp2p.devtools.bench.lm.run import _shaping, stats_delta
+from dreamp2p.devtools.bench.lm import links
+from dreamp2p.devtools.bench.lm.links import choose_shaping, stats_delta
 
 
 def as_root(monkeypatch: pytest.MonkeyPatch, root: bool) -> None:
-    monkeypatch.setattr(lm.os, "geteuid", lambda: 0 if root else 1000)
+    monkeypatch.setattr(links.os, "geteuid", lambda: 0 if root else 1000)
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,7 @@ def test_lm_shaping(
     expected: tuple[str, dict[str, float]],
 ) -> None:
     as_root(monkeypatch, root)
-    rate_Bps, how, transport = _shaping("20mbit", netns, rtt_ms, loss, 0.0, regions)
+    rate_Bps, how, transport = choose_shaping("20mbit", netns, rtt_ms, loss, 0.0, regions)
     assert rate_Bps == 2.5e6
     assert (how, transport) == expected
 
@@ -45,18 +45,18 @@ def test_lm_refuses_loss_and_jitter_without_root(
 ) -> None:
     as_root(monkeypatch, False)
     with pytest.raises(ValueError, match=r"loss and jitter need the packet emulator.*not root.*cannot lose"):
-        _shaping("20mbit", None, 80.0, loss, jitter_ms)
+        choose_shaping("20mbit", None, 80.0, loss, jitter_ms)
     as_root(monkeypatch, True)
     with pytest.raises(ValueError, match="netns=False"):
-        _shaping("20mbit", False, 80.0, loss, jitter_ms)
+        choose_shaping("20mbit", False, 80.0, loss, jitter_ms)
 
 
 def test_lm_refuses_bad_loss_and_jitter(monkeypatch: pytest.MonkeyPatch) -> None:
     as_root(monkeypatch, True)
     with pytest.raises(ValueError, match="loss must be a fraction"):
-        _shaping("20mbit", None, 0.0, 1.0)
+        choose_shaping("20mbit", None, 0.0, 1.0)
     with pytest.raises(ValueError, match="jitter_ms must be >= 0"):
-        _shaping("20mbit", None, 0.0, 0.0, -1.0)
+        choose_shaping("20mbit", None, 0.0, 0.0, -1.0)
 
 
 def test_emulator_stats_delta() -> None:

@@ -105,6 +105,34 @@ def _attach(
     return s
 
 
+def _sync_figures(s: Strategy, node: Node, stamps: list[float]) -> dict[str, Any]:
+    """What the strategy and the node counted in ``train_job``'s run, in its report's order: times and bytes,
+    plans, step times (``stamps``), view changes and resyncs, skipped rounds, heals, link codecs."""
+    tot = s.totals
+    return {
+        "compute_s": tot.compute_s,
+        "exposed_s": tot.exposed_s,
+        "comm_s": tot.comm_s,
+        "bytes_sent": tot.bytes_sent,
+        "hidden_fraction": tot.hidden_fraction,
+        "plan_history": list(getattr(s, "plan_history", [])),
+        "step_times": stamps,
+        "view_changes": node.comm.view_changes,
+        "resyncs": node.resyncs,
+        "rounds_skipped": s.rounds_skipped,
+        "anchors_healed": getattr(s, "anchors_healed", 0),
+        # DiLoCo's, Streaming DiLoCo's and CO2's global copy and outer momentum: equal on every member once
+        # a check found them apart and averaged them (`dreamp2p.sync.strategies.outercheck`); None for the others
+        "outer_digest": s.outer_digest() if hasattr(s, "outer_digest") else None,
+        "outer_heals": getattr(s, "outer_heals", 0),
+        # DreamDDP's agreed control schedule: equal on every member that ends at the same step
+        "next_control": getattr(s, "next_control_step", None),
+        "link_codecs": list(rc.send) if (rc := getattr(s, "ring_codecs", None)) is not None else None,
+        # what the per-link codecs were chosen from: each rank's goodput to its successor (B/s, NaN unknown)
+        "link_bandwidths": list(g.link_bandwidths) if (g := getattr(s, "last_gathered", None)) is not None else None,
+    }
+
+
 def train_job(
     node: Node,
     rank: int,
@@ -168,7 +196,6 @@ def train_job(
     s.close()
     if flush:
         s.flush()
-    tot = s.totals
     return {
         "losses": losses,
         "wall_s": wall,
@@ -177,26 +204,7 @@ def train_job(
         "trained_digest": trained_digest,
         "basis_bw": getattr(s, "basis_bw", None),  # DreamDDP's: the bandwidth its latest plan was made for
         "params": [p.detach().cpu().numpy().copy() for p in model.parameters()],
-        "compute_s": tot.compute_s,
-        "exposed_s": tot.exposed_s,
-        "comm_s": tot.comm_s,
-        "bytes_sent": tot.bytes_sent,
-        "hidden_fraction": tot.hidden_fraction,
-        "plan_history": list(getattr(s, "plan_history", [])),
-        "step_times": stamps,
-        "view_changes": node.comm.view_changes,
-        "resyncs": node.resyncs,
-        "rounds_skipped": s.rounds_skipped,
-        "anchors_healed": getattr(s, "anchors_healed", 0),
-        # DiLoCo's, Streaming DiLoCo's and CO2's global copy and outer momentum: equal on every member once
-        # a check found them apart and averaged them (`dreamp2p.sync.strategies.outercheck`); None for the others
-        "outer_digest": s.outer_digest() if hasattr(s, "outer_digest") else None,
-        "outer_heals": getattr(s, "outer_heals", 0),
-        # DreamDDP's agreed control schedule: equal on every member that ends at the same step
-        "next_control": getattr(s, "next_control_step", None),
-        "link_codecs": list(rc.send) if (rc := getattr(s, "ring_codecs", None)) is not None else None,
-        # what the per-link codecs were chosen from: each rank's goodput to its successor (B/s, NaN unknown)
-        "link_bandwidths": list(g.link_bandwidths) if (g := getattr(s, "last_gathered", None)) is not None else None,
+        **_sync_figures(s, node, stamps),
     }
 
 
