@@ -23,7 +23,7 @@ from dreamp2p.peer.admission import Admission
 from dreamp2p.peer.probing import probe_forever, probe_once
 from dreamp2p.settings import settings_mismatch
 from dreamp2p.transport.client import Link
-from dreamp2p.transport.kernelnet import KernelCheck, read_tcp_limits
+from dreamp2p.transport.linkrate.kernelnet import KernelCheck, read_tcp_limits
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,8 @@ class RingLinks:
             self._prober = asyncio.create_task(probe, name=f"probe-{self.config.node_id}")
 
     def kernel_check(self) -> KernelCheck:
-        """This host's TCP ceilings, read once, against which probed links are checked (`transport.kernelnet`)."""
+        """This host's TCP ceilings, read once, against which probed links are checked
+        (`transport.linkrate.kernelnet`)."""
         if self._kernel is None:
             self._kernel = KernelCheck(read_tcp_limits())
         return self._kernel

@@ -1,10 +1,11 @@
 """The active link probe: a tiny echo on every link each interval, and a bandwidth burst on idle ones.
 
-Busy links are measured passively from real transfers (see `transport.linkstats`); a link with no
+Busy links are measured passively from real transfers (see `transport.linkrate.linkstats`); a link with no
 traffic for a whole interval gets a burst now and then, so a plan made for a link that went quiet or
 changed rate still has a current goodput, and a link with no sample yet gets one even while busy
 (`wants_burst`). After each probe the link's estimate is checked against the
-kernel's TCP ceilings (`transport.kernelnet.KernelCheck`, a warning once per link). Runs on the peer's event loop.
+kernel's TCP ceilings (`transport.linkrate.kernelnet.KernelCheck`, a warning once per link). Runs on the
+peer's event loop.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 from dreamp2p.errors import PeerError
 from dreamp2p.transport.client import Link
-from dreamp2p.transport.kernelnet import KernelCheck
+from dreamp2p.transport.linkrate.kernelnet import KernelCheck
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def wants_burst(idle: bool, samples: int, tick: int) -> bool:
     has no goodput sample yet, busy or not.
 
     A busy link is measured from its own transfers, but only while data backs up in our queue for it
-    (`transport.linkstats.BusyMeter`). Through a real path the kernel's socket buffers take a modest sync at
+    (`transport.linkrate.linkstats.BusyMeter`). Through a real path the kernel's socket buffers take a modest sync at
     once, nothing backs up here, and a link that carries every sync would never be measured: its goodput
     stays unknown and DreamDDP's planner, which waits for a measured link, never makes its first plan.
     """

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import math
 
-from dreamp2p.transport.linkstats import rate_past_latency
+from dreamp2p.transport.linkrate.linkstats import rate_past_latency
 
 # samples the maximum is taken over: two periods of a plan of two syncs per period, the shape DreamDDP's
 # planner picks on a WAN; a slower link is reported once this many syncs have seen it

@@ -28,8 +28,8 @@ from dreamp2p.messages import Hello, MemberProgress, PeerStatus, RoundEvidence
 from dreamp2p.statemeta import StateManifest, StateRange
 from dreamp2p.transport import serde
 from dreamp2p.transport.auth import token_metadata
-from dreamp2p.transport.limiter import TokenBucket
-from dreamp2p.transport.linkstats import BusyMeter, LinkEstimator, rate_past_latency
+from dreamp2p.transport.linkrate.limiter import TokenBucket
+from dreamp2p.transport.linkrate.linkstats import BusyMeter, LinkEstimator, rate_past_latency
 from dreamp2p.transport.options import channel_credentials, channel_options
 from dreamp2p.transport.outbound import OutboundStream
 from dreamp2p.transport.rpcerror import rpc_error

@@ -16,7 +16,7 @@ import torch
 
 from dreamp2p.errors import RoundFailed
 from dreamp2p.peer import Peer
-from dreamp2p.transport.linkstats import BusyMeter
+from dreamp2p.transport.linkrate.linkstats import BusyMeter
 
 
 async def test_a_stream_cancelled_beneath_its_round_fails_the_round_on_every_member(

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dreamp2p.transport.kernelnet import KernelCheck, read_tcp_limits
-from dreamp2p.transport.linkstats import LinkEstimator
-from dreamp2p.transport.tcptuning import (
+from dreamp2p.transport.linkrate.kernelnet import KernelCheck, read_tcp_limits
+from dreamp2p.transport.linkrate.linkstats import LinkEstimator
+from dreamp2p.transport.linkrate.tcptuning import (
     MSS_BYTES,
     TcpLimits,
     buffer_for,
@@ -183,7 +183,7 @@ def test_the_node_side_check_logs_one_warning_per_link(tmp_path: Path, caplog: p
     stats = LinkEstimator()
     stats.observe_rtt(0.1)
     stats.observe_transfer(int(19e6), 1.0)  # 152 Mbit/s: at the 2 MiB window's 168 Mbit/s
-    with caplog.at_level(logging.WARNING, logger="dreamp2p.transport.kernelnet"):
+    with caplog.at_level(logging.WARNING, logger="dreamp2p.transport.linkrate.kernelnet"):
         assert check.check("r1", stats, streams=1) is not None
         assert check.check("r1", stats, streams=1) is None  # once per link
         assert check.check("r2", stats, streams=4) is None  # four connections: far from their ceiling

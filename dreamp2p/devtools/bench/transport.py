@@ -35,8 +35,8 @@ from dreamp2p.devtools.netns import Namespaces
 from dreamp2p.devtools.wanemu import summary
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import PROTOCOL_VERSION, DType, Frame, Hello, MemberProgress, PeerStatus, Phase, Vote
-from dreamp2p.transport.kernelnet import read_tcp_limits
-from dreamp2p.transport.tcptuning import choose_streams, per_flow_rate_Bps
+from dreamp2p.transport.linkrate.kernelnet import read_tcp_limits
+from dreamp2p.transport.linkrate.tcptuning import choose_streams, per_flow_rate_Bps
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ def _result(conn: mp.connection.Connection, proc: mp.process.BaseProcess, who: s
 
 def auto_streams(rate: str, rtt: str, loss: float) -> tuple[int, dict[str, Any]]:
     """Streams for a link of ``rate``, ``rtt`` and ``loss`` under this host's TCP settings
-    (`transport.tcptuning.choose_streams`), and what they were chosen from."""
+    (`transport.linkrate.tcptuning.choose_streams`), and what they were chosen from."""
     limits = read_tcp_limits()
     window = limits.window_bytes if limits is not None else 2 << 20  # Linux's default tcp_wmem ceiling, halved
     loss_based = limits.loss_based if limits is not None else True

@@ -1,6 +1,6 @@
 """Reads this host's TCP settings from /proc/sys and logs, once per link, when they cap its measured rate.
 
-The arithmetic is `dreamp2p.transport.tcptuning`'s; this module only reads the files and writes the log.
+The arithmetic is `dreamp2p.transport.linkrate.tcptuning`'s; this module only reads the files and writes the log.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import logging
 import math
 from pathlib import Path
 
-from dreamp2p.transport.linkstats import LinkEstimator
-from dreamp2p.transport.tcptuning import TcpLimits, cap_warning, congestion_lines
+from dreamp2p.transport.linkrate.linkstats import LinkEstimator
+from dreamp2p.transport.linkrate.tcptuning import TcpLimits, cap_warning, congestion_lines
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ One TCP connection carries at most the least of two bounds:
 
 :func:`choose_streams` gives the connections that together reach a link's rate (1..16);
 :func:`cap_warning` the warning, with the sysctl lines that lift the cap, when the kernel holds a link's
-measured rate at its ceiling. `dreamp2p.transport.kernelnet` reads the settings and logs.
+measured rate at its ceiling. `dreamp2p.transport.linkrate.kernelnet` reads the settings and logs.
 """
 
 from __future__ import annotations
