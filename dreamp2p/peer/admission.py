@@ -4,7 +4,8 @@ A handshake (`Hello`) is accepted only from a member of our ring, in our cluster
 version, holding the same model manifest, able to decode our codec and, once both sides declared them,
 with the same training settings. A member refused for its model or settings is remembered, so our own
 handshake towards it fails at once with the same words instead of retrying until a timeout.
-Our own hello, which every handshake and admission answer carries, is built here too (`hello_of`).
+Our own hello, which every handshake and admission answer carries, is built here too (`hello_of`, with
+the address members reach us at, `address_of`).
 Runs on the peer's event loop only.
 """
 
@@ -20,6 +21,14 @@ from dreamp2p.messages import PROTOCOL_VERSION, Hello
 from dreamp2p.settings import settings_mismatch
 
 log = logging.getLogger(__name__)
+
+
+def address_of(config: PeerConfig, port: int) -> str:
+    """Where members reach this node: the advertised address, else the listen host at the bound ``port``."""
+    if config.advertise:
+        return config.advertise
+    host = config.listen.rsplit(":", 1)[0]
+    return f"{host}:{port}"
 
 
 def hello_of(config: PeerConfig, address: str, settings: tuple[tuple[str, str], ...]) -> Hello:

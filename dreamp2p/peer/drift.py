@@ -22,14 +22,24 @@ that far (the trainer names the bound: DreamDDP waits for every round within a p
 Only a lead that lasts counts (`LagHold`): while one member stands aside to take a state, the rounds of
 the others fail at once and nothing paces them, so for a moment one of them can run that far ahead of
 another and the gap closes again once rounds pace them; yielding to such a lead only starts another
-transfer. Pure logic: the peer feeds it heartbeat answers (`transport.client.Link.progress`) and the time.
+transfer. The rules are pure logic; `DriftWatch` applies them for the peer, which feeds it the trainer's
+progress, the members' heartbeat answers (`transport.client.Link.progress`) and the time, and stands aside
+from the members it names.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping
 
-from dreamp2p.messages import MemberProgress
+from dreamp2p.messages import MemberProgress, TrainingInfo
+
+log = logging.getLogger(__name__)
+
+# Heartbeat intervals a member must stay far ahead before we yield to it (a lead after another member's
+# state transfer closes within about one; a side left behind by a partition stays behind for many).
+LAG_HOLD_HEARTBEATS = 4
 
 
 def far_ahead(
@@ -88,3 +98,35 @@ def diverged_from(
     # members ahead may differ among themselves (three sides): take the newest, the others yield to it too
     newest = max(ahead.values())
     return tuple(sorted(node for node, plan in ahead.items() if plan == newest))
+
+
+class DriftWatch:
+    """Applies the rules above to this node's trainer and the live members' last heartbeat answers."""
+
+    def __init__(self, heartbeat_s: float) -> None:
+        # a member far ahead is only yielded to once its lead outlasted a few heartbeats (see `LagHold`)
+        self._lag_hold = LagHold(max(1.0, LAG_HOLD_HEARTBEATS * heartbeat_s))
+
+    def ahead(self, info: TrainingInfo | None, others: Mapping[str, MemberProgress | None]) -> tuple[str, ...]:
+        """The members, sorted, whose state this node must take (`diverged_from`, with the lead held), logged
+        with what they and we train with; empty when none."""
+        mine = None if info is None else info.progress()
+        lag = 0 if info is None else info.lag_steps
+        far = self._lag_hold.held(far_ahead(mine, others, lag), time.monotonic())
+        ahead = diverged_from(mine, others, lag, far)
+        if not ahead or mine is None:  # (mine is never None when some member is ahead)
+            return ()
+        theirs = others[ahead[0]]
+        log.warning(
+            "%s trains at step %d with plan v%d (from step %d), which this node (at step %d, plan v%d from step "
+            "%d) missed or is too far behind to catch up with, e.g. after a partition: standing aside to take "
+            "their state",
+            ", ".join(ahead),
+            theirs.step if theirs is not None else 0,
+            theirs.plan_version if theirs is not None else 0,
+            theirs.plan_effective_step if theirs is not None else 0,
+            mine.step,
+            mine.plan_version,
+            mine.plan_effective_step,
+        )
+        return ahead

@@ -1,7 +1,7 @@
 """What members send us: handshakes, data frames, commit votes, probes and broken streams, checked and routed.
 
 The servicer (`transport.server`) calls the `Peer`, which hands each call here. A frame is refused
-while the peer shuts down or joins (the gate), and from a sender whose handshake this process did not
+while the peer shuts down or joins (the gate, `gate`), and from a sender whose handshake this process did not
 accept; anything admitted counts as a sign of life (`peer.liveness`), frames go to their round
 (`peer.rounds`; one that would wait for its round is first checked by `collective.framecheck`) and
 votes to the commit (`peer.commit`). Runs on the peer's event loop only.
@@ -21,6 +21,15 @@ from dreamp2p.peer.commit import CommitVotes
 from dreamp2p.peer.links import RingLinks
 from dreamp2p.peer.liveness import Liveness
 from dreamp2p.peer.rounds import RoundRegistry
+
+JOINING = "joining: no training state yet, so no part in rounds"
+
+
+def gate(closing: bool, ready: bool) -> PeerError | None:
+    """Why a peer takes no frames now: it shuts down (``closing``), or joins (not ``ready``); None: it does."""
+    if closing:
+        return PeerError(Status.SHUTTING_DOWN, "peer shutting down")
+    return None if ready else PeerError(Status.JOINING, JOINING)
 
 
 class Inbound:

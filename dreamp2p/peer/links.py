@@ -1,7 +1,8 @@
 """The links to the ring: one client `Link` per other member, the handshakes and the settings agreement.
 
 `adopt` takes a ring (checked: this node in it, no id twice) and opens a link to each new member;
-`handshake_all` introduces us to every member at once and tells who did not answer; `agree` checks our
+`handshake_all` introduces us to every member at once and tells who did not answer (`connect`: both, and
+`none_answered` the error when nobody did, naming the certificate problems met); `agree` checks our
 training settings against every live member's (`dreamp2p.settings`). A handshake gives up at once when
 admission (`peer.admission`) has meanwhile refused that member. The links are kept measured by the
 active probe (`peer.probing`) and report their statistics as `LinkSnapshot`s. Runs on the peer's event
@@ -18,7 +19,7 @@ from typing import Any
 
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import Hello, LinkSnapshot, RoundEvidence
+from dreamp2p.messages import Hello, LinkSnapshot, MemberProgress, RoundEvidence
 from dreamp2p.peer.admission import Admission
 from dreamp2p.peer.probing import probe_forever, probe_once
 from dreamp2p.settings import settings_mismatch
@@ -53,6 +54,11 @@ class RingLinks:
     def get(self, node_id: str) -> Link | None:
         return self._links.get(node_id)
 
+    def progress_of(self, members: Sequence[str]) -> dict[str, MemberProgress | None]:
+        """What each of ``members`` (but us) said of its training in its last heartbeat answer."""
+        me = self.config.node_id
+        return {n: self._links[n].progress for n in members if n != me and n in self._links}
+
     def adopt(self, ring: Sequence[PeerInfo]) -> None:
         """Take ``ring`` as the ring (refused with ValueError if it lacks us or names a node twice)."""
         ring = tuple(ring)
@@ -66,6 +72,27 @@ class RingLinks:
         for p in ring:
             if p.node_id != cfg.node_id and p.node_id not in self._links:
                 self._links[p.node_id] = Link(cfg.node_id, p, cfg.transport, cfg.tls, cfg.token)
+
+    async def connect(self, ring: Sequence[PeerInfo], hello: Hello, timeout: float, require_all: bool) -> list[str]:
+        """Adopt ``ring`` and handshake with every other member; the members that did not answer.
+
+        ``require_all=False`` (a node joining a running cluster) counts members that do not answer as
+        dead instead of failing; at least one must answer, and once one has, the others get two heartbeat
+        intervals more (a member that is down or cut off must not hold the join up; the heartbeats bring
+        it back when it answers).
+        """
+        self.adopt(ring)
+        grace = max(1.0, 2 * self.config.transport.heartbeat_s)
+        return await self.handshake_all(hello, timeout, require_all, grace)
+
+    def none_answered(self, unreachable: Sequence[str]) -> PeerError | None:
+        """The error when no member answered our handshake (None if one did or there is none)."""
+        if not self._links or len(unreachable) != len(self._links):
+            return None
+        # a certificate problem is the likely reason, and the one an operator can fix: name each one met
+        met = [f"{node}: {self._links[node].tls_problem}" for node in unreachable if self._links[node].tls_problem]
+        because = f" ({'; '.join(met)})" if met else ""
+        return PeerError(Status.TIMEOUT, f"no member of the ring answered the handshake{because}")
 
     async def handshake_all(
         self, hello: Hello, timeout: float, require_all: bool, grace: float | None = None
@@ -129,10 +156,12 @@ class RingLinks:
     async def agree(
         self, settings: dict[str, str], members: Sequence[str], hello: Callable[[], Hello], timeout: float
     ) -> None:
-        """Check our training settings against those of ``members`` (see `Peer.agree`), until ``timeout``.
+        """Check our training settings against those of ``members``, before training, until ``timeout``.
 
-        Each member is handshaken again with ``hello()``, which carries our settings; a member that has not
-        declared its own yet is asked again every 0.1 s.
+        Each member is handshaken again with ``hello()``, which carries our settings; a member that has
+        declared its own compares them and refuses on a difference (CONFIG_MISMATCH), and its reply carries
+        its settings, which we compare too, so both sides of a disagreement fail with the differing settings
+        named. A member that has not declared yet (it has not attached its model) is asked again every 0.1 s.
         """
         me = self.config.node_id
         pending = [node for node in members if node != me and node in self._links]

@@ -189,7 +189,11 @@ class Liveness:
         self._set_view(self._compose())  # revived, or it asked in (its echo no longer says joining)
 
     def mark_unreachable(self, node: str) -> None:
-        """Take ``node`` out of the view now, as a refused heartbeat would; a later answer brings it back."""
+        """Take ``node`` out of the view now, as a refused heartbeat would; a later answer brings it back.
+
+        Rounds that need it fail at once. For an operator or a caller that learned of the loss first
+        (and for tests that partition the view on one member only).
+        """
         if self.membership is None:
             raise RuntimeError("mark_unreachable before connect: there is no membership yet")
         self.membership.missed(node, time.monotonic(), fatal=True)

@@ -5,14 +5,22 @@ servicer, which calls the methods below) and wires its parts together: the links
 handshakes and the active probe (`links.py`, `probing.py`), admission of the members' handshakes
 (`admission.py`), what members send us (`inbound.py`), liveness and the view of live members
 (`liveness.py`, one heartbeat round in `heartbeat.py`), the round registry (`rounds.py`), the commit
-votes (`commit.py`), the ring-round engine behind `allreduce` (`roundrun.py`) and the health status
-(`health.py`).
+votes (`commit.py`), the ring-round engine behind `allreduce` (`roundrun.py`), the check for a plan missed
+across a partition (`drift.py`) and the health state and status (`health.py`).
 
 Membership: each round runs among the members alive when it starts (its view, whose id every frame
 carries), so the ring re-forms among survivors at the next round. Rounds are all-or-none: a member that
 finished its part sends a commit vote to every other member and applies the result only once every
 member's commit arrived; a member whose round failed votes "failed" and the others give up at once. A
 round that fails leaves every tensor as it was, on every member.
+
+Joining: a joining node answers heartbeats from the start, but while it starts up (connects, builds its
+strategy) its answers say it is out of the ring (``in_ring`` False), so the members count it alive and run
+their rounds without it. Once it asks in (`Peer.ask_in`, just before it requests the state) they run their
+rounds among a view that includes it; until it holds the cluster's state (``ready``) it refuses their frames
+at once (JOINING), so all those rounds fail everywhere: no plan decision or average is made without it
+between the members' state snapshot and its first step (see Node.join). Afterwards it refuses rounds from
+before the step it starts at.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch
 from grpc import aio
 
 from dreamp2p.config import PeerConfig, PeerInfo
-from dreamp2p.errors import PeerError, RoundFailed, Status
+from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import (
     PROTOCOL_VERSION,
     Frame,
@@ -39,11 +47,11 @@ from dreamp2p.messages import (
     TrainingInfo,
     Vote,
 )
-from dreamp2p.peer.admission import Admission, hello_of
+from dreamp2p.peer.admission import Admission, address_of, hello_of
 from dreamp2p.peer.commit import CommitVotes
-from dreamp2p.peer.drift import LagHold, diverged_from, far_ahead
-from dreamp2p.peer.health import HealthPublisher, health_of
-from dreamp2p.peer.inbound import Inbound
+from dreamp2p.peer.drift import DriftWatch
+from dreamp2p.peer.health import NodeHealth
+from dreamp2p.peer.inbound import JOINING, Inbound, gate
 from dreamp2p.peer.links import RingLinks
 from dreamp2p.peer.liveness import Liveness
 from dreamp2p.peer.membership import Membership, view_id
@@ -59,13 +67,54 @@ log = logging.getLogger(__name__)
 
 # Probes larger than this are refused.
 MAX_PROBE_BYTES = 4 << 20
-JOINING = "joining: no training state yet, so no part in rounds"
-# Heartbeat intervals a member must stay far ahead before we yield to it (a lead after another member's
-# state transfer closes within about one; a side left behind by a partition stays behind for many).
-LAG_HOLD_HEARTBEATS = 4
 
 
-class Peer:
+class PeerCounters:
+    """The counters a `Peer` reports, each read from the part that keeps it: its Status carries some, tests
+    count time and events in them. Only a base of `Peer`, which holds the parts."""
+
+    _inbound: Inbound
+    _engine: RoundRunner
+    _live: Liveness
+    _health: NodeHealth
+
+    @property
+    def frames_rejected(self) -> int:
+        return self._inbound.rejected
+
+    @property
+    def rounds_completed(self) -> int:
+        return self._engine.completed
+
+    @property
+    def rounds_failed(self) -> int:
+        return self._engine.failed
+
+    @property
+    def rounds_retried(self) -> int:
+        return self._engine.retried
+
+    @property
+    def contributions_refused(self) -> int:
+        """Rounds we took part in without our values (non-finite, or a norm jump): see `peer.guard`."""
+        return self._engine.contributions_refused
+
+    @property
+    def heartbeat_rounds(self) -> int:
+        """Heartbeat ticks so far: tests count time in them."""
+        return self._live.heartbeat_rounds
+
+    @property
+    def view_changes(self) -> int:
+        return self._live.view_changes
+
+    @property
+    def health_publications(self) -> int:
+        """Passes of the health loop (each publishes the status); 0 without a health listener."""
+        return self._health.publications
+
+
+class Peer(PeerCounters):
     """A node's networking half. Use ``async with Peer(cfg) as peer`` or start/close explicitly."""
 
     def __init__(self, config: PeerConfig) -> None:
@@ -88,32 +137,22 @@ class Peer:
             after_tick=self._check_drift,
         )
         self._commits = CommitVotes(config.node_id, self._links.send_vote, self._live.is_alive)
-        self._engine = RoundRunner(
-            config, self._links, self._live, self.rounds, self._commits, lambda: self._closing or bool(self.diverged)
-        )
-        parts = (self._admission, self._links, self._live, self.rounds, self._commits)
+        parts = (self._links, self._live, self.rounds, self._commits)
+        self._engine = RoundRunner(config, *parts, lambda: self._closing, lambda: self.diverged)
         self.max_payload = self._engine.max_payload
-        self._inbound = Inbound(config, *parts, self._refusal, self.max_payload)
-        self._health = (
-            HealthPublisher(config.node_id, config.health_listen, self.health) if config.health_listen else None
+        self._inbound = Inbound(
+            config, self._admission, *parts, lambda: gate(self._closing, self.ready), self.max_payload
         )
+        self._health = NodeHealth(config.node_id, config.health_listen, config.health_stall_s, self.health)
         self._started = time.monotonic()
         self._closing = False
-        self.draining = False  # the daemon is stopping: rounds in flight still land, probes see NOT_SERVING
-        self._progress_at = time.monotonic()  # when the trainer last published a step
         # set by the trainer's thread; replaced whole (never mutated), so readers see a consistent value
         self.training: TrainingInfo | None = None
         # set by a node that resumed: the checkpoint steps it held, so a restart wave can agree on one
         self.resume_steps: tuple[int, ...] | None = None
         # serves this node's training state to joining members (see `dreamp2p.state`); None: not offered
         self.state_donor: Any = None
-        # A joining node answers heartbeats from the start, but while it starts up (connects, builds its
-        # strategy) its answers say it is out of the ring ("in_ring" False), so the members count it alive
-        # and run their rounds without it. Once it asks in (`ask_in`, just before it requests the state)
-        # they run their rounds among a view that includes it; until it holds the cluster's state
-        # ("ready") it refuses their frames at once (JOINING), so all those rounds fail everywhere: no plan
-        # decision or average is made without it between the members' state snapshot and its first step
-        # (see Node.join). Afterwards it refuses rounds from before the step it starts at.
+        # a joiner starts out of the ring and not ready (see the module docstring)
         self.ready = True
         self.in_ring = True
         # training settings every member must share (see `dreamp2p.settings`); empty until declared
@@ -122,8 +161,7 @@ class Peer:
         # trainer took their state and admits us again; replaced whole, so other threads may read it
         self.diverged: tuple[str, ...] = ()
         self.on_diverged: Callable[[tuple[str, ...]], None] | None = None  # told when it is set
-        # a member far ahead is only yielded to once its lead outlasted a few heartbeats (see peer.drift)
-        self._lag_hold = LagHold(max(1.0, LAG_HOLD_HEARTBEATS * config.transport.heartbeat_s))
+        self._drift = DriftWatch(config.transport.heartbeat_s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -131,21 +169,21 @@ class Peer:
         self._server, self.port = build_server(self.config, self)
         await self._server.start()
         log.info("%s listening on port %d", self.config.node_id, self.port)
-        if self._health is not None:
-            await self._health.start()
+        await self._health.start()
         return self.port
 
     def health(self, now: float | None = None) -> tuple[bool, str]:
-        """Whether this node is serving, and why not: joining, shutting down, or its trainer stalled."""
-        idle = None if self.training is None else (time.monotonic() if now is None else now) - self._progress_at
-        return health_of(self._closing, self.ready, idle, self.config.health_stall_s, self.draining)
+        """Whether this node is serving, and why not: joining, shutting down, draining, or its trainer stalled."""
+        return self._health.of(self._closing, self.ready, self.training is not None, now)
+
+    @property
+    def health_port(self) -> int:
+        """The port of the health listener (grpc.health.v1); 0 without one."""
+        return self._health.port
 
     @property
     def address(self) -> str:
-        if self.config.advertise:
-            return self.config.advertise
-        host = self.config.listen.rsplit(":", 1)[0]
-        return f"{host}:{self.port}"
+        return address_of(self.config, self.port)
 
     def hello(self) -> Hello:
         return hello_of(self.config, self.address, self._settings)
@@ -153,58 +191,40 @@ class Peer:
     async def connect(
         self, ring: Sequence[PeerInfo] | None = None, timeout: float | None = None, require_all: bool = True
     ) -> None:
-        """Adopt the ring (config order by default) and handshake with every other member.
-
-        ``require_all=False`` (a node joining a running cluster) counts members that do not answer as
-        dead instead of failing; at least one must answer, and once one has, the others get two heartbeat
-        intervals more (a member that is down or cut off must not hold the join up; the heartbeats bring
-        it back when it answers).
-        """
+        """Adopt the ring (config order by default), handshake with every other member (``require_all``: see
+        `RingLinks.connect`), then keep the view current (heartbeats) and the links measured (the probe)."""
         cfg = self.config
-        self._links.adopt(ring if ring is not None else cfg.ring)
+        ring = ring if ring is not None else cfg.ring
         limit = timeout if timeout is not None else cfg.transport.connect_timeout_s
-        grace = max(1.0, 2 * cfg.transport.heartbeat_s)
-        unreachable = await self._links.handshake_all(self.hello(), limit, require_all, grace)
+        unreachable = await self._links.connect(ring, self.hello(), limit, require_all)
         self._live.begin([p.node_id for p in self.ring], unreachable)
-        links = self._links.by_node()
-        if links and len(unreachable) == len(links):
-            # a certificate problem is the likely reason, and the one an operator can fix: name each one met
-            met = [f"{node}: {links[node].tls_problem}" for node in unreachable if links[node].tls_problem]
-            because = f" ({'; '.join(met)})" if met else ""
-            raise PeerError(Status.TIMEOUT, f"no member of the ring answered the handshake{because}")
+        if (nobody := self._links.none_answered(unreachable)) is not None:
+            raise nobody
         self._links.start_probing()
         if len(self.ring) > 1:
             self._live.start_heartbeats()
 
     async def agree(self, settings: dict[str, str], timeout: float) -> None:
-        """Declare our training settings and check them against every live member's, before training.
-
-        Each member is handshaken again with the settings; a member that has declared its own compares
-        them and refuses on a difference (CONFIG_MISMATCH), and its reply carries its settings, which we
-        compare too, so both sides of a disagreement fail with the differing settings named. A member
-        that has not declared yet (it has not attached its model) is asked again until ``timeout``.
-        """
-        settings = {**settings, **shared_settings(rule_of(self.config.transport))}  # stragglers: judged alike
+        """Declare our training settings and check them against every live member's, before training (how:
+        `RingLinks.agree`); the straggler rule is among them, so every member judges stragglers alike."""
+        settings = {**settings, **shared_settings(rule_of(self.config.transport))}
         self._settings = tuple(sorted(settings.items()))
         await self._links.agree(settings, self.view, self.hello, timeout)
 
     async def close(self, grace: float = 2.0) -> None:
         """Stop probing, fail rounds in flight, stop the server with ``grace`` seconds, close channels."""
         self._closing = True
-        if self._health is not None:  # probes see NOT_SERVING while we drain
-            await self._health.publish()
+        await self._health.publish()  # probes see NOT_SERVING while we drain
         await self._links.stop_probing()
         await self._live.stop()
-        if self._health is not None:
-            await self._health.stop_loop()
+        await self._health.stop_loop()
         self.rounds.fail_open("peer shutting down")
         self.rounds.refuse_waiting(PeerError(Status.SHUTTING_DOWN, "peer shutting down"))
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
         await self._links.close()
-        if self._health is not None:
-            await self._health.stop(grace)
+        await self._health.stop(grace)
 
     async def __aenter__(self) -> Peer:
         await self.start()
@@ -247,12 +267,6 @@ class Peer:
         """A member of ``members`` whose vote that round ``key`` failed is recorded here, if any (read only)."""
         return self._commits.failed_before(key, members)
 
-    def _refusal(self) -> PeerError | None:
-        """Why this peer takes no frames now: shutting down, or joining (see ``ready``)."""
-        if self._closing:
-            return PeerError(Status.SHUTTING_DOWN, "peer shutting down")
-        return None if self.ready else PeerError(Status.JOINING, JOINING)
-
     def status(self) -> PeerStatus:
         return status_of(self, time.monotonic() - self._started)
 
@@ -261,7 +275,7 @@ class Peer:
     def set_training_info(self, info: TrainingInfo) -> None:
         """What this node trains and at which step, as its Status reports it (replaced whole)."""
         self.training = info
-        self._progress_at = time.monotonic()
+        self._health.stepped()
         self._check_drift()
 
     def progress(self) -> MemberProgress | None:
@@ -284,36 +298,16 @@ class Peer:
 
     def _check_drift(self) -> None:
         """Stand aside if live members train with a plan we should have adopted and did not, or are further
-        ahead than we can catch up with (`peer.drift`).
+        ahead than we can catch up with (`peer.drift`); checked after every step and every heartbeat tick.
 
-        Checked after every step and every heartbeat tick. Our open rounds fail and the frames waiting here
-        are refused, so neither side waits for a round that cannot complete; the trainer then takes the
-        state of the members ahead (`Node.resync`) and admits us again.
-        """
+        Our open rounds fail and the frames waiting here are refused, so neither side waits for a round that
+        cannot complete; the trainer then takes the state of the members ahead (`Node.resync`) and admits us
+        again."""
         if not self.ready or self.diverged or self._closing:
             return
-        info = self.training
-        mine = None if info is None else info.progress()
-        links = self._links.by_node()
-        others = {n: links[n].progress for n in self.view if n != self.config.node_id and n in links}
-        lag = 0 if info is None else info.lag_steps
-        far = self._lag_hold.held(far_ahead(mine, others, lag), time.monotonic())
-        ahead = diverged_from(mine, others, lag, far)
-        if not ahead or mine is None:  # (mine is never None when some member is ahead)
+        ahead = self._drift.ahead(self.training, self._links.progress_of(self.view))
+        if not ahead:
             return
-        theirs = others[ahead[0]]
-        log.warning(
-            "%s trains at step %d with plan v%d (from step %d), which this node (at step %d, plan v%d from step "
-            "%d) missed or is too far behind to catch up with, e.g. after a partition: standing aside to take "
-            "their state",
-            ", ".join(ahead),
-            theirs.step if theirs is not None else 0,
-            theirs.plan_version if theirs is not None else 0,
-            theirs.plan_effective_step if theirs is not None else 0,
-            mine.step,
-            mine.plan_version,
-            mine.plan_effective_step,
-        )
         self.diverged = ahead
         self.stand_aside()
         self.rounds.fail_open(f"this node missed the plan of {', '.join(ahead)} and takes their state")
@@ -336,7 +330,7 @@ class Peer:
 
     def begin_drain(self) -> None:
         """The node is stopping after its rounds in flight: health turns NOT_SERVING (rounds still run)."""
-        self.draining = True
+        self._health.begin_drain()
 
     def stand_aside(self) -> None:
         """Take part in no round until ``ready`` again (a node that turns out to be joining): refuse new frames
@@ -358,15 +352,8 @@ class Peer:
         error_feedback: bool = False,
     ) -> RoundResult:
         """Average ``tensors`` across the ring (a collective: every member must call it); see
-        `RoundRunner.allreduce` for each argument, the all-or-none outcome and the one retry.
-
-        While we stand aside to take the members' state (``diverged``), a round fails here at once: it
-        could only wait for frames no member sends (they run other rounds), up to its deadline.
-        """
-        if self.diverged:
-            raise RoundFailed(
-                (group_id, round_id or 0), f"standing aside to take the state of {', '.join(self.diverged)}"
-            )
+        `RoundRunner.allreduce` for each argument, the all-or-none outcome, the one retry and why a round
+        fails at once while we stand aside (``diverged``)."""
         return await self._engine.allreduce(
             tensors, group_id, codec, plan_version, timeout, out, round_id, guard_norm, error_feedback
         )
@@ -397,11 +384,7 @@ class Peer:
         return self._live.view
 
     def mark_unreachable(self, node: str) -> None:
-        """Take ``node`` out of our view now, as a refused heartbeat would; a later answer brings it back.
-
-        Rounds that need it fail at once. For an operator or a caller that learned of the loss first
-        (and for tests that partition the view on one member only).
-        """
+        """Take ``node`` out of our view now (see `Liveness.mark_unreachable`); a later answer brings it back."""
         self._live.mark_unreachable(node)
 
     async def _reintroduce(self, link: Link) -> Hello:
@@ -417,47 +400,6 @@ class Peer:
     async def probe_now(self, burst_bytes: int | None = None) -> list[LinkSnapshot]:
         """Measure every link once (RTT echo + burst) and return the snapshots."""
         return await self._links.probe_now(burst_bytes)
-
-    # ------------------------------------------------------------------ counters
-
-    @property
-    def frames_rejected(self) -> int:
-        return self._inbound.rejected
-
-    @property
-    def rounds_completed(self) -> int:
-        return self._engine.completed
-
-    @property
-    def rounds_failed(self) -> int:
-        return self._engine.failed
-
-    @property
-    def rounds_retried(self) -> int:
-        return self._engine.retried
-
-    @property
-    def contributions_refused(self) -> int:
-        """Rounds we took part in without our values (non-finite, or a norm jump): see `peer.guard`."""
-        return self._engine.contributions_refused
-
-    @property
-    def heartbeat_rounds(self) -> int:
-        """Heartbeat ticks so far: tests count time in them."""
-        return self._live.heartbeat_rounds
-
-    @property
-    def view_changes(self) -> int:
-        return self._live.view_changes
-
-    @property
-    def health_port(self) -> int:
-        return self._health.port if self._health is not None else 0
-
-    @property
-    def health_publications(self) -> int:
-        """Passes of the health loop (each publishes the status); 0 without a health listener."""
-        return self._health.publications if self._health is not None else 0
 
 
 def status_of(peer: Peer, uptime_s: float) -> PeerStatus:

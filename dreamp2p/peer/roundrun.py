@@ -7,9 +7,9 @@ result is written back only once every member voted commit (`peer.commit`). A fa
 tensor as it was and is retried once, among the members alive then, under a retry group id.
 
 The engine asks the peer's parts through their methods: the ring and a link from `RingLinks`, who is
-alive and the next heartbeat tick from `Liveness`, whether a failed round may be retried (not while the
-peer closes or stands aside) from a callable; it owns
-the guard, the error-feedback residuals and the round counters. Runs on the peer's event loop only.
+alive and the next heartbeat tick from `Liveness`, from callables whether the peer stands aside (no round
+runs then) or closes (a failed round is not retried then either); it owns the guard, the error-feedback
+residuals and the round counters. Runs on the peer's event loop only.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class RoundRunner:
         live: Liveness,
         rounds: RoundRegistry,
         commits: CommitVotes,
-        no_retry: Callable[[], bool],
+        closing: Callable[[], bool],
+        diverged: Callable[[], tuple[str, ...]],
     ) -> None:
         self.config = config
         self.max_payload = config.transport.max_message_bytes - (64 << 10)
@@ -61,9 +62,9 @@ class RoundRunner:
         self.retried = 0
         self._links = links
         self._live = live
-        # a failed round is not retried while this holds: the peer shuts down, or stands aside to take
-        # the members' state (a retry could only wait for frames nobody sends, see Peer.diverged)
-        self._no_retry = no_retry
+        self._closing = closing  # the peer shuts down
+        # the live members whose state the peer takes (see Peer.diverged): no round runs meanwhile
+        self._diverged = diverged
         self._rounds = rounds
         self._commits = commits
         self._zstd = ZstdStage(config.transport.zstd_level) if config.transport.zstd else None
@@ -111,7 +112,12 @@ class RoundRunner:
         A failed round (corrupted bytes, a member that died, members that disagreed about who is alive)
         failed on every member (all-or-none), so every member retries it the same way: once, at once,
         among the members alive then, under group id ``group_id | RETRY_GROUP_BIT``.
+
+        While the peer stands aside to take the members' state (``diverged``), a round fails here at once: it
+        could only wait for frames no member sends (they run other rounds), up to its deadline.
         """
+        if aside := self._diverged():
+            raise RoundFailed((group_id, round_id or 0), f"standing aside to take the state of {', '.join(aside)}")
         if not 0 <= group_id < RETRY_GROUP_BIT:
             raise ValueError(f"group_id must be in [0, 2**31), got {group_id}")
         retries = self.config.transport.round_retries
@@ -135,6 +141,11 @@ class RoundRunner:
                         raise
                 log.info("round %s failed (%s); retrying among %s", exc.key, exc.reason, ", ".join(self._live.view))
         raise AssertionError("unreachable")
+
+    def _no_retry(self) -> bool:
+        """A failed round is not retried while the peer shuts down, or stands aside to take the members'
+        state (a retry could only wait for frames nobody sends)."""
+        return self._closing() or bool(self._diverged())
 
     async def _allreduce_once(
         self,
