@@ -275,7 +275,14 @@ class Trace:
         assert self.rounds_failed <= after.rounds_failed <= self.rounds_failed + 1
         assert after.frames_rejected == self.frames_rejected + rejected
         assert after.pending == 0, "a refused frame left a round waiter behind"
-        assert (after.next_round, after.closed) == (self.next_round, self.closed)
+        assert after.next_round == self.next_round
+        # an open round may give up at its own deadline meanwhile on a loaded machine (rounds_failed + 1
+        # above): that closes it, and nothing else may change among the closed rounds
+        newly = {(g, r) for g, rs in after.closed.items() for r in rs} - {
+            (g, r) for g, rs in self.closed.items() for r in rs
+        }
+        gone = {(g, r) for g, rs in self.closed.items() for r in rs if r not in after.closed.get(g, frozenset())}
+        assert not gone and len(newly) == after.rounds_failed - self.rounds_failed, (self.closed, after.closed)
         assert after.open_rounds <= self.open_rounds
         assert after.admitted.keys() == self.admitted.keys()
         assert all(after.admitted[k] is self.admitted[k] for k in self.admitted)
