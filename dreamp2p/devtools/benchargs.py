@@ -12,10 +12,19 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dreamp2p.cli.args import check_delay, duration, int_at_least, link_rate, open_fraction, positive_float
+from dreamp2p.cli.args import (
+    check_delay,
+    duration,
+    int_at_least,
+    link_rate,
+    nonneg_float,
+    open_fraction,
+    positive_float,
+)
 from dreamp2p.config.codecs import CODEC_NAMES
 from dreamp2p.config.parse import parse_duration
 from dreamp2p.devtools.benchrun import run_bench
@@ -245,6 +254,7 @@ def _chaos(p: Parser) -> None:
         help="a killed daemon restarts after a random MIN..MAX seconds (2 20)",
     )
     p.add_argument("--max-down", type=int_at_least(1), default=2, help="never more members down at once (2)")
+    _chaos_faults(p)
     p.add_argument("--flap-every", type=positive_float, default=180.0, help="seconds between link flaps (180)")
     p.add_argument("--flap-down", type=positive_float, default=10.0, help="seconds each flap keeps the link down (10)")
     p.add_argument("--no-flaps", action="store_true", help="no link flaps even as root")
@@ -256,12 +266,66 @@ def _chaos(p: Parser) -> None:
     p.add_argument("--run-dir", default=None, help="keep the daemons' folder here (default: a temporary one)")
 
 
+def fault_kinds(text: str) -> tuple[str, ...]:
+    """An argparse type: a comma list of fault kinds (``kill,stop``); which ones are allowed, ChaosTiming checks."""
+    kinds = tuple(k.strip().lower() for k in text.split(",") if k.strip())
+    if not kinds:
+        raise argparse.ArgumentTypeError("name at least one fault kind: kill, stop, partition")
+    return kinds
+
+
+def _chaos_faults(p: Parser) -> None:
+    """bench chaos's fault kinds and how long freezes and partitions last (seconds, like --down)."""
+    p.add_argument(
+        "--kinds",
+        type=fault_kinds,
+        default=None,
+        help="faults to draw, a comma list of kill, stop (SIGSTOP/SIGCONT), partition "
+        "(kill,stop,partition; partition only as root)",
+    )
+    seconds: list[tuple[str, float, str]] = [
+        ("--stop-min", 2.0, "shortest freeze, seconds"),
+        ("--stop-max", 20.0, "longest freeze that is not a long one, seconds"),
+        ("--long-stop-p", 0.1, "chance that a freeze is a long one, in [0, 1]"),
+        ("--long-stop-max", 180.0, "longest long freeze (they last --stop-max..this), seconds"),
+        ("--partition-min", 5.0, "shortest partition, seconds"),
+        ("--partition-max", 30.0, "longest partition, seconds"),
+        ("--oneway-p", 0.5, "chance that a partition is one-way (the group's packets to the rest dropped), in [0, 1]"),
+    ]
+    for flag, default, what in seconds:
+        p.add_argument(flag, type=nonneg_float, default=default, help=f"{what} ({default:g})")
+
+
+# ChaosTiming's field names in its errors -> the options that set them
+_TIMING_OPTIONS = {
+    "kill_every_s": "--kill-every",
+    "down_min_s": "--down MIN",
+    "down_max_s": "--down MAX",
+    "max_down": "--max-down",
+    "kinds": "--kinds",
+    "long_stop_max_s": "--long-stop-max",
+    "long_stop_p": "--long-stop-p",
+    "stop_min_s": "--stop-min",
+    "stop_max_s": "--stop-max",
+    "partition_min_s": "--partition-min",
+    "partition_max_s": "--partition-max",
+    "oneway_p": "--oneway-p",
+}
+
+
 def _chaos_check(parser: Parser, args: argparse.Namespace) -> None:
+    from dreamp2p.devtools.benchrun import chaos_timing
+
     check_delay(parser, args)
     if not 0 <= args.down[0] <= args.down[1]:
         parser.error(f"argument --down: need 0 <= MIN <= MAX, got {args.down[0]:g} {args.down[1]:g}")
     if not args.max_down < args.peers <= 8:
         parser.error(f"argument --peers: chaos needs more than --max-down ({args.max_down}) and at most 8")
+    try:
+        chaos_timing(args)
+    except ValueError as exc:
+        names = "|".join(sorted(_TIMING_OPTIONS, key=len, reverse=True))
+        parser.error(re.sub(rf"\b({names})\b", lambda m: _TIMING_OPTIONS[m[1]], str(exc)))
 
 
 def _regions(p: Parser) -> None:
@@ -291,7 +355,7 @@ BENCHES: dict[str, tuple[str, Callable[[Parser], None], Check | None]] = {
     "lm": ("the strategies on a byte-level GPT across emulated WAN regions", _lm, check_delay),
     "plancheck": ("`dreamp2p plan`'s predictions against bench lm over a grid", _plancheck, None),
     "digits": ("a BatchNorm CNN on the digits data set, trained through the library", _digits, None),
-    "chaos": ("node daemons trained through SIGKILLs, rejoins and link flaps", _chaos, _chaos_check),
+    "chaos": ("node daemons trained through kills, freezes, partitions and link flaps", _chaos, _chaos_check),
     "regions": ("regions of many ranks against regions of one, over tbf links (root)", _regions, _regions_check),
 }
 

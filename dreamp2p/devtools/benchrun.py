@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dreamp2p.devtools.bench.chaos.plan import ChaosTiming
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:
@@ -155,18 +158,32 @@ def _bench_digits(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def _bench_chaos(args: argparse.Namespace) -> dict[str, Any]:
-    from dreamp2p.devtools.bench.chaos.plan import ChaosTiming
-    from dreamp2p.devtools.bench.chaos.run import ChaosRun, bench_chaos
+def chaos_timing(args: argparse.Namespace) -> ChaosTiming:
+    """bench chaos's fault schedule from its options (ChaosTiming's ValueError for bad values)."""
+    from dreamp2p.devtools.bench.chaos.plan import FAULT_KINDS, ChaosTiming
     from dreamp2p.devtools.localrun import NAMES
 
-    timing = ChaosTiming(
+    return ChaosTiming(
         kill_every_s=args.kill_every,
         down_min_s=args.down[0],
         down_max_s=args.down[1],
         max_down=args.max_down,
         protected=frozenset({NAMES[0]}),
+        kinds=FAULT_KINDS if args.kinds is None else args.kinds,
+        stop_min_s=args.stop_min,
+        stop_max_s=args.stop_max,
+        long_stop_p=args.long_stop_p,
+        long_stop_max_s=args.long_stop_max,
+        partition_min_s=args.partition_min,
+        partition_max_s=args.partition_max,
+        oneway_p=args.oneway_p,
     )
+
+
+def _bench_chaos(args: argparse.Namespace) -> dict[str, Any]:
+    from dreamp2p.devtools.bench.chaos.run import ChaosRun, bench_chaos
+
+    timing = chaos_timing(args)
     return bench_chaos(
         ChaosRun(
             minutes=args.minutes,

@@ -34,6 +34,8 @@ OPTIONS: dict[str, set[str]] = {
     "chaos": {
         *("--minutes", "--peers", "--kill-every", "--down", "--max-down", "--flap-every", "--flap-down", "--no-flaps"),
         *("--rate", "--rtt", "--period", "--width", "--depth", "--max-delay", "--seed", "--run-dir"),
+        *("--kinds", "--stop-min", "--stop-max", "--long-stop-p", "--long-stop-max", "--partition-min"),
+        *("--partition-max", "--oneway-p"),
     },
     "regions": {
         *("--regions", "--ranks", "--rate", "--rtt", "--strategies", "--steps", "--period", "--width", "--depth"),
@@ -110,6 +112,12 @@ def test_one_name_for_the_link_rate() -> None:
         (["bench", "lm"], {"steps": 200, "period": 20, "width": 256, "depth": 4, "rate": "20mbit", "rtt": "0ms"}),
         (["bench", "strategies"], {"steps": 150, "period": 10, "width": 512, "rate": None, "rtt": "20ms"}),
         (["bench", "chaos"], {"peers": 5, "rate": "50mbit", "rtt": "4ms", "period": 5, "width": 64, "depth": 2}),
+        (
+            ["bench", "chaos"],
+            {"kinds": None, "stop_min": 2.0, "stop_max": 20.0, "long_stop_p": 0.1, "long_stop_max": 180.0},
+        ),
+        (["bench", "chaos"], {"partition_min": 5.0, "partition_max": 30.0, "oneway_p": 0.5}),
+        (["bench", "chaos", "--kinds", "Kill, stop"], {"kinds": ("kill", "stop")}),
         (["bench", "regions"], {"steps": 12, "regions": 2, "ranks": 2, "rate": "20mbit", "strategies": None}),
         (["bench", "plancheck"], {"steps": 100, "period": 20, "region_counts": [2, 3]}),
         (["bench", "codec"], {"mbytes": 64.0, "repeats": 3, "codecs": None}),
@@ -137,6 +145,15 @@ def test_each_bench_has_its_own_defaults(argv: list[str], expected: dict[str, ob
         (["bench", "transport", "--loss", "1%"], "transport emulates them only with --netns"),
         (["bench", "chaos", "--peers", "2"], "argument --peers: chaos needs more than --max-down (2)"),
         (["bench", "chaos", "--down", "5", "1"], "argument --down: need 0 <= MIN <= MAX"),
+        (["bench", "chaos", "--kinds", "kill,freeze"], "--kinds must be distinct ones of kill, stop, partition"),
+        (["bench", "chaos", "--kinds", "stop,stop"], "--kinds must be distinct ones of kill, stop, partition"),
+        (["bench", "chaos", "--kinds", ","], "argument --kinds: name at least one fault kind"),
+        (["bench", "chaos", "--stop-min", "9", "--stop-max", "2"], "need 0 <= --stop-min <= --stop-max, got 9.0, 2.0"),
+        (["bench", "chaos", "--stop-max", "200"], "--long-stop-max must be >= --stop-max, got 180.0, 200.0"),
+        (["bench", "chaos", "--partition-min", "40"], "need 0 <= --partition-min <= --partition-max"),
+        (["bench", "chaos", "--long-stop-p", "1.5"], "--long-stop-p must be in [0, 1], got 1.5"),
+        (["bench", "chaos", "--oneway-p", "2"], "--oneway-p must be in [0, 1], got 2.0"),
+        (["bench", "chaos", "--stop-min=-1"], "argument --stop-min: must be a finite number >= 0"),
         (["bench", "lm", "--period", "4", "--max-delay", "4"], "--max-delay (4) must be less than --period (4)"),
         (["bench", "regions", "--strategies", "ssgd", "dreamddp"], "regions runs one strategy"),
         (["bench", "allreduce", "--peers", "1"], "argument --peers: must be >= 2"),
@@ -183,6 +200,9 @@ dreamp2p bench plancheck --json --sizes small large --region-counts 2 3 --out gr
 dreamp2p bench plancheck --reports grid.jsonl out.json
 dreamp2p bench plancheck --json --target-cu 0.9 --sizes small --rates 20mbit --rtts 0ms --region-counts 2
 dreamp2p bench chaos --json --minutes 0.5 --kill-every 6 --down 1 3 --flap-every 20 --flap-down 4 --run-dir r
+dreamp2p bench chaos --minutes 1.5 --json
+dreamp2p bench chaos --json --kinds kill,stop --stop-min 1 --stop-max 5 --long-stop-p 0.2 --long-stop-max 60
+dreamp2p bench chaos --json --partition-min 2 --partition-max 8 --oneway-p 1
 dreamp2p bench regions --json --steps 3 --width 32 --depth 1 --rate 50mbit
 """
 

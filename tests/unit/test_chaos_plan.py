@@ -18,6 +18,7 @@ from dreamp2p.devtools.bench.chaos.plan import (
     counter_in_window,
     digests_agree,
     fault_recoveries,
+    fault_summary,
     flap_times,
     frontier,
     goodput,
@@ -244,7 +245,7 @@ def test_end_all_ends_freezes_and_the_partition_now_but_not_restarts() -> None:
         partition_min_s=20.0,
         partition_max_s=20.0,
     )
-    # seed 1 draws a kill, a partition and a stop first (the others fill max_down before all three came)
+    # the first three faults are one of each kind, in the order seed 1 shuffles them
     schedule = FaultSchedule(timing, MEMBERS, random.Random(1), start=0.0)
     training, t, made = set(MEMBERS), 0.0, set()
     while not (made >= {"kill", "stop"} and schedule.cut is not None):
@@ -259,6 +260,19 @@ def test_end_all_ends_freezes_and_the_partition_now_but_not_restarts() -> None:
     assert schedule.cont_at == {} and schedule.cut is None
     assert set(schedule.restart_at) == set(MEMBERS) - training  # the killed come back when due, not now
     assert schedule.due(t + 1.0, training, killing=False) == []
+
+
+@pytest.mark.parametrize("kinds", MIXES)
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_every_kind_comes_once_in_each_round_of_len_kinds_faults(kinds: tuple[str, ...], seed: int) -> None:
+    timing = ChaosTiming(5.0, 1.0, 3.0, 2, frozenset({"a"}), kinds, 1.0, 3.0, 0.0, 3.0, 1.0, 3.0, 0.5)
+    log, _, _ = simulate_faults(timing, seed, seconds=300.0)
+    made = [a.kind for _, a in log if a.kind in ("kill", "stop", "partition")]
+    rounds = [made[i : i + len(kinds)] for i in range(0, len(made) - len(kinds) + 1, len(kinds))]
+    assert len(rounds) >= 5, made
+    assert all(sorted(r) == sorted(kinds) for r in rounds), made
+    if len(kinds) > 1:  # in a random order
+        assert len({tuple(r) for r in rounds}) > 1, rounds
 
 
 def test_a_partition_never_takes_a_majority_nor_comes_without_members() -> None:
@@ -390,6 +404,56 @@ def test_fault_recovery_leaves_out_a_member_killed_before_it_could_step() -> Non
 
 
 STEPS = [(0.0, 0), (1.0, 10), (2.0, 20), (2.5, 19), (3.0, 30), (4.0, 36)]
+
+
+SUMMARY_FAULTS = [
+    Fault("stop", 10.0, 14.0, ("b",), ("a", "c")),
+    Fault("stop", 20.0, 120.0, ("c",), ("a", "b")),
+    Fault("partition", 30.0, 40.0, ("b", "c"), ("a",), oneway=True),
+]
+
+
+@pytest.mark.parametrize(
+    ("kinds", "kill_recs", "recs", "expected"),
+    [
+        (
+            ("kill", "stop", "partition"),
+            [1.0, None, 3.0],
+            [0.5, 2.5, None],
+            {
+                "kill": {"count": 3, "recovered": 2, "recovery_s": {"p50": 2.0, "p99": 2.98, "max": 3.0, "n": 2}},
+                "stop": {
+                    "count": 2,
+                    "recovered": 2,
+                    "recovery_s": {"p50": 1.5, "p99": 2.48, "max": 2.5, "n": 2},
+                    "lasted_s": {"p50": 52.0, "max": 100.0, "n": 2},
+                },
+                "partition": {
+                    "count": 1,
+                    "recovered": 0,
+                    "recovery_s": {"p50": None, "p99": None, "max": None, "n": 0},
+                    "lasted_s": {"p50": 10.0, "max": 10.0, "n": 1},
+                    "oneway": 1,
+                },
+            },
+        ),
+        (  # a kind asked but never made is there with a count of 0; one not asked is not
+            ("kill",),
+            [],
+            [0.5, 2.5, None],
+            {"kill": {"count": 0, "recovered": 0, "recovery_s": {"p50": None, "p99": None, "max": None, "n": 0}}},
+        ),
+    ],
+)
+def test_fault_summary_per_kind(
+    kinds: tuple[str, ...], kill_recs: list[float | None], recs: list[float | None], expected: dict[str, Any]
+) -> None:
+    assert fault_summary(kinds, kill_recs, SUMMARY_FAULTS, recs) == expected
+
+
+def test_fault_summary_needs_a_recovery_per_fault() -> None:
+    with pytest.raises(ValueError, match="3 faults but 2 recoveries"):
+        fault_summary(("stop",), [], SUMMARY_FAULTS, [1.0, 2.0])
 
 
 @pytest.mark.parametrize(("at", "expected"), [(-1.0, -1), (0.0, 0), (2.7, 20), (9.0, 36)])

@@ -1,1 +1,2 @@
-"""`bench chaos`: real node daemons trained through kills, rejoins and link flaps (the run, its plan, its processes)."""
+"""`bench chaos`: real node daemons trained through kills, freezes, partitions and link flaps (the run, its plan,
+its processes, the faults' injection, the report)."""

@@ -28,6 +28,7 @@ class ChaosTiming:
     ``long_stop_p`` a long freeze of ``stop_max_s``..``long_stop_max_s`` instead), "partition" (a minority
     group of members cut off from the rest for ``partition_min_s``..``partition_max_s``; with probability
     ``oneway_p`` in one direction only: the group's packets to the rest are dropped, the rest's still arrive).
+    The dataclass's own ``kinds`` is the kill-only schedule of old; `bench chaos` ships :data:`FAULT_KINDS`.
     """
 
     kill_every_s: float = 20.0  # mean time between faults of any kind; each gap is drawn in [0.75, 1.25] of it
@@ -38,7 +39,7 @@ class ChaosTiming:
     kinds: tuple[str, ...] = ("kill",)
     stop_min_s: float = 2.0
     stop_max_s: float = 20.0
-    long_stop_p: float = 0.0
+    long_stop_p: float = 0.1  # a tenth of the freezes are long ones (up to 3 minutes)
     long_stop_max_s: float = 180.0
     partition_min_s: float = 5.0
     partition_max_s: float = 30.0
@@ -85,9 +86,11 @@ class FaultSchedule:
     """Decides, at each poll, which fault to inject and which fault to end now.
 
     A fault falls due ``kill_every_s`` (+-25%) after the previous one, its kind drawn then among
-    ``kinds``. A due fault waits while it cannot be made: a kill or a stop while ``max_down`` members are
-    down (killed, still joining, frozen or cut off), a partition while another is under way or no minority
-    group fits under ``max_down``. No member is ever under two faults at once and a protected one never
+    ``kinds`` as from a shuffled deck: every kind once in each round of ``len(kinds)`` faults, in a random
+    order, so that even a short run sees each kind and a long one sees them equally often. A due fault
+    waits while it cannot be made: a kill or a stop while ``max_down`` members are down (killed, still
+    joining, frozen or cut off), a partition while another is under way or no minority group fits under
+    ``max_down``. No member is ever under two faults at once and a protected one never
     under any. The same seed and the same answers about who trains give the same faults.
     """
 
@@ -99,6 +102,7 @@ class FaultSchedule:
         self.cont_at: dict[str, float] = {}  # frozen members -> when to SIGCONT them
         self.cut: Cut | None = None  # the partition under way
         self.counts: dict[str, int] = dict.fromkeys(timing.kinds, 0)
+        self._deck: list[str] = []  # the kinds still to come in this round, the next one last
         self.next_kill = start + self._gap()
         self.next_kind = self._kind()
 
@@ -113,7 +117,10 @@ class FaultSchedule:
         kinds = self.timing.kinds
         if len(kinds) <= 1:  # no draw: a kill-only schedule is the one it always was for a seed
             return kinds[0] if kinds else None
-        return self.rng.choice(sorted(kinds))
+        if not self._deck:
+            self._deck = sorted(kinds)
+            self.rng.shuffle(self._deck)
+        return self._deck.pop()
 
     def faulted(self) -> set[str]:
         """Members under a fault we injected: killed and not restarted yet, frozen, or cut off."""
@@ -363,6 +370,36 @@ def fault_recoveries(
                 continue
             surv[m] = times
         out.append(recovery_s(f.end, surv))
+    return out
+
+
+def fault_summary(
+    kinds: Sequence[str],
+    kill_recoveries: Sequence[float | None],
+    faults: Sequence[Fault],
+    recoveries: Sequence[float | None],
+) -> dict[str, dict[str, Any]]:
+    """Per fault kind in ``kinds``: how many, how many recovered, recovery p50/p99/max over those that did.
+
+    ``kill_recoveries``: one per kill (see :func:`kill_outcomes`); ``recoveries``: one per fault in ``faults``
+    (see :func:`fault_recoveries`). Stops and partitions also say how long they lasted (p50, max), partitions
+    how many were one-way.
+    """
+    if len(faults) != len(recoveries):
+        raise ValueError(f"{len(faults)} faults but {len(recoveries)} recoveries")
+    out: dict[str, dict[str, Any]] = {}
+    for kind in kinds:
+        extra: dict[str, Any] = {}
+        if kind == "kill":
+            recs = list(kill_recoveries)
+        else:
+            mine = [(f, r) for f, r in zip(faults, recoveries, strict=True) if f.kind == kind]
+            recs = [r for _, r in mine]
+            extra["lasted_s"] = p50_max([f.end - f.start for f, _ in mine])
+            if kind == "partition":
+                extra["oneway"] = sum(1 for f, _ in mine if f.oneway)
+        done = [r for r in recs if r is not None]
+        out[kind] = {"count": len(recs), "recovered": len(done), "recovery_s": p50_p99_max(done), **extra}
     return out
 
 

@@ -1,26 +1,32 @@
-"""`dreamp2p bench chaos`: real node daemons trained through SIGKILLs, rejoins and link flaps; one JSON report.
+"""`dreamp2p bench chaos`: real node daemons trained through faults injected at random; one JSON report.
 
 N `dreamp2p node` daemons (5 by default) train the byte-level LM with DreamDDP. After every member has
 started training, the run has four phases, all in one command:
 
 1. fault-free: after a settling tenth of it (30 s at most), ``minutes`` of training with nothing
    injected, the pace the chaos is measured against;
-2. chaos: ``minutes`` in which a random member is killed with SIGKILL about every ``kill_every_s``
-   (never more than ``max_down`` down at once, the first member never: its RSS is tracked) and restarted
-   with ``--join`` after a random ``down_min_s``..``down_max_s``; as root, the members also sit in two
-   network namespaces joined by a tbf-shaped veth pair, and that link goes down for ``flap_down_s`` every
-   ``flap_every_s`` (the first half a period in), splitting the cluster in two meanwhile;
-3. heal: the last killed members come back; every member must see all N alive;
+2. chaos: ``minutes`` in which a fault falls due about every ``kill_every_s``, its kind drawn among
+   ``timing.kinds`` (`dreamp2p.devtools.bench.chaos.plan.FaultSchedule`): a SIGKILL (restarted with ``--join``
+   after a random ``down_min_s``..``down_max_s``), a SIGSTOP freeze (SIGCONT after a while, now and then
+   minutes later), or a partition (a minority group cut off from the rest, both ways or one way), never more
+   than ``max_down`` members under a fault at once, the first member never (its RSS is tracked). As root each
+   member sits in its own network namespace, tbf-shaped links through a hub (`dreamp2p.devtools.netns`), so
+   any group can be cut off, and every ``flap_every_s`` (the first half a period in) the cluster is cut in
+   two halves for ``flap_down_s`` (a link flap); without root there are neither partitions nor flaps;
+3. heal: freezes and the partition end, the last killed members come back; every member must see all N alive;
 4. quiet stop: every member stops after the same step, the last ``quiet_steps`` at learning rate 0
    (``dreamp2p node --quiet-steps``), and their parameter digests (the STOP records) must all be equal.
 
-Everything is read from the daemons' ``metrics.jsonl`` (STEP, PEER, JOIN, STOP records); the report's
-arithmetic is in `dreamp2p.devtools.bench.chaos.plan`, the processes in `dreamp2p.devtools.bench.chaos.proc`.
+Everything is read from the daemons' ``metrics.jsonl`` (STEP, PEER, JOIN, STOP records); the schedule and the
+report's arithmetic are in `dreamp2p.devtools.bench.chaos.plan`, the processes in
+`dreamp2p.devtools.bench.chaos.proc`, the faults' injection in `dreamp2p.devtools.bench.chaos.faults`, the
+report in `dreamp2p.devtools.bench.chaos.report`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -34,27 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from dreamp2p.config import parse_duration, parse_rate
-from dreamp2p.devtools.bench.chaos.plan import (
-    ChaosTiming,
-    Kill,
-    KillSchedule,
-    counter_in_window,
-    digests_agree,
-    flap_times,
-    goodput,
-    kill_outcomes,
-    p50_max,
-    rss_growth,
-    split_lives,
-    steps_per_s,
-)
+from dreamp2p.devtools.bench.chaos.faults import Flapper, Injector
+from dreamp2p.devtools.bench.chaos.plan import FAULT_KINDS, ChaosTiming, FaultSchedule, flap_times
 from dreamp2p.devtools.bench.chaos.proc import Cluster, RecordTail
+from dreamp2p.devtools.bench.chaos.report import RSS_EVERY_S, Off, chaos_report
 from dreamp2p.devtools.localrun import NAMES, wait_started, write_configs
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.25
-RSS_EVERY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -63,11 +57,13 @@ class ChaosRun:
 
     minutes: float = 10.0  # of the fault-free phase, and again of the chaos phase
     nodes: int = 5
-    timing: ChaosTiming = field(default_factory=lambda: ChaosTiming(protected=frozenset({NAMES[0]})))
+    timing: ChaosTiming = field(
+        default_factory=lambda: ChaosTiming(protected=frozenset({NAMES[0]}), kinds=FAULT_KINDS)
+    )  # partitions only where flaps can be (root)
     flaps: bool = True  # link flaps (root only: network namespaces)
     flap_every_s: float = 180.0
     flap_down_s: float = 10.0
-    rate: str = "50mbit"  # per hop: paced in process on loopback, tbf on the namespaces' link
+    rate: str = "50mbit"  # per hop: paced in process on loopback, tbf on each namespace's link
     rtt: str = "4ms"
     period: int = 5
     max_delay: int | None = None  # None: period - 1
@@ -99,9 +95,8 @@ class ChaosRun:
         return 6 * self.period + self.delay + 1
 
 
-def _flaps_off_reason(run: ChaosRun) -> str | None:
-    if not run.flaps:
-        return "disabled (--no-flaps)"
+def _net_missing() -> str | None:
+    """Why network namespaces cannot be made here (None: they can)."""
     if os.geteuid() != 0:
         return "not root: network namespaces need root"
     if shutil.which("ip") is None or shutil.which("tc") is None:
@@ -109,53 +104,39 @@ def _flaps_off_reason(run: ChaosRun) -> str | None:
     return None
 
 
-class Flapper:
-    """Takes the namespaces' veth link down for ``down_s`` at each of ``times`` (seconds from ``t0``)."""
+def off_reasons(run: ChaosRun, net_missing: str | None) -> Off:
+    """Why link flaps and partitions are off in this run (None: on), given why namespaces cannot be made."""
+    flaps = "disabled (--no-flaps)" if not run.flaps else net_missing
+    if "partition" not in run.timing.kinds:
+        partitions: str | None = "not in --kinds"
+    elif net_missing is not None:
+        partitions = net_missing
+    elif run.nodes < 3:
+        partitions = "no minority group to cut off: needs 3 members or more"
+    else:
+        partitions = None
+    return Off(flaps, partitions)
 
-    def __init__(self, ns: Any, times: list[float], down_s: float) -> None:
-        self.ns = ns
-        self.times = list(times)
-        self.down_s = down_s
-        self.up_at: float | None = None
-        self.done: list[float] = []  # wall times the link went down
 
-    def _set(self, state: str) -> None:
-        name, dev = self.ns.devs[0]
-        subprocess.run(["ip", "-n", name, "link", "set", "dev", dev, state], check=True, timeout=30)
-
-    def poll(self, since_start: float) -> None:
-        if self.ns is None:
-            return
-        if self.up_at is not None and since_start >= self.up_at:
-            self._set("up")
-            self.up_at = None
-        elif self.up_at is None and self.times and since_start >= self.times[0]:
-            self.times.pop(0)
-            self._set("down")
-            self.done.append(time.time())
-            self.up_at = since_start + self.down_s
-            log.info("link flap: %s down for %.0f s", self.ns.devs[0][1], self.down_s)
-
-    def end(self) -> None:
-        """The link is up again (a flap under way ends now); no more flaps."""
-        self.times = []
-        if self.ns is not None and self.up_at is not None:
-            self._set("up")
-            self.up_at = None
+def run_timing(timing: ChaosTiming, off: Off) -> ChaosTiming:
+    """The timing the chaos runs with: without partitions when they are off."""
+    if off.partitions is None or "partition" not in timing.kinds:
+        return timing
+    return dataclasses.replace(timing, kinds=tuple(k for k in timing.kinds if k != "partition"))
 
 
 @contextlib.contextmanager
-def _network(run: ChaosRun, off: str | None) -> Iterator[tuple[Any, list[str | None], list[str] | None]]:
-    """(namespaces or None, namespace per member, address per member or None for loopback)."""
-    if off is not None:
+def _network(run: ChaosRun, off: Off) -> Iterator[tuple[Any, list[str | None], list[str] | None]]:
+    """(namespaces or None, namespace per member, address per member or None for loopback).
+
+    Namespaces (one per member) when flaps or partitions are on, loopback otherwise."""
+    if off.flaps is not None and off.partitions is not None:
         yield None, [None] * run.nodes, None
         return
     from dreamp2p.devtools.netns import Namespaces
 
-    with Namespaces(2, run.rate) as ns:
-        half = (run.nodes + 1) // 2  # the first half in one namespace, the rest in the other
-        sides = [ns.hosts[0 if i < half else 1] for i in range(run.nodes)]
-        yield ns, [s[0] for s in sides], [s[1] for s in sides]
+    with Namespaces(run.nodes, run.rate) as ns:
+        yield ns, [h[0] for h in ns.hosts], [h[1] for h in ns.hosts]
 
 
 def _configs(run: ChaosRun, run_dir: Path, hosts: list[str] | None) -> list[Path]:
@@ -195,7 +176,10 @@ def _configs(run: ChaosRun, run_dir: Path, hosts: list[str] | None) -> list[Path
 
 def bench_chaos(run: ChaosRun) -> dict[str, Any]:
     """Run the phases in the module docstring; the report (see docs/BENCHMARKS.md for each field)."""
-    off = _flaps_off_reason(run)
+    off = off_reasons(run, _net_missing())
+    timing = run_timing(run.timing, off)
+    if timing.kinds != run.timing.kinds:
+        log.warning("partitions off: %s; faults: %s", off.partitions, ", ".join(timing.kinds) or "none")
     made = run.run_dir is None
     run_dir = Path(run.run_dir or tempfile.mkdtemp(prefix="dreamp2p-chaos-")).resolve()
     members = NAMES[: run.nodes]
@@ -205,17 +189,20 @@ def bench_chaos(run: ChaosRun) -> dict[str, Any]:
             configs, run_dir, run_dir / "stop_at", run.quiet_steps, dict(zip(members, netns, strict=True))
         )
         tail = RecordTail(run_dir, members)
-        flapper = Flapper(ns, flap_times(run.minutes * 60, run.flap_every_s, run.flap_down_s), run.flap_down_s)
+        inj = Injector(cluster, ns, members)
+        flaps = flap_times(run.minutes * 60, run.flap_every_s, run.flap_down_s) if off.flaps is None else []
+        flapper = Flapper(ns, flaps, run.flap_down_s, half=list(range((run.nodes + 1) // 2)))
         try:
             for m in members:
                 cluster.start(m)
             wait_started(cluster.procs, run_dir, run.startup_timeout_s, interval=POLL_S)
-            phases = _run_phases(run, cluster, tail, flapper)
-        finally:
+            phases = _run_phases(run, timing, cluster, tail, inj, flapper)
+        finally:  # every exit path: no member left frozen, no partition or flap left in place
+            inj.undo_all()
             flapper.end()
             cluster.stop_all()
     tail.poll()
-    report = _report(run, cluster, tail, phases, flapper, off)
+    report = chaos_report(run, timing, cluster, tail, phases, inj, flapper, off)
     report["run_dir"] = None if made and report["digests_equal"] else str(run_dir)
     if made and report["digests_equal"]:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -226,15 +213,24 @@ def bench_chaos(run: ChaosRun) -> dict[str, Any]:
 class Phases:
     baseline: tuple[float, float] = (0.0, 0.0)
     chaos: tuple[float, float] = (0.0, 0.0)
-    kills: list[Kill] = field(default_factory=list)
-    restarts: int = 0
     crashes: list[str] = field(default_factory=list)
     healed_s: float | None = None  # from the chaos's end until every member saw all alive
     final_step: int | None = None
     stop_codes: dict[str, int | None] = field(default_factory=dict)
 
 
-def _run_phases(run: ChaosRun, cluster: Cluster, tail: RecordTail, flapper: Flapper) -> Phases:
+@dataclass
+class Chaos:
+    """What acts during the chaos phase: the schedule, its hands, the flaps."""
+
+    schedule: FaultSchedule
+    inj: Injector
+    flapper: Flapper
+
+
+def _run_phases(
+    run: ChaosRun, timing: ChaosTiming, cluster: Cluster, tail: RecordTail, inj: Injector, flapper: Flapper
+) -> Phases:
     ph = Phases()
     seconds = run.minutes * 60
     _watch(cluster, tail, time.time() + min(30.0, 0.1 * seconds), ph)  # past warm-up and the first plan
@@ -244,15 +240,18 @@ def _run_phases(run: ChaosRun, cluster: Cluster, tail: RecordTail, flapper: Flap
     ph.baseline = (t0, time.time())
     if ph.crashes:
         raise RuntimeError(f"daemon(s) {', '.join(ph.crashes)} exited in the fault-free phase; see {cluster.run_dir}")
-    schedule = KillSchedule(run.timing, list(cluster.configs), random.Random(run.seed), time.time())
+    chaos = Chaos(FaultSchedule(timing, list(cluster.configs), random.Random(run.seed), time.time()), inj, flapper)
     t1 = time.time()
-    log.info("chaos phase: %.1f min", run.minutes)
-    _watch(cluster, tail, t1 + seconds, ph, schedule, flapper)
+    log.info("chaos phase: %.1f min, faults: %s", run.minutes, ", ".join(timing.kinds) or "none")
+    _watch(cluster, tail, t1 + seconds, ph, chaos)
     ph.chaos = (t1, time.time())
     flapper.end()
-    log.info("chaos over after %d kills: waiting for every member to be back", len(ph.kills))
+    training = cluster.training(tail)
+    for action in chaos.schedule.end_all(time.time()):  # freezes and the partition end with the chaos
+        inj.do(action, training, chaos.schedule.faulted())
+    log.info("chaos over after %s: waiting for every member to be back", chaos.schedule.counts)
     try:
-        _heal(run, cluster, tail, schedule, ph)
+        _heal(run, cluster, tail, chaos, ph)
     except TimeoutError as exc:
         log.warning("%s", exc)
         return ph  # no quiet stop: the digests are not compared
@@ -260,60 +259,49 @@ def _run_phases(run: ChaosRun, cluster: Cluster, tail: RecordTail, flapper: Flap
     return ph
 
 
-def _act(cluster: Cluster, tail: RecordTail, schedule: KillSchedule, ph: Phases, killing: bool) -> None:
+def _act(cluster: Cluster, tail: RecordTail, chaos: Chaos, ph: Phases, killing: bool) -> None:
     """One poll: notice crashes (restarted like kills), then do what the schedule says is due."""
     now = time.time()
     for member in cluster.crashed():
         cluster.note_crash(member)
         ph.crashes.append(member)
-        schedule.restart_at[member] = now + schedule.timing.down_min_s
+        chaos.schedule.restart_at[member] = now + chaos.schedule.timing.down_min_s
     training = cluster.training(tail)
-    for action in schedule.due(now, training, killing=killing):
-        if action.kind == "restart":
-            cluster.start(action.member, join=True)
-            ph.restarts += 1
-        else:
-            t = cluster.kill(action.member)
-            ph.kills.append(Kill(t, action.member, tuple(sorted(training - {action.member}))))
+    actions = chaos.schedule.due(now, training, killing=killing)
+    faulted = chaos.schedule.faulted()
+    for action in actions:
+        chaos.inj.do(action, training, faulted)
 
 
-def _watch(
-    cluster: Cluster,
-    tail: RecordTail,
-    until: float,
-    ph: Phases,
-    schedule: KillSchedule | None = None,
-    flapper: Flapper | None = None,
-) -> None:
-    """Poll until ``until``: records, RSS, crashes; with a schedule also kills, restarts and flaps."""
+def _watch(cluster: Cluster, tail: RecordTail, until: float, ph: Phases, chaos: Chaos | None = None) -> None:
+    """Poll until ``until``: records, RSS, crashes; with ``chaos`` also its faults, restarts and flaps."""
     start = time.time()
     next_rss = start
     while (now := time.time()) < until:
         tail.poll()
-        if schedule is not None:
-            _act(cluster, tail, schedule, ph, killing=True)
+        if chaos is not None:
+            _act(cluster, tail, chaos, ph, killing=True)
+            chaos.flapper.poll(now - start)
         else:
             for member in cluster.crashed():
                 cluster.note_crash(member)
                 ph.crashes.append(member)
-        if flapper is not None:
-            flapper.poll(now - start)
         if now >= next_rss:
             cluster.sample_rss()
             next_rss += RSS_EVERY_S
         time.sleep(POLL_S)
 
 
-def _heal(run: ChaosRun, cluster: Cluster, tail: RecordTail, schedule: KillSchedule, ph: Phases) -> None:
+def _heal(run: ChaosRun, cluster: Cluster, tail: RecordTail, chaos: Chaos, ph: Phases) -> None:
     """Restart the members still down, then wait until every member sees all of them alive."""
     start = time.time()
     deadline = start + run.heal_timeout_s
     n = len(cluster.configs)
     while True:
         tail.poll()
-        _act(cluster, tail, schedule, ph, killing=False)
+        _act(cluster, tail, chaos, ph, killing=False)
         training = cluster.training(tail)
-        if not schedule.restart_at and len(training) == n and all(v == n for v in tail.live.values()):
+        if not chaos.schedule.restart_at and len(training) == n and all(v == n for v in tail.live.values()):
             ph.healed_s = time.time() - start
             return
         if time.time() > deadline:
@@ -340,82 +328,3 @@ def _quiet_stop(run: ChaosRun, cluster: Cluster, tail: RecordTail, ph: Phases) -
         except subprocess.TimeoutExpired:
             ph.stop_codes[member] = None
             log.warning("%s did not stop within %.0f s of step %d", member, run.stop_timeout_s, final)
-
-
-def _report(
-    run: ChaosRun, cluster: Cluster, tail: RecordTail, ph: Phases, flapper: Flapper, off: str | None
-) -> dict[str, Any]:
-    lives = {m: split_lives(m, recs) for m, recs in tail.records.items()}
-    every = [life for ls in lives.values() for life in ls]
-    steps = [s for life in every for s in life.steps]
-    base = steps_per_s(steps, *ph.baseline)
-    pace = steps_per_s(steps, *ph.chaos)
-    times = {m: [t for life in ls for t, _ in life.steps] for m, ls in lives.items()}
-    outcomes = kill_outcomes(ph.kills, times, ph.chaos[1], run.timing.kill_every_s)
-    recovered = [o.recovery_s for o in outcomes if o.recovery_s is not None]
-    stops = {m: (ls[-1].stop if ls else None) for m, ls in lives.items()}
-    digests = {m: (s or {}).get("digest") for m, s in stops.items()}
-    stop_steps = sorted({s["step"] for s in stops.values() if s is not None})
-    return {
-        "minutes": run.minutes,
-        "nodes": run.nodes,
-        "kill_every_s": run.timing.kill_every_s,
-        "down_s": [run.timing.down_min_s, run.timing.down_max_s],
-        "max_down": run.timing.max_down,
-        "kills": len(ph.kills),
-        "kills_survived": len(recovered),
-        "restarts": ph.restarts,
-        "rejoins": sum(1 for life in every if life.join and life.joined and life.steps),
-        "crashes": ph.crashes,
-        "recovery_s": p50_max(recovered),
-        "longest_step_gap_s": p50_max([o.longest_gap_s for o in outcomes]),
-        "rounds_failed": sum(counter_in_window(life.peer, "rounds_failed", *ph.chaos) for life in every),
-        "rounds_completed": sum(counter_in_window(life.peer, "rounds_completed", *ph.chaos) for life in every),
-        "baseline_rounds_failed": sum(counter_in_window(life.peer, "rounds_failed", *ph.baseline) for life in every),
-        "steps_per_s": {"fault_free": round(base, 3), "chaos": round(pace, 3)},
-        "goodput": None if (g := goodput(pace, base)) is None else round(g, 4),
-        "rss": _rss(cluster, ph.chaos),
-        "flaps": {
-            "on": off is None,
-            "why_off": off,
-            "count": len(flapper.done),
-            "every_s": run.flap_every_s,
-            "down_s": run.flap_down_s,
-        },
-        "healed_s": None if ph.healed_s is None else round(ph.healed_s, 1),
-        "quiet_steps": run.quiet_steps,
-        "final_step": ph.final_step,
-        "stop_steps": stop_steps,
-        "stop_codes": ph.stop_codes,
-        "digests_equal": ph.final_step is not None and len(stop_steps) == 1 and digests_agree(digests),
-        "digests": digests,
-        "kill_log": [
-            {"t": round(k.t - ph.chaos[0], 1), "victim": k.victim, "recovery_s": _r(o.recovery_s)}
-            for k, o in zip(ph.kills, outcomes, strict=True)
-        ],
-    }
-
-
-def _r(x: float | None) -> float | None:
-    return None if x is None else round(x, 3)
-
-
-def _rss(cluster: Cluster, window: tuple[float, float]) -> dict[str, Any]:
-    """RSS growth over the chaos phase of each daemon that lived through all of it."""
-    t0, t1 = window
-    per: dict[str, float] = {}
-    ends: list[int] = []
-    for member, pids in cluster.lives.items():
-        for pid in pids:
-            samples = [s for s in cluster.rss[pid].samples if t0 - RSS_EVERY_S <= s[0] <= t1 + RSS_EVERY_S]
-            if not samples or samples[0][0] > t0 + 2 * RSS_EVERY_S or samples[-1][0] < t1 - 2 * RSS_EVERY_S:
-                continue  # started or ended inside the chaos phase
-            growth = rss_growth(samples, warm_fraction=0.0)
-            if growth is not None:
-                per[member] = round(growth, 4)
-                ends.append(samples[-1][1])
-    return {
-        "growth_max": max(per.values(), default=None),
-        "per_daemon": per,
-        "end_MB_max": round(max(ends) / 1e6, 1) if ends else None,
-    }
