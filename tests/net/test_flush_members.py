@@ -55,6 +55,7 @@ def test_flush_averages_user_state_and_refuses_to_pass_for_whole_without_every_m
     nodes = [Node(c) for c in configs]
     models = [WithState(i) for i in range(3)]
     flushed = threading.Barrier(3)
+    stepped = threading.Barrier(3)
     gone = threading.Barrier(3)
     try:
         on_threads(lambda i: nodes[i].connect(ring), 3)
@@ -67,6 +68,9 @@ def test_flush_averages_user_state_and_refuses_to_pass_for_whole_without_every_m
             after = state(models[i])
             flushed.wait()
             step(s, models[i], i, 4)  # the replicas part again
+            # nobody leaves before every member stepped: a round member 2 launched after the others left
+            # would land among it alone, and a flush among the members of that round is whole
+            stepped.wait()
             if i < 2:
                 nodes[i].close()  # leave without the second flush
                 gone.wait()
