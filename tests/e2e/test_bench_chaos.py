@@ -79,6 +79,8 @@ def test_bench_chaos_injects_every_kind_and_ends_with_equal_digests(tmp_path: Pa
     assert all(faults[k]["recovered"] == faults[k]["count"] for k in kinds), faults
     assert all(faults[k]["recovery_s"]["p99"] is not None for k in kinds), faults
     assert faults["kill"]["count"] == report["kills"], faults
+    # every freeze and partition ended with the ring whole again in every member's view (the heal waits for it)
+    assert all(faults[k]["one_ring_again"] == faults[k]["count"] for k in kinds if k != "kill"), faults
     made = sorted({f["kind"] for f in report["fault_log"]})
     assert made == kinds, report["fault_log"]
     assert all(f["end"] is not None for f in report["fault_log"]), report["fault_log"]

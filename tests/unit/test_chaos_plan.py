@@ -31,6 +31,7 @@ from dreamp2p.devtools.bench.chaos.plan import (
     rss_growth,
     split_lives,
     steps_per_s,
+    view_rejoins,
 )
 
 MEMBERS = ["a", "b", "c", "d", "e"]
@@ -528,3 +529,49 @@ def test_split_lives_one_per_start_record() -> None:
 )
 def test_digests_agree(digests: dict[str, str | None], expected: bool) -> None:
     assert digests_agree(digests) is expected
+
+
+def _views(**logs: list[tuple[float, str]]) -> dict[str, list[tuple[float, frozenset[str]]]]:
+    """member -> [(t, "abc")]: each PEER record's live members as one letter each."""
+    return {m: [(t, frozenset(live)) for t, live in log] for m, log in logs.items()}
+
+
+@pytest.mark.parametrize(
+    ("fault", "views", "kills", "expected"),
+    [
+        # the cut-off side steps on its own at once; the ring is whole again when the last member logs it whole
+        (
+            Fault("partition", 10.0, 20.0, ("c",), ("a", "b")),
+            _views(a=[(15.0, "ab"), (20.5, "ab"), (21.0, "abc")], b=[(22.5, "abc")], c=[(20.4, "c"), (21.5, "abc")]),
+            [],
+            2.5,
+        ),
+        # a view logged before the end does not count, even if whole (a one-way cut the view did not see)
+        (Fault("stop", 10.0, 20.0, ("b",), ("a",)), _views(a=[(19.0, "ab"), (20.2, "ab")], b=[(20.9, "ab")]), [], 0.9),
+        # one member never logs the ring whole again
+        (Fault("stop", 10.0, 20.0, ("b",), ("a",)), _views(a=[(21.0, "ab")], b=[(21.0, "b")]), [], None),
+        # a member killed after the end before it could log the whole ring counts for neither
+        (
+            Fault("partition", 10.0, 20.0, ("c",), ("a", "b")),
+            _views(a=[(20.3, "abc")], b=[(20.6, "abc")], c=[(30.0, "abc")]),
+            [Kill(20.4, "c", ("a", "b"))],
+            0.6,
+        ),
+        # no member at all: nothing to wait for
+        (Fault("stop", 10.0, 20.0, (), ()), {}, [], 0.0),
+    ],
+    ids=["partition", "before-end-ignored", "never-whole", "killed-after", "empty"],
+)
+def test_view_rejoin_waits_for_every_member_to_log_the_whole_ring(
+    fault: Fault, views: dict[str, list[tuple[float, frozenset[str]]]], kills: list[Kill], expected: float | None
+) -> None:
+    (got,) = view_rejoins([fault], views, kills)
+    assert got == (None if expected is None else pytest.approx(expected))
+
+
+def test_fault_summary_reports_the_rejoins_of_stops_and_partitions() -> None:
+    out = fault_summary(("stop", "partition"), [], SUMMARY_FAULTS, [1.0, 2.0, 3.0], [0.5, None, 4.0])
+    assert out["stop"]["one_ring_again"] == 1 and out["stop"]["rejoin_s"]["max"] == 0.5
+    assert out["partition"]["one_ring_again"] == 1 and out["partition"]["rejoin_s"]["max"] == 4.0
+    with pytest.raises(ValueError, match="3 faults but 1 rejoins"):
+        fault_summary(("stop",), [], SUMMARY_FAULTS, [1.0, 2.0, 3.0], [1.0])

@@ -373,20 +373,49 @@ def fault_recoveries(
     return out
 
 
+def view_rejoins(
+    faults: Sequence[Fault], views: Mapping[str, Sequence[tuple[float, frozenset[str]]]], kills: Sequence[Kill]
+) -> list[float | None]:
+    """Per fault: from its end until its members and every other member training then are one ring again: each
+    of them has logged a view (a PEER record's live members) holding all of them; None if one never did.
+
+    Stepping again (`fault_recoveries`) says less for a partition: a strategy that trains on through failed
+    rounds steps at once, on its own side. ``views``: each member's (t, live members) from its PEER records.
+    A member killed after the fault's end before logging such a view counts for neither (it could not).
+    """
+    out: list[float | None] = []
+    for f in faults:
+        ring = frozenset((*f.members, *f.others))
+        waits = []
+        for m in sorted(ring):
+            died = min((k.t for k in kills if k.victim == m and k.t > f.end), default=math.inf)
+            whole = [t for t, live in views.get(m, ()) if f.end < t <= died and ring <= live]
+            if whole:
+                waits.append(min(whole) - f.end)
+            elif died == math.inf:
+                waits.append(math.inf)  # never one ring again
+        worst = max(waits, default=0.0)
+        out.append(None if worst == math.inf else worst)
+    return out
+
+
 def fault_summary(
     kinds: Sequence[str],
     kill_recoveries: Sequence[float | None],
     faults: Sequence[Fault],
     recoveries: Sequence[float | None],
+    rejoins: Sequence[float | None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per fault kind in ``kinds``: how many, how many recovered, recovery p50/p99/max over those that did.
 
     ``kill_recoveries``: one per kill (see :func:`kill_outcomes`); ``recoveries``: one per fault in ``faults``
     (see :func:`fault_recoveries`). Stops and partitions also say how long they lasted (p50, max), partitions
-    how many were one-way.
+    how many were one-way, and with ``rejoins`` (see :func:`view_rejoins`) how long until they were one ring again.
     """
     if len(faults) != len(recoveries):
         raise ValueError(f"{len(faults)} faults but {len(recoveries)} recoveries")
+    if rejoins is not None and len(rejoins) != len(faults):
+        raise ValueError(f"{len(faults)} faults but {len(rejoins)} rejoins")
     out: dict[str, dict[str, Any]] = {}
     for kind in kinds:
         extra: dict[str, Any] = {}
@@ -396,6 +425,10 @@ def fault_summary(
             mine = [(f, r) for f, r in zip(faults, recoveries, strict=True) if f.kind == kind]
             recs = [r for _, r in mine]
             extra["lasted_s"] = p50_max([f.end - f.start for f, _ in mine])
+            if rejoins is not None:
+                ring = [r for f, r in zip(faults, rejoins, strict=True) if f.kind == kind]
+                extra["one_ring_again"] = len([r for r in ring if r is not None])
+                extra["rejoin_s"] = p50_p99_max([r for r in ring if r is not None])
             if kind == "partition":
                 extra["oneway"] = sum(1 for f, _ in mine if f.oneway)
         done = [r for r in recs if r is not None]

@@ -21,6 +21,7 @@ from dreamp2p.devtools.bench.chaos.plan import (
     rss_growth,
     split_lives,
     steps_per_s,
+    view_rejoins,
 )
 from dreamp2p.devtools.bench.chaos.proc import Cluster, RecordTail
 
@@ -59,6 +60,10 @@ def chaos_report(
     kill_recs = [o.recovery_s for o in outcomes]
     recovered = [r for r in kill_recs if r is not None]
     fault_recs = fault_recoveries(inj.faults, times, inj.kills)
+    views = {
+        m: [(float(r["t"]), frozenset(r.get("live", ()))) for life in ls for r in life.peer] for m, ls in lives.items()
+    }
+    rejoins = view_rejoins(inj.faults, views, inj.kills)
     stops = {m: (ls[-1].stop if ls else None) for m, ls in lives.items()}
     digests = {m: (s or {}).get("digest") for m, s in stops.items()}
     stop_steps = sorted({s["step"] for s in stops.values() if s is not None})
@@ -73,7 +78,7 @@ def chaos_report(
         "crashes": ph.crashes,
         "recovery_s": p50_p99_max(recovered),
         "longest_step_gap_s": p50_max([o.longest_gap_s for o in outcomes]),
-        "faults": fault_summary(timing.kinds, kill_recs, inj.faults, fault_recs),
+        "faults": fault_summary(timing.kinds, kill_recs, inj.faults, fault_recs, rejoins),
         "rounds_failed": sum(counter_in_window(life.peer, "rounds_failed", *ph.chaos) for life in every),
         "rounds_completed": sum(counter_in_window(life.peer, "rounds_completed", *ph.chaos) for life in every),
         "baseline_rounds_failed": sum(counter_in_window(life.peer, "rounds_failed", *ph.baseline) for life in every),
@@ -105,6 +110,7 @@ def chaos_report(
             ph.chaos[0],
             outcomes,
             {(f.kind, f.start): r for f, r in zip(inj.faults, fault_recs, strict=True)},
+            {(f.kind, f.start): r for f, r in zip(inj.faults, rejoins, strict=True)},
         ),
     }
 
@@ -128,9 +134,11 @@ def fault_log(
     t0: float,
     kill_outcomes: Sequence[KillOutcome],
     recoveries: Mapping[tuple[str, float], float | None],
+    rejoins: Mapping[tuple[str, float], float | None] | None = None,
 ) -> list[dict[str, Any]]:
     """Every injected fault in order: kind, members, start and end (seconds into the chaos; end None if it never
-    ended), one-way (partitions), recovery (kills: in the order of ``kill_outcomes``; the others by (kind, start))."""
+    ended), one-way (partitions), recovery (kills: in the order of ``kill_outcomes``; the others by (kind, start)),
+    and for stops and partitions the time until the ring was whole again (``rejoins``, by (kind, start))."""
     kills = iter(kill_outcomes)
     out = []
     for s in spans:
@@ -144,6 +152,8 @@ def fault_log(
         }
         if s.kind == "partition":
             entry["oneway"] = s.oneway
+        if s.kind != "kill" and rejoins is not None:
+            entry["rejoin_s"] = _r(rejoins.get((s.kind, s.start)))
         out.append(entry)
     return out
 
