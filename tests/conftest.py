@@ -34,12 +34,17 @@ SYNC_STRATEGIES = tuple(s for s in STRATEGIES if s != "none")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test with its kind, which is the folder it lives in."""
+    """Mark every test with its kind, which is the folder it lives in; the slow ones run first.
+
+    Slow first: ``make test`` runs the suite on one worker per core (pytest-xdist), and a minute-long
+    multi-process test started last keeps one worker busy while the others have nothing left to do.
+    """
     for item in items:
         kind = item.path.parent.name
         if kind not in KINDS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in one of the folders {', '.join(KINDS)}")
         item.add_marker(getattr(pytest.mark, kind))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: otherwise in file order
 
 
 def ring_configs(n: int, **fields: Any) -> list[PeerConfig]:
