@@ -14,7 +14,7 @@ WHEELS ?= /opt/wheels
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_SOURCE := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: install demo test test-fast test-unit test-loaded lint proto bench clean
+.PHONY: install demo test test-fast test-unit test-loaded coverage lint proto bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,10 @@ test-fast: $(STAMP)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
+
+# line coverage of the in-process tests (the daemons' own processes are not traced)
+coverage: $(STAMP)
+	$(BIN)/python -m pytest -q -n auto --cov=dreamp2p --cov-report=term tests/unit
 
 # the slow multi-process tests with a busy process on every core beside them
 test-loaded: $(STAMP)
