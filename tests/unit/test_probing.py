@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import pytest
 
-from dreamp2p.peer.probing import BURST_EVERY, wants_burst
+from dreamp2p.peer.probing import BURST_EVERY, STALE_TICKS, wants_burst
 
 
 @pytest.mark.parametrize(
-    ("idle", "samples", "tick", "expected"),
+    ("idle", "samples", "tick", "unmeasured", "expected"),
     [
         # a link never measured gets a burst at once, busy or idle: the planner waits for its goodput
-        (True, 0, 1, True),
-        (False, 0, 1, True),
-        (False, 0, BURST_EVERY, True),
+        (True, 0, 1, 0, True),
+        (False, 0, 1, 0, True),
+        (False, 0, BURST_EVERY, 0, True),
         # a measured busy link is left to its own transfers
-        (False, 3, 1, False),
-        (False, 3, BURST_EVERY, False),
+        (False, 3, 1, 0, False),
+        (False, 3, BURST_EVERY, 0, False),
         # a measured idle link: every BURST_EVERY-th tick only
-        (True, 3, 1, False),
-        (True, 3, BURST_EVERY, True),
-        (True, 3, 2 * BURST_EVERY, True),
+        (True, 3, 1, 0, False),
+        (True, 3, BURST_EVERY, 0, True),
+        (True, 3, 2 * BURST_EVERY, 0, True),
+        # a busy link whose goodput has not moved for STALE_TICKS ticks is measured anyway, at any tick
+        (False, 3, 1, STALE_TICKS - 1, False),
+        (False, 3, 1, STALE_TICKS, True),
+        (False, 3, BURST_EVERY + 1, STALE_TICKS + 5, True),
+        (True, 3, 1, STALE_TICKS, True),
     ],
 )
-def test_which_links_get_a_burst(idle: bool, samples: int, tick: int, expected: bool) -> None:
-    assert wants_burst(idle, samples, tick) is expected
+def test_which_links_get_a_burst(idle: bool, samples: int, tick: int, unmeasured: int, expected: bool) -> None:
+    assert wants_burst(idle, samples, tick, unmeasured) is expected
