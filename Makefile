@@ -31,7 +31,7 @@ demo: $(STAMP)
 	$(BIN)/dreamp2p demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto
+	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
