@@ -118,16 +118,20 @@ def test_budget_sizing_and_config_limits() -> None:
         PeerConfig.from_dict({"node_id": "a", "transport": {"max_concurrent_streams": 0}})
 
 
-async def _ran_or_refused(call: Awaitable[object]) -> bool:
-    """True if the Push ran here (and timed out waiting for its round), False if the stream cap refused it."""
+async def _outcome(call: Awaitable[object]) -> str:
+    """How a Push ended on the client: "ran" (it ran here and timed out waiting for its round), "refused" (the
+    stream cap refused it), or "lost" (the client's gRPC core failed a pending write after the server had
+    ended the call, and reports INTERNAL instead of the server's status: seen once under a loaded CI run)."""
     with pytest.raises(aio.AioRpcError) as info:
         await call
-    details = info.value.details() or ""
-    if info.value.code() == grpc.StatusCode.UNAVAILABLE and "RST_STREAM" in details:
-        return False
-    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, f"{info.value.code()} {details!r}"
+    code, details = info.value.code(), info.value.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and "RST_STREAM" in details:
+        return "refused"
+    if code == grpc.StatusCode.INTERNAL and "execute_batch" in (info.value.debug_error_string() or ""):
+        return "lost"
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED, f"{code} {details!r}"
     assert details.startswith("TIMEOUT: "), details
-    return True
+    return "ran"
 
 
 async def test_concurrent_streams_per_connection_are_capped() -> None:
@@ -144,14 +148,15 @@ async def test_concurrent_streams_per_connection_are_capped() -> None:
                 hello_request(node_id="p0"), metadata=GOOD_MD, timeout=CALL_TIMEOUT
             )  # connection up, settings known
             calls = [push(stub, waiting_frame("p0", 100 + i)) for i in range(6)]
-            outcomes = asyncio.gather(*(_ran_or_refused(c) for c in calls))
+            outcomes = asyncio.gather(*(_outcome(c) for c in calls))
             await inflight.reach(2)
             await asyncio.sleep(0.3)
             assert inflight.now == 2  # the others wait in the client for a free stream
-            ran = sum(await outcomes)  # each waited its round_timeout_s once it ran
+            ends = await outcomes  # each that ran waited its round_timeout_s
+            ran, lost = ends.count("ran"), ends.count("lost")
             # a stream the client opened before it learnt the limit is refused by HTTP/2 (REFUSED_STREAM)
-            # instead of queued; either way no more than two ever ran at once
-            assert inflight.calls == ran >= 2
+            # instead of queued; either way no more than two ever ran at once (the server's own count)
+            assert ran <= inflight.calls <= ran + lost and inflight.calls >= 2, (ends, inflight.calls)
             assert inflight.peak == 2
         finally:
             await channel.close(grace=None)
