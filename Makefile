@@ -62,4 +62,4 @@ bench: $(STAMP)
 	$(BIN)/dreamp2p bench allreduce --json --peers 4 --mbytes 64
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis report runs
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis .coverage report runs
