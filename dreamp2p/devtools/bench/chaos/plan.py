@@ -352,6 +352,12 @@ class Fault:
     oneway: bool = False  # a partition in one direction only
 
 
+def killed_after(member: str, t: float, kills: Sequence[Kill]) -> float:
+    """When ``member`` was next killed after ``t`` (inf if never): its steps and views after that are another
+    life's, which the fault before it did not cause."""
+    return min((k.t for k in kills if k.victim == member and k.t > t), default=math.inf)
+
+
 def fault_recoveries(
     faults: Sequence[Fault], steps: Mapping[str, Sequence[float]], kills: Sequence[Kill]
 ) -> list[float | None]:
@@ -364,7 +370,7 @@ def fault_recoveries(
     for f in faults:
         surv: dict[str, list[float]] = {}
         for m in (*f.members, *f.others):
-            died = min((k.t for k in kills if k.victim == m and k.t > f.end), default=math.inf)
+            died = killed_after(m, f.end, kills)
             times = sorted(t for t in steps.get(m, ()) if t <= died)
             if died < math.inf and not any(t > f.end for t in times):
                 continue
@@ -388,7 +394,7 @@ def view_rejoins(
         ring = frozenset((*f.members, *f.others))
         waits = []
         for m in sorted(ring):
-            died = min((k.t for k in kills if k.victim == m and k.t > f.end), default=math.inf)
+            died = killed_after(m, f.end, kills)
             whole = [t for t, live in views.get(m, ()) if f.end < t <= died and ring <= live]
             if whole:
                 waits.append(min(whole) - f.end)
