@@ -14,7 +14,7 @@ WHEELS ?= /opt/wheels
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_SOURCE := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: install demo test test-fast test-unit test-loaded coverage lint proto bench clean
+.PHONY: install demo test test-parallel test-fast test-unit test-loaded coverage lint proto bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,11 @@ demo: $(STAMP)
 	$(BIN)/dreamp2p demo
 
 test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# the suite on one worker per core (pytest-xdist; an idle worker steals queued tests): 17 min here instead of
+# 27, but the load it adds still makes a multi-process test fail now and then (issue 35), so CI runs make test
+test-parallel: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
 test-fast: $(STAMP)

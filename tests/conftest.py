@@ -36,7 +36,7 @@ SYNC_STRATEGIES = tuple(s for s in STRATEGIES if s != "none")
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test with its kind, which is the folder it lives in; the slow ones run first.
 
-    Slow first: ``make test`` runs the suite on one worker per core (pytest-xdist, an idle worker steals
+    Slow first: ``make test-parallel`` runs the suite on one worker per core (pytest-xdist, an idle worker steals
     queued tests from a busy one), and a minute-long multi-process test started last keeps one worker busy
     while the others have nothing left to do.
     """
