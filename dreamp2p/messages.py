@@ -185,9 +185,16 @@ class MemberProgress:
         return max(self.plan_effective_step, self.schedule_step)
 
     @property
-    def plan(self) -> tuple[int, int, int, int]:
-        """The name two members compare: equal on members in step, ordered so that the newer one is greater."""
-        return (self.plan_version, self.since, self.plan_digest, self.schedule_digest)
+    def plan(self) -> tuple[int, int, int, int, int]:
+        """The name two members compare: equal on members in step, ordered so that the newer one is greater.
+
+        Each part's step comes before its digest, so a member's name only grows as it trains: a member a
+        step behind reports the name it held before that step, which orders below ours. Ordered by
+        :attr:`since` and then the digests instead, a plan that took effect at the step a control round
+        landed (both steps 10) left the digests to order a name one step old against ours, and about every
+        other time the member ahead yielded to the one behind (a resync with no cause).
+        """
+        return (self.plan_version, self.plan_effective_step, self.plan_digest, self.schedule_step, self.schedule_digest)
 
 
 @dataclass(frozen=True)

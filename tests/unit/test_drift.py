@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -54,6 +55,11 @@ P = MemberProgress
         (P(96, 3, 40, 7, 95, 2), {"b": P(94, 3, 40, 7, 85, 1)}, ()),
         # a newer plan still beats a newer schedule
         (P(100, 3, 40, 7, 95, 2), {"b": P(100, 4, 60, 9, 60, 1)}, ("b",)),
+        # a plan that took effect at the step a control round landed (both 10), and a member a step behind,
+        # whose schedule (landed at 5) is one round older than ours: not divergence, whatever the digests say
+        # (a false resync seen under load before the name ordered each part's step before its digest)
+        (P(11, 1, 10, 7, 10, 1), {"b": P(10, 1, 10, 7, 5, 2)}, ()),
+        (P(10, 1, 10, 7, 5, 2), {"b": P(11, 1, 10, 7, 10, 1)}, ()),
     ],
 )
 def test_who_this_node_takes_the_state_from(
@@ -107,6 +113,34 @@ def test_of_two_diverged_members_at_most_one_yields(
     assert yields != (True, True)
     if a.plan != b.plan:  # different plans can never meet in a round: exactly one must yield
         assert yields in ((True, False), (False, True))
+
+
+def _in_step_reports(seed: int, steps: int = 120) -> list[MemberProgress]:
+    """What one member of a healthy ring reports after each step: plans adopted at their effective steps
+    (at the end of the step before), control rounds launched and landed every few steps, each changing the
+    schedule's digest (labelled with the step it changed during, seen from the next report on)."""
+    rng = random.Random(seed)
+    changed, digest = 0, rng.getrandbits(64)
+    live = pending = (0, 0, 0)  # (version, effective step, digest) of the plan in force, and of the next one
+    reports = []
+    for t in range(steps):
+        if rng.random() < 0.3:  # a control round launched or landed during step t
+            changed, digest = t, rng.getrandbits(64)
+        if rng.random() < 0.1:  # a plan decided now takes effect at the next step, or a later one
+            pending = (pending[0] + 1, t + 1 + rng.randrange(3), rng.getrandbits(64))
+        if pending[1] <= t + 1:
+            live = pending
+        reports.append(P(t + 1, *live, changed, digest))
+    return reports
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_members_of_one_ring_never_yield_to_each_other_whatever_their_step_gap(seed: int) -> None:
+    reports = _in_step_reports(seed)
+    for i, behind in enumerate(reports):
+        for ahead in reports[i + 1 : i + 12]:
+            assert diverged_from(ahead, {"b": behind}) == (), (ahead, behind)
+            assert diverged_from(behind, {"b": ahead}) == (), (behind, ahead)
 
 
 def _costs(n: int = 4) -> list[LayerCost]:
