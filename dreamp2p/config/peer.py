@@ -70,6 +70,8 @@ class TransportConfig:
     rate_limit: float | None = None  # emulated link rate in bytes/s (token bucket at the sender)
     delay_s: float = 0.0  # emulated one-way delay per hop (netem is absent here; see transport.outbound.OutboundStream)
     probe_interval_s: float = 5.0
+    # a bandwidth probe's least burst; larger where the link's estimate and RTT ask for it, up to the
+    # peers' 4 MiB limit (transport.linkrate.probeburst)
     probe_burst_bytes: int = 256 << 10
     # failure detection: a member that misses this many heartbeats in a row (or is silent for
     # dead_after_s) is dropped from the ring until it answers again; 0 disables heartbeats

@@ -59,14 +59,12 @@ from dreamp2p.peer.roundrun import RETRY_GROUP_BIT, RoundRunner
 from dreamp2p.peer.rounds import RoundRegistry
 from dreamp2p.peer.straggler import rule_of, shared_settings
 from dreamp2p.transport.client import Link
+from dreamp2p.transport.linkrate.probeburst import MAX_PROBE_BYTES  # larger probes are refused
 from dreamp2p.transport.server import build_server
 
 __all__ = ["MAX_PROBE_BYTES", "RETRY_GROUP_BIT", "Peer"]
 
 log = logging.getLogger(__name__)
-
-# Probes larger than this are refused.
-MAX_PROBE_BYTES = 4 << 20
 
 
 class PeerCounters:

@@ -30,6 +30,7 @@ from dreamp2p.transport import serde
 from dreamp2p.transport.auth import token_metadata
 from dreamp2p.transport.linkrate.limiter import TokenBucket
 from dreamp2p.transport.linkrate.linkstats import BusyMeter, LinkEstimator, rate_past_latency
+from dreamp2p.transport.linkrate.probeburst import MAX_PROBE_BYTES, probe_size
 from dreamp2p.transport.options import channel_credentials, channel_options
 from dreamp2p.transport.outbound import OutboundStream
 from dreamp2p.transport.rpcerror import rpc_error
@@ -250,12 +251,14 @@ class Link:
         return rtt
 
     async def probe_bandwidth(self, nbytes: int) -> float:
-        """Send a burst of ``nbytes`` and time it (minus one RTT); returns and records bytes/s."""
-        elapsed = await self._timed_probe(bytes(nbytes))
+        """Send a burst and time it (minus one RTT); returns and records bytes/s. The burst is ``nbytes``, or
+        more where the link's estimate and RTT ask for it (`transport.linkrate.probeburst.probe_size`)."""
         rtt = self.stats.min_rtt_s if self.stats.rtt_samples else 0.0
-        rate = rate_past_latency(nbytes, elapsed, rtt)
-        self.stats.observe_transfer(nbytes, nbytes / rate)
-        self.stats.bytes_sent += nbytes
+        size = probe_size(self.stats.goodput_Bps, rtt, min(nbytes, MAX_PROBE_BYTES), MAX_PROBE_BYTES)
+        elapsed = await self._timed_probe(bytes(size))
+        rate = rate_past_latency(size, elapsed, rtt)
+        self.stats.observe_transfer(size, size / rate)
+        self.stats.bytes_sent += size
         return rate
 
     def open_stream(self, nstreams: int | None = None, timeout: float | None = None) -> OutboundStream:
