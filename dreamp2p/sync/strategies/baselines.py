@@ -9,9 +9,8 @@ update everywhere, the others skip that average or outer step and carry on local
 - ``diloco``: DiLoCo (Douillard et al., arXiv 2311.08455): H inner steps, then the mean pseudo-gradient
   (global - local) drives an outer Nesterov SGD step (lr 0.7, momentum 0.9 over an adaptive inner
   optimizer as in the paper; plain averaging, lr 1 and momentum 0, over SGD: see `config.sync`).
-- ``streaming``: Streaming DiLoCo (arXiv 2501.18512): P strided fragments, each synced once per H steps
-  at staggered offsets; its 4-bit outer gradient travels while training goes on for tau steps, then
-  theta <- alpha * local + (1 - alpha) * outer.
+- ``streaming``: Streaming DiLoCo (arXiv 2501.18512), in `dreamp2p.sync.strategies.streaming`, over the
+  outer optimizer defined here.
 - ``co2``: CO2 (Sun et al., arXiv 2401.16265): every tau steps an asynchronous all-reduce of the
   parameters is launched; the next boundary applies the outer step with that one-step-stale average,
   scaled down by a staleness-gap penalty, with outer momentum clipped element-wise (really applied).
@@ -28,30 +27,20 @@ from torch import nn
 from dreamp2p.config.sync import SyncConfig
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RoundResult
-from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided_fragments
-from dreamp2p.sync.model.groups import (
-    GROUP_CO2_GAP,
-    GROUP_GRADS,
-    GROUP_OUTER_CHECK,
-    GROUP_OUTER_HEAL,
-    GROUP_PARAMS,
-    fragment_check_group,
-    fragment_group,
-    fragment_heal_group,
-)
+from dreamp2p.sync.model.groups import GROUP_CO2_GAP, GROUP_GRADS, GROUP_OUTER_CHECK, GROUP_OUTER_HEAL, GROUP_PARAMS
 from dreamp2p.sync.model.layers import FlatGroup
 from dreamp2p.sync.strategies.base import Strategy, landed
 from dreamp2p.sync.strategies.outercheck import CheckRound, OuterCheck
 from dreamp2p.sync.strategies.replicas import tensors_digest
 
 
-def _outer_sgd(shadow: nn.Parameter, cfg: SyncConfig) -> torch.optim.Optimizer:
+def outer_sgd(shadow: nn.Parameter, cfg: SyncConfig) -> torch.optim.Optimizer:
     """The DiLoCo outer optimizer: SGD with Nesterov momentum over the global copy."""
     lr, momentum = cfg.outer
     return torch.optim.SGD([shadow], lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
-def _momenta(outer: torch.optim.Optimizer, shadow: nn.Parameter) -> list[torch.Tensor]:
+def momenta(outer: torch.optim.Optimizer, shadow: nn.Parameter) -> list[torch.Tensor]:
     """The outer optimizer's momentum buffer over ``shadow``, created as zeros if no step made it yet (a
     Nesterov SGD step treats a zero buffer as none); nothing without momentum."""
     if not outer.param_groups[0]["momentum"]:
@@ -69,7 +58,7 @@ def _whole_model_check(s: Strategy) -> OuterCheck:
     )
 
 
-def _load_outer(outer: torch.optim.Optimizer, state: dict[str, Any], cfg: SyncConfig) -> None:
+def load_outer(outer: torch.optim.Optimizer, state: dict[str, Any], cfg: SyncConfig) -> None:
     """Load the outer optimizer's saved state (its momentum buffer), keeping ``cfg``'s outer lr and momentum:
     ``load_state_dict`` would put back the saved ones, and a resume adopts changed settings."""
     outer.load_state_dict(state)
@@ -139,7 +128,7 @@ class DiLoCo(Strategy):
         self._global = torch.empty(self._group.numel)
         self._group.read(self._global)
         self._shadow = nn.Parameter(self._global.clone())
-        self._outer = _outer_sgd(self._shadow, self.cfg)
+        self._outer = outer_sgd(self._shadow, self.cfg)
         self._check = _whole_model_check(self)
 
     def _step(self) -> None:
@@ -173,7 +162,7 @@ class DiLoCo(Strategy):
 
     def outer_state(self) -> list[torch.Tensor]:
         """The global copy and outer momentum (zeros before the first outer step), as every member must hold them."""
-        return [self._global, *_momenta(self._outer, self._shadow)]
+        return [self._global, *momenta(self._outer, self._shadow)]
 
     def outer_digest(self) -> str:
         """64 bits naming the global copy and outer momentum: equal on members holding them bit-identical."""
@@ -187,161 +176,8 @@ class DiLoCo(Strategy):
             self._global.copy_(state["global"])
             with torch.no_grad():
                 self._shadow.copy_(self._global)
-            _load_outer(self._outer, state["outer"], self.cfg)
+            load_outer(self._outer, state["outer"], self.cfg)
             self._check.load(state.get("check"))
-
-
-# a Streaming DiLoCo fragment sync in flight: (landing step, its round, the check beside it or None)
-_FragmentSync = tuple[int, concurrent.futures.Future[RoundResult], CheckRound | None]
-
-
-def failed_round(key: int) -> concurrent.futures.Future[RoundResult]:
-    """A round that failed everywhere (restored from saved state: nobody applies it)."""
-    fut: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
-    fut.set_exception(RoundFailed(None, f"fragment {key}: failed on every member before this state was saved"))
-    return fut
-
-
-class StreamingDiLoCo(Strategy):
-    name = "streaming"
-    buffers_inline = False
-    resume_fixed = (*Strategy.resume_fixed, "sync.fragments")  # the saved outer state is per fragment
-
-    def _setup(self) -> None:
-        nfrag = min(self.cfg.fragments, len(self.layers))
-        self.fragments = strided_fragments(len(self.layers), nfrag)
-        self.offsets = fragment_offsets(nfrag, self.cfg.period)
-        self._groups = [
-            FlatGroup([p for i in frag for p in self.layers[i].params], pin=self.pin) for frag in self.fragments
-        ]
-        self._global = []
-        self._shadow = []
-        self._outer = []
-        for g in self._groups:
-            glob = torch.empty(g.numel)
-            g.read(glob)
-            shadow = nn.Parameter(glob.clone())
-            self._global.append(glob)
-            self._shadow.append(shadow)
-            self._outer.append(_outer_sgd(shadow, self.cfg))
-        # per fragment in flight: (landing step, its round, the check of its outer state beside it or None)
-        self._inflight: dict[int, _FragmentSync] = {}
-        self._check = OuterCheck(
-            self.comm, self.cfg.period, self.cfg.anchor_every, fragment_check_group, fragment_heal_group, self._wait
-        )
-
-    def _step(self) -> None:
-        self._inner_step()
-        t = self.step_count
-        for p, (land, fut, check) in sorted(self._inflight.items()):
-            if land <= t:  # earlier only for a joiner, which starts a few steps after its state's step
-                del self._inflight[p]
-                self._land(p, fut, check)
-        # fragments become due only after a full period of local steps
-        if t + 1 >= self.cfg.period:
-            for p in fragments_due(t + 1, self.offsets, self.cfg.period):
-                if p in self._inflight:
-                    self._land(p, *self._inflight.pop(p)[1:])  # its previous sync had not landed: finish it first
-                g = self._groups[p]
-                local = torch.empty_like(self._global[p])
-                g.read(local)
-                g.snapshot([self._global[p] - local])
-                fut = self.comm.allreduce_group(g, fragment_group(p), self.cfg.stream_codec, round_id=self._round())
-                check = self._check.launch(p, self.outer_state(p), self._round()) if self._check.due(t) else None
-                if self.cfg.stream_delay == 0:
-                    self._land(p, fut, check)
-                else:
-                    self._inflight[p] = (t + self.cfg.stream_delay, fut, check)
-
-    def _land(
-        self,
-        p: int,
-        fut: concurrent.futures.Future[RoundResult],
-        check: CheckRound | None,
-        timeout: float | None = None,
-    ) -> None:
-        """Fragment ``p``'s sync lands: its outer step, then (where a check found the members' copies of the
-        fragment apart) their mean on every member, then the mix into the parameters."""
-        applied = self._wait(fut, timeout) is not None  # a failed round failed everywhere: no outer step
-        self._check.judge(p, check, timeout)
-        if applied:
-            self._shadow[p].grad = self._groups[p].work.clone()
-            self._outer[p].step()
-            with torch.no_grad():
-                self._global[p].copy_(self._shadow[p])
-        if self._check.heal(p, self.outer_state(p), self._round(), timeout):
-            with torch.no_grad():
-                self._shadow[p].copy_(self._global[p])
-        if applied:
-            g = self._groups[p]
-            local = torch.empty_like(self._global[p])
-            g.read(local)
-            a = self.cfg.mix_alpha
-            g.write(local.mul_(a).add_(self._global[p], alpha=1 - a))
-
-    @property
-    def outer_heals(self) -> int:
-        """Heal rounds that averaged the members' copies of a fragment after a check found them apart."""
-        return self._check.healed
-
-    def outer_state(self, p: int) -> list[torch.Tensor]:
-        """Fragment ``p``'s global copy and outer momentum (zeros before its first outer step)."""
-        return [self._global[p], *_momenta(self._outer[p], self._shadow[p])]
-
-    def outer_digest(self) -> str:
-        """64 bits naming every fragment's global copy and outer momentum."""
-        return f"{tensors_digest(t for p in range(len(self._groups)) for t in self.outer_state(p)):016x}"
-
-    def _finish(self, timeout: float | None) -> None:
-        for p in sorted(self._inflight):
-            self._land(p, *self._inflight.pop(p)[1:], timeout=timeout)
-
-    def _drop(self) -> None:
-        self._inflight.clear()
-
-    def _extra_state(self) -> dict[str, Any]:
-        # the global copy and outer momentum per fragment: a joiner or a resumed node must continue the
-        # same outer trajectory; fragments in flight land later on every member that took part, so their
-        # results (and their checks' verdicts) travel too and land at the same step here
-        inflight = {}
-        for p, (land, fut, check) in self._inflight.items():
-            try:
-                fut.result(self.comm.round_timeout_s)
-                avg: torch.Tensor | None = self._groups[p].work.clone()
-            except RoundFailed:
-                avg = None  # failed everywhere (all-or-none): nobody applies it
-            verdict = check.record(self.comm.round_timeout_s) if check is not None else None
-            if avg is not None or verdict is not None:
-                inflight[p] = (land, avg, verdict)
-        return {
-            "global": [g.clone() for g in self._global],
-            "outer": [o.state_dict() for o in self._outer],
-            "inflight": inflight,
-            "check": self._check.state(),
-        }
-
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if "global" not in state:
-            return
-        if len(state["global"]) != len(self._global):
-            raise ValueError(f"state has {len(state['global'])} fragments, this strategy {len(self._global)}")
-        for glob, shadow, outer, saved, saved_outer in zip(
-            self._global, self._shadow, self._outer, state["global"], state["outer"], strict=True
-        ):
-            glob.copy_(saved)
-            with torch.no_grad():
-                shadow.copy_(glob)
-            _load_outer(outer, saved_outer, self.cfg)
-        self._check.load(state.get("check"))
-        self._inflight.clear()
-        for p, (land, avg, *rest) in state.get("inflight", {}).items():
-            verdict = rest[0] if rest else None  # saved before checks: none
-            if avg is None:
-                fut = failed_round(int(p))
-            else:
-                self._groups[p].work.copy_(avg)
-                fut = landed(self._groups[p].numel)
-            self._inflight[int(p)] = (int(land), fut, CheckRound.restore(verdict) if verdict is not None else None)
 
 
 class CO2(Strategy):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dreamp2p.config.sync import STRATEGIES
 from dreamp2p.sync.strategies.base import Strategy
-from dreamp2p.sync.strategies.baselines import CO2, SSGD, DiLoCo, LocalSGD, NoSync, StreamingDiLoCo
+from dreamp2p.sync.strategies.baselines import CO2, SSGD, DiLoCo, LocalSGD, NoSync
 from dreamp2p.sync.strategies.dreamddp import DreamDDP
+from dreamp2p.sync.strategies.streaming import StreamingDiLoCo
 
 STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (NoSync, SSGD, LocalSGD, DiLoCo, StreamingDiLoCo, CO2, DreamDDP)
