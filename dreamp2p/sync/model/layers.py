@@ -53,16 +53,25 @@ class FlatGroup:
     ``snapshot()`` copies the live parameters into ``snap`` (host); ``merge()`` sets them to
     ``avg + (params - snap)``, which keeps any local progress made since the snapshot (merge
     deltas, never overwrite). For a merge right after the snapshot this is exactly ``params <- avg``.
+
+    ``one_buffer``: ``snap`` is ``work`` itself (4 bytes per element instead of 8), for a strategy that
+    never merges (its result is built from the mean alone): the round averages the buffer in place, as
+    every collective copies its source before it writes ``work``.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], pin: bool = False) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], pin: bool = False, one_buffer: bool = False) -> None:
         self.params = list(params)
         self.numel = sum(p.numel() for p in self.params)
         self.device = self.params[0].device if self.params else torch.device("cpu")
         pin = pin and self.device.type == "cuda"
-        self.snap = torch.empty(self.numel, dtype=torch.float32, pin_memory=pin)
         self.work = torch.empty(self.numel, dtype=torch.float32, pin_memory=pin)
+        self.snap = self.work if one_buffer else torch.empty(self.numel, dtype=torch.float32, pin_memory=pin)
         self._event: torch.cuda.Event | None = None
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The group's host memory: ``snap`` and ``work``, or the one buffer."""
+        return (self.work,) if self.snap is self.work else (self.snap, self.work)
 
     def snapshot(self, source: Sequence[torch.Tensor] | None = None) -> None:
         """Copy ``source`` (default: the parameters) into ``snap``; on CUDA the copy is asynchronous."""
@@ -88,6 +97,8 @@ class FlatGroup:
         Written this way round so that with no progress (params == snap) the result is exactly ``avg``
         on every peer; ``params + (avg - snap)`` would differ between peers in the last bit.
         """
+        if self.snap is self.work:
+            raise RuntimeError("a one-buffer group keeps no snapshot to merge against; write() its mean")
         offset = 0
         with torch.no_grad():
             for p in self.params:

@@ -27,6 +27,7 @@ from torch import nn
 from dreamp2p.config.sync import SyncConfig
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RoundResult
+from dreamp2p.sync.comm.collective import Collective
 from dreamp2p.sync.model.groups import GROUP_CO2_GAP, GROUP_GRADS, GROUP_OUTER_CHECK, GROUP_OUTER_HEAL, GROUP_PARAMS
 from dreamp2p.sync.model.layers import FlatGroup
 from dreamp2p.sync.strategies.base import Strategy, landed
@@ -38,6 +39,34 @@ def outer_sgd(shadow: nn.Parameter, cfg: SyncConfig) -> torch.optim.Optimizer:
     """The DiLoCo outer optimizer: SGD with Nesterov momentum over the global copy."""
     lr, momentum = cfg.outer
     return torch.optim.SGD([shadow], lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
+def global_parameter(glob: torch.Tensor) -> nn.Parameter:
+    """The outer optimizer's parameter over the global copy ``glob`` itself (the same memory, not a copy):
+    its step moves the copy, and whatever writes the copy (a heal, a load) writes the parameter."""
+    return nn.Parameter(glob)
+
+
+def launch_pseudo_gradient(
+    comm: Collective, group: FlatGroup, glob: torch.Tensor, group_id: int, codec: str, round_id: int
+) -> concurrent.futures.Future[RoundResult]:
+    """Average ``glob - params`` over the one-buffer ``group``: the parameters are snapshotted into it, and
+    the difference is taken there in place once the snapshot has landed (no temporary of the model's size)."""
+    group.snapshot()
+    work = group.work
+
+    def pseudo_gradient() -> None:
+        torch.sub(glob, work, out=work)
+
+    return comm.allreduce_group(group, group_id, codec, round_id=round_id, prepare=pseudo_gradient)
+
+
+def outer_step(outer: torch.optim.Optimizer, shadow: nn.Parameter, mean: torch.Tensor) -> None:
+    """The outer optimizer's step with the mean pseudo-gradient ``mean`` as the gradient, lent for the step:
+    neither copied nor kept afterwards (the caller reads ``mean`` no more, which a foreach SGD overwrites)."""
+    shadow.grad = mean
+    outer.step()
+    shadow.grad = None
 
 
 def momenta(outer: torch.optim.Optimizer, shadow: nn.Parameter) -> list[torch.Tensor]:
@@ -82,7 +111,8 @@ class SSGD(Strategy):
     buffers_every_step = True  # as DDP: replicas hold the same buffers after every step
 
     def _setup(self) -> None:
-        self._grads = FlatGroup(self.params, pin=self.pin)
+        # one buffer: the gradients are copied in and averaged there in place (nothing is merged)
+        self._grads = FlatGroup(self.params, pin=self.pin, one_buffer=True)
 
     def _step(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -94,11 +124,11 @@ class SSGD(Strategy):
             offset = 0
             for p in self.params:
                 n = p.numel()
-                avg = self._grads.work[offset : offset + n].view(p.shape).to(p.device, p.dtype)
+                avg = self._grads.work[offset : offset + n].view(p.shape)
                 if p.grad is None:
-                    p.grad = avg.clone()
+                    p.grad = avg.to(p.device, p.dtype, copy=True)
                 else:
-                    p.grad.copy_(avg)
+                    p.grad.copy_(avg)  # across device and dtype at once: no temporary on the device
                 offset += n
         # the mean of every member's gradients, so never skipped on one member's AMP overflow: that member's
         # non-finite gradients were refused by the contribution guard and every member applies the same mean
@@ -124,10 +154,11 @@ class DiLoCo(Strategy):
     name = "diloco"
 
     def _setup(self) -> None:
-        self._group = FlatGroup(self.params, pin=self.pin)
+        # one buffer: the pseudo-gradient, averaged in place (the result is built from the mean alone)
+        self._group = FlatGroup(self.params, pin=self.pin, one_buffer=True)
         self._global = torch.empty(self._group.numel)
         self._group.read(self._global)
-        self._shadow = nn.Parameter(self._global.clone())
+        self._shadow = global_parameter(self._global)
         self._outer = outer_sgd(self._shadow, self.cfg)
         self._check = _whole_model_check(self)
 
@@ -135,23 +166,16 @@ class DiLoCo(Strategy):
         self._inner_step()
         if (self.step_count + 1) % self.cfg.period:
             return
-        local = torch.empty_like(self._global)
-        self._group.read(local)
         # pseudo-gradient: how far this replica moved away from the global parameters
-        self._group.snapshot([self._global - local])
-        fut = self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round())
+        fut = launch_pseudo_gradient(self.comm, self._group, self._global, GROUP_PARAMS, self.cfg.codec, self._round())
         check = self._check.launch(0, self.outer_state(), self._round()) if self._check.due(self.step_count) else None
         res = self._wait(fut)  # None: no outer step anywhere; the next period's pseudo-gradient covers both
         self._check.judge(0, check)
         if res is not None:
-            self._shadow.grad = self._group.work.clone()
-            self._outer.step()
-            with torch.no_grad():
-                self._global.copy_(self._shadow)
-        # where a check found the members' global copies apart (a partition): their mean, on every member
-        if self._check.heal(0, self.outer_state(), self._round()):
-            with torch.no_grad():
-                self._shadow.copy_(self._global)
+            outer_step(self._outer, self._shadow, self._group.work)
+        # where a check found the members' global copies apart (a partition): their mean, on every member (in
+        # place, so the outer optimizer's parameter, the same memory, holds it too)
+        self._check.heal(0, self.outer_state(), self._round())
         if res is not None:
             self._group.write(self._global)
 
@@ -173,9 +197,7 @@ class DiLoCo(Strategy):
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if "global" in state:
-            self._global.copy_(state["global"])
-            with torch.no_grad():
-                self._shadow.copy_(self._global)
+            self._global.copy_(state["global"])  # the outer optimizer's parameter too (the same memory)
             load_outer(self._outer, state["outer"], self.cfg)
             self._check.load(state.get("check"))
 
@@ -197,7 +219,9 @@ class CO2(Strategy):
         self._outer_params = torch.empty(self._group.numel)
         self._group.read(self._outer_params)
         self._momentum = torch.zeros_like(self._outer_params)
-        self._launched: torch.Tensor | None = None  # local parameters sent in the round in flight
+        # the local parameters sent in the round in flight: the group's snapshot itself, not a copy (nothing
+        # writes it before the next launch, which lands this round first)
+        self._launched: torch.Tensor | None = None
         self._fut: concurrent.futures.Future[RoundResult] | None = None
         self._gap = FlatGroup([torch.zeros(1)])  # this member's last gap, averaged with the parameters
         # no gap before the first landing: 0 (FlatGroup buffers start uninitialized)
@@ -215,7 +239,7 @@ class CO2(Strategy):
             return
         self._land()
         self._group.snapshot()
-        self._launched = self._group.snap.clone()
+        self._launched = self._group.snap
         self._fut = self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round())
         self._gap_fut = self.comm.allreduce_group(
             self._gap, GROUP_CO2_GAP, "fp32", round_id=self._round(), guard_norm=False
@@ -326,6 +350,6 @@ class CO2(Strategy):
         if pending is not None:
             self._group.work.copy_(pending["avg"])
             self._gap.work.copy_(pending["mean_gap_next"])
-            self._launched = pending["launched"].clone()
+            self._launched = self._group.snap.copy_(pending["launched"])
             self._fut = landed(self._group.numel)
             self._gap_fut = landed(1)

@@ -13,7 +13,6 @@ import concurrent.futures
 from typing import Any
 
 import torch
-from torch import nn
 
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import RoundResult
@@ -21,7 +20,14 @@ from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided
 from dreamp2p.sync.model.groups import fragment_check_group, fragment_group, fragment_heal_group
 from dreamp2p.sync.model.layers import FlatGroup
 from dreamp2p.sync.strategies.base import Strategy, landed
-from dreamp2p.sync.strategies.baselines import load_outer, momenta, outer_sgd
+from dreamp2p.sync.strategies.baselines import (
+    global_parameter,
+    launch_pseudo_gradient,
+    load_outer,
+    momenta,
+    outer_sgd,
+    outer_step,
+)
 from dreamp2p.sync.strategies.outercheck import CheckRound, OuterCheck
 from dreamp2p.sync.strategies.replicas import tensors_digest
 
@@ -45,8 +51,10 @@ class StreamingDiLoCo(Strategy):
         nfrag = min(self.cfg.fragments, len(self.layers))
         self.fragments = strided_fragments(len(self.layers), nfrag)
         self.offsets = fragment_offsets(nfrag, self.cfg.period)
+        # one buffer per fragment: its pseudo-gradient, averaged in place, then the mean until it lands
         self._groups = [
-            FlatGroup([p for i in frag for p in self.layers[i].params], pin=self.pin) for frag in self.fragments
+            FlatGroup([p for i in frag for p in self.layers[i].params], pin=self.pin, one_buffer=True)
+            for frag in self.fragments
         ]
         self._global = []
         self._shadow = []
@@ -54,7 +62,7 @@ class StreamingDiLoCo(Strategy):
         for g in self._groups:
             glob = torch.empty(g.numel)
             g.read(glob)
-            shadow = nn.Parameter(glob.clone())
+            shadow = global_parameter(glob)
             self._global.append(glob)
             self._shadow.append(shadow)
             self._outer.append(outer_sgd(shadow, self.cfg))
@@ -76,11 +84,8 @@ class StreamingDiLoCo(Strategy):
             for p in fragments_due(t + 1, self.offsets, self.cfg.period):
                 if p in self._inflight:
                     self._land(p, *self._inflight.pop(p)[1:])  # its previous sync had not landed: finish it first
-                g = self._groups[p]
-                local = torch.empty_like(self._global[p])
-                g.read(local)
-                g.snapshot([self._global[p] - local])
-                fut = self.comm.allreduce_group(g, fragment_group(p), self.cfg.stream_codec, round_id=self._round())
+                g, codec = self._groups[p], self.cfg.stream_codec
+                fut = launch_pseudo_gradient(self.comm, g, self._global[p], fragment_group(p), codec, self._round())
                 check = self._check.launch(p, self.outer_state(p), self._round()) if self._check.due(t) else None
                 if self.cfg.stream_delay == 0:
                     self._land(p, fut, check)
@@ -99,13 +104,9 @@ class StreamingDiLoCo(Strategy):
         applied = self._wait(fut, timeout) is not None  # a failed round failed everywhere: no outer step
         self._check.judge(p, check, timeout)
         if applied:
-            self._shadow[p].grad = self._groups[p].work.clone()
-            self._outer[p].step()
-            with torch.no_grad():
-                self._global[p].copy_(self._shadow[p])
-        if self._check.heal(p, self.outer_state(p), self._round(), timeout):
-            with torch.no_grad():
-                self._shadow[p].copy_(self._global[p])
+            outer_step(self._outer[p], self._shadow[p], self._groups[p].work)
+        # in place: the outer optimizer's parameter (the same memory) holds the mean too
+        self._check.heal(p, self.outer_state(p), self._round(), timeout)
         if applied:
             g = self._groups[p]
             local = torch.empty_like(self._global[p])
@@ -159,12 +160,10 @@ class StreamingDiLoCo(Strategy):
             return
         if len(state["global"]) != len(self._global):
             raise ValueError(f"state has {len(state['global'])} fragments, this strategy {len(self._global)}")
-        for glob, shadow, outer, saved, saved_outer in zip(
-            self._global, self._shadow, self._outer, state["global"], state["outer"], strict=True
+        for glob, outer, saved, saved_outer in zip(
+            self._global, self._outer, state["global"], state["outer"], strict=True
         ):
-            glob.copy_(saved)
-            with torch.no_grad():
-                shadow.copy_(glob)
+            glob.copy_(saved)  # the outer optimizer's parameter too (the same memory)
             load_outer(outer, saved_outer, self.cfg)
         self._check.load(state.get("check"))
         self._inflight.clear()
