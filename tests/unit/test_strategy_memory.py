@@ -1,17 +1,20 @@
 """The strategies' host memory: one-buffer groups, the global copy shared with the outer optimizer, the
-gradient lent to it, CO2's launch snapshot not copied; each bit-identical to what the copies computed."""
+gradient lent to it, CO2's launch snapshot not copied, each bit-identical to what the copies computed; and
+`Strategy.held`, which names every buffer a strategy keeps (found by walking its attributes) and none of the
+model's, with each strategy's bytes per parameter at steady state."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import copy
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from dreamp2p.config.sync import SyncConfig
+from dreamp2p.config.sync import STRATEGIES, SyncConfig
 from dreamp2p.sync.comm.inprocess import InProcessHub
 from dreamp2p.sync.model.groups import GROUP_PARAMS
 from dreamp2p.sync.model.layers import FlatGroup
@@ -112,3 +115,91 @@ def test_state_taken_with_a_round_in_flight_continues_bit_identically(strategy: 
     for a, b in zip(straight, resumed, strict=True):
         assert torch.equal(flat(a.model), flat(b.model))
         assert a.outer_digest() == b.outer_digest()  # type: ignore[attr-defined]
+
+
+# --- what Strategy.held names ------------------------------------------------------------------------------
+
+SMALL = 1024  # bytes: rounds of a fixed few elements (checks, control rounds, CO2's gap) are not listed
+
+
+def wide_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+
+
+def storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Storage address -> bytes, each storage once (views and aliases included)."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def reachable(obj: object, skip: set[int], out: dict[int, int], seen: set[int] | None = None) -> dict[int, int]:
+    """Every storage reachable from ``obj`` through attributes of dreamp2p objects, containers and the outer
+    optimizers' state; ``skip`` (ids) not entered: the model, the user's optimizer, the collective."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or id(obj) in skip or isinstance(obj, nn.Module):
+        return out
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        out.update(storages([obj]))
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            reachable(value, skip, out, seen)
+    elif isinstance(obj, list | tuple | set):
+        for value in obj:
+            reachable(value, skip, out, seen)
+    elif isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, Strategy):
+        reachable([obj.state, [g["params"] for g in obj.param_groups]], skip, out, seen)
+    elif type(obj).__module__.startswith("dreamp2p") and hasattr(obj, "__dict__"):
+        reachable(list(vars(obj).values()), skip, out, seen)
+    return out
+
+
+def attached(strategy: str, steps: int) -> tuple[Strategy, int]:
+    """One member of ``strategy`` on `wide_model` after ``steps`` steps (period 4), and its parameter count."""
+    model = wide_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = SyncConfig(strategy=strategy, period=4, warmup_steps=2, control_every=4)
+    s = strategy_class(strategy)(model, opt, InProcessHub(1).member(0), cfg)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        nn.functional.mse_loss(model(torch.randn(8, 32, generator=g)), torch.zeros(8, 8)).backward()
+        s.step()
+        s.zero_grad()
+    return s, sum(p.numel() for p in model.parameters())
+
+
+def model_side(s: Strategy) -> dict[int, int]:
+    """The storages of the model, its gradients and the user's optimizer state."""
+    params = list(s.model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [t for st in s.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return storages([*params, *grads, *state, *s.model.buffers()])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_held_names_every_buffer_the_strategy_keeps_and_none_of_the_models(strategy: str) -> None:
+    s, _ = attached(strategy, 10)
+    mine = model_side(s)
+    held = storages(t for h in s.held() for t in h.tensors)
+    found = reachable(s, {id(s.comm), id(s.optimizer), id(s.model)}, {})
+    kept = {ptr for ptr, nbytes in found.items() if ptr not in mine and nbytes >= SMALL}
+    assert kept <= held.keys(), "buffers the strategy keeps that held() does not name"
+    assert not held.keys() & mine.keys()
+    assert all(h.name and h.why for h in s.held())
+
+
+@pytest.mark.parametrize(
+    ("strategy", "per_param"),
+    [
+        ("none", 0),
+        ("ssgd", 4),  # the gradients, averaged in place
+        ("localsgd", 8),  # snapshot + mean
+        ("diloco", 12),  # pseudo-gradient + global copy + outer momentum (AdamW inner: Nesterov 0.7/0.9)
+        ("streaming", 12),  # the same per fragment
+        ("co2", 16),  # snapshot + mean + outer parameters + outer momentum
+        ("dreamddp", 16),  # theta + momentum + each sync's snapshot and mean (every layer in one sync)
+    ],
+)
+def test_held_bytes_per_parameter_at_steady_state(strategy: str, per_param: int) -> None:
+    s, n = attached(strategy, 13)  # past DreamDDP's first measured plan (adopted at step 8)
+    assert sum(storages(t for h in s.held() for t in h.tensors).values()) == per_param * n

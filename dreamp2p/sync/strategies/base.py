@@ -83,6 +83,15 @@ class Totals:
         return 1.0 if self.comm_s <= 0 else max(0.0, 1.0 - self.exposed_s / self.comm_s)
 
 
+@dataclass(frozen=True)
+class Held:
+    """One buffer a strategy keeps beyond the model, its gradients and the user's optimizer (`Strategy.held`)."""
+
+    name: str  # what it holds, e.g. "global copy"
+    why: str  # why the strategy needs it
+    tensors: tuple[torch.Tensor, ...]
+
+
 class Strategy(OptimizerFacade, abc.ABC):
     """Base of every synchronization strategy; subclasses implement :meth:`_step`.
 
@@ -287,7 +296,23 @@ class Strategy(OptimizerFacade, abc.ABC):
         expected = set(self._last_members) | set(self.comm.members)
         self._flusher.run(self.step_count, self.cfg.codec, expected, self._flush_params)
 
+    def held(self) -> list[Held]:
+        """The memory this strategy keeps between steps beyond the model, its gradients and the user's
+        optimizer: one entry per buffer that grows with the model, with why it is needed (`bench memory`
+        accounts them). Entries may share memory (a view, one buffer under two names): count each storage
+        once. Not here: a step's temporaries, the copy a round makes while it runs (the collective's), and
+        rounds of a fixed few elements (checks, control rounds)."""
+        held = self._held()
+        if self._bufsync is not None:
+            why = "the model buffers (BatchNorm statistics) as sent, and their mean, for the buffers' own round"
+            held.append(Held("buffer rounds", why, self._bufsync.buffers))
+        return held
+
     # ------------------------------------------------------------------ for subclasses
+
+    def _held(self) -> list[Held]:  # strategies without state of their own keep nothing
+        """The strategy's own buffers (see :meth:`held`)."""
+        return []
 
     def _flush_params(self, round_id: int) -> RoundResult | None:  # no compressed path by default
         """Make the trainable parameters identical on every member by the strategy's own (compressed) path;

@@ -30,7 +30,7 @@ from dreamp2p.messages import RoundResult
 from dreamp2p.sync.comm.collective import Collective
 from dreamp2p.sync.model.groups import GROUP_CO2_GAP, GROUP_GRADS, GROUP_OUTER_CHECK, GROUP_OUTER_HEAL, GROUP_PARAMS
 from dreamp2p.sync.model.layers import FlatGroup
-from dreamp2p.sync.strategies.base import Strategy, landed
+from dreamp2p.sync.strategies.base import Held, Strategy, landed
 from dreamp2p.sync.strategies.outercheck import CheckRound, OuterCheck
 from dreamp2p.sync.strategies.replicas import tensors_digest
 
@@ -78,6 +78,21 @@ def momenta(outer: torch.optim.Optimizer, shadow: nn.Parameter) -> list[torch.Te
     if state.get("momentum_buffer") is None:
         state["momentum_buffer"] = torch.zeros_like(shadow, memory_format=torch.preserve_format).detach()
     return [state["momentum_buffer"]]
+
+
+def kept_momenta(outer: torch.optim.Optimizer, shadow: nn.Parameter) -> tuple[torch.Tensor, ...]:
+    """The outer optimizer's momentum buffer over ``shadow`` where one exists (not before its first step)."""
+    buf = outer.state.get(shadow, {}).get("momentum_buffer")
+    return () if buf is None else (buf,)
+
+
+# why DiLoCo and Streaming DiLoCo keep each buffer (`Strategy.held`)
+PSEUDO_GRADIENT_WHY = "global copy - parameters at the sync, averaged in place by the round: the outer step's gradient"
+GLOBAL_COPY_WHY = (
+    "the parameters every member agreed at the last outer step: the pseudo-gradient is measured from it and the "
+    "outer step moves it (it is the outer optimizer's parameter itself)"
+)
+OUTER_MOMENTUM_WHY = "the outer Nesterov step's momentum (none with outer momentum 0)"
 
 
 def _whole_model_check(s: Strategy) -> OuterCheck:
@@ -134,6 +149,10 @@ class SSGD(Strategy):
         # non-finite gradients were refused by the contribution guard and every member applies the same mean
         self.optimizer.step()
 
+    def _held(self) -> list[Held]:
+        why = "the step's gradients in one flat host buffer, averaged there in place, then copied into the gradients"
+        return [Held("gradients", why, self._grads.buffers)]
+
 
 class LocalSGD(Strategy):
     name = "localsgd"
@@ -148,6 +167,13 @@ class LocalSGD(Strategy):
             fut = self.comm.allreduce_group(self._group, GROUP_PARAMS, self.cfg.codec, round_id=self._round())
             if self._wait(fut) is not None:
                 self._group.merge()
+
+    def _held(self) -> list[Held]:
+        why = "the parameters at the round's launch: the merge keeps what changed since (nothing: the round blocks)"
+        return [
+            Held("snapshot", why, (self._group.snap,)),
+            Held("mean", "the members' parameter mean, written by the round", (self._group.work,)),
+        ]
 
 
 class DiLoCo(Strategy):
@@ -187,6 +213,13 @@ class DiLoCo(Strategy):
     def outer_state(self) -> list[torch.Tensor]:
         """The global copy and outer momentum (zeros before the first outer step), as every member must hold them."""
         return [self._global, *momenta(self._outer, self._shadow)]
+
+    def _held(self) -> list[Held]:
+        return [
+            Held("pseudo-gradient", PSEUDO_GRADIENT_WHY, self._group.buffers),
+            Held("global copy", GLOBAL_COPY_WHY, (self._global,)),
+            Held("outer momentum", OUTER_MOMENTUM_WHY, kept_momenta(self._outer, self._shadow)),
+        ]
 
     def outer_digest(self) -> str:
         """64 bits naming the global copy and outer momentum: equal on members holding them bit-identical."""
@@ -289,6 +322,21 @@ class CO2(Strategy):
         """The outer parameters and their momentum, as every member must hold them. (The mean gap is not:
         the gap round that lands with the next average replaces it before it is read.)"""
         return [self._outer_params, self._momentum]
+
+    def _held(self) -> list[Held]:
+        sent = (
+            "the parameters sent in the round in flight: the local progress made while it travels is measured from them"
+        )
+        return [
+            Held("snapshot", sent, (self._group.snap,)),
+            Held(
+                "mean",
+                "the members' parameter mean, landed at the next boundary (one period stale)",
+                (self._group.work,),
+            ),
+            Held("outer parameters", "the outer copy the stale outer step moves", (self._outer_params,)),
+            Held("outer momentum", "the outer step's momentum (clipped element-wise)", (self._momentum,)),
+        ]
 
     def outer_digest(self) -> str:
         """64 bits naming the outer parameters and momentum."""

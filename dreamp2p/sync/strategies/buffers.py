@@ -64,6 +64,11 @@ class BufferSync:
         # buffers are statistics, not updates: their norm may move by orders of magnitude legitimately
         self._fut = self._comm.allreduce_group(self._group, GROUP_BUFFERS, "fp32", round_id=round_id, guard_norm=False)
 
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The round's host memory (the buffers as sent, and their mean)."""
+        return self._group.buffers
+
     def take(self) -> concurrent.futures.Future[RoundResult] | None:
         """The round in flight, if any, handed to the caller to wait on (then :meth:`apply` it)."""
         fut, self._fut = self._fut, None

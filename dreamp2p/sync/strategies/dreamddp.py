@@ -50,7 +50,7 @@ from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.schedule.pace import PaceFilter, delivery_rate
 from dreamp2p.schedule.plan import Plan
 from dreamp2p.sync.model.profiler import LayerProfiler
-from dreamp2p.sync.strategies.base import Strategy
+from dreamp2p.sync.strategies.base import Held, Strategy
 from dreamp2p.sync.strategies.control import (
     Control,
     ControlSchedule,
@@ -227,6 +227,10 @@ class DreamDDP(Strategy):
         if res is not None and (inf.check_fut is None or checked is not None):
             self._syncs.merge(inf)
         self._pace.sample(inf)
+
+    def _held(self) -> list[Held]:
+        # a sync restored from saved state travels in buffers of its own until it lands
+        return [*self._weights.held(), *self._syncs.held(inf.group for inf in self._inflight)]
 
     @property
     def anchors_healed(self) -> int:

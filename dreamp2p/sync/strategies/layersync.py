@@ -12,7 +12,7 @@ their flat buffers between periods, so a sync's host memory is allocated once pe
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from dreamp2p.config.sync import SyncConfig
 from dreamp2p.messages import RingCodecPlan, RoundResult
@@ -20,6 +20,7 @@ from dreamp2p.schedule.plan import Plan
 from dreamp2p.sync.comm.collective import Collective
 from dreamp2p.sync.model.groups import anchor_check_group, anchor_group, plan_sync_group
 from dreamp2p.sync.model.layers import FlatGroup, Layer
+from dreamp2p.sync.strategies.base import Held
 from dreamp2p.sync.strategies.inflight import InFlight
 from dreamp2p.sync.strategies.outer import OuterWeights, anchor_verdict
 
@@ -102,6 +103,22 @@ class LayerSyncs:
         """Whether a sync of ``layers`` is an anchor, from agreed memory only: always without a delta codec;
         otherwise where a check asked for it."""
         return not self._cfg.delta_codec or self._weights.needs_anchor(layers)
+
+    def held(self, travelling: Iterable[FlatGroup] = ()) -> list[Held]:
+        """The buffers kept for the syncs of the plans held, and ``travelling`` ones of their own (`Strategy.held`)."""
+        groups = {id(g): g for g in (*self._groups.values(), *travelling)}.values()
+        return [
+            Held(
+                "sync snapshots",
+                "per sync of the plan: the parameters at launch; the landing keeps the local progress made since",
+                tuple(g.snap for g in groups),
+            ),
+            Held(
+                "sync means",
+                "per sync of the plan: theta - parameters at launch, averaged in place, then the new theta",
+                tuple(g.work for g in groups),
+            ),
+        ]
 
     def forget(self, version: int, keep: set[tuple[int, int]]) -> None:
         """Free the buffers of plans other than ``version``, but for the syncs ``keep`` (still in flight)."""

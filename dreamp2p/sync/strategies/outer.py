@@ -22,6 +22,7 @@ import torch
 import xxhash
 
 from dreamp2p.sync.model.layers import Layer
+from dreamp2p.sync.strategies.base import Held
 from dreamp2p.sync.strategies.replicas import bits_agree, digest_bits
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,22 @@ class OuterWeights:
             self._outer[li] = state
             self._fresh.add(li)
         return state[0]
+
+    def held(self) -> list[Held]:
+        """Theta and momentum of every layer that has them (`Strategy.held`)."""
+        layers = sorted(self._outer)
+        return [
+            Held(
+                "outer weights",
+                "theta per layer, changed only by landed syncs: what the pseudo-gradients are measured from",
+                tuple(self._outer[li][0] for li in layers),
+            ),
+            Held(
+                "outer momentum",
+                "per layer, the outer Nesterov step's momentum (zeros with momentum 0)",
+                tuple(self._outer[li][1] for li in layers),
+            ),
+        ]
 
     def copy_theta(self, layers: Sequence[int], out: torch.Tensor) -> None:
         """Write the outer weights of ``layers``, concatenated in that order, into the flat ``out``."""

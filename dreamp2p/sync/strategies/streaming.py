@@ -10,6 +10,7 @@ theta <- alpha * local + (1 - alpha) * outer. A round that fails is skipped by e
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,9 +20,13 @@ from dreamp2p.messages import RoundResult
 from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided_fragments
 from dreamp2p.sync.model.groups import fragment_check_group, fragment_group, fragment_heal_group
 from dreamp2p.sync.model.layers import FlatGroup
-from dreamp2p.sync.strategies.base import Strategy, landed
+from dreamp2p.sync.strategies.base import Held, Strategy, landed
 from dreamp2p.sync.strategies.baselines import (
+    GLOBAL_COPY_WHY,
+    OUTER_MOMENTUM_WHY,
+    PSEUDO_GRADIENT_WHY,
     global_parameter,
+    kept_momenta,
     launch_pseudo_gradient,
     load_outer,
     momenta,
@@ -40,6 +45,15 @@ def failed_round(key: int) -> concurrent.futures.Future[RoundResult]:
     fut: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
     fut.set_exception(RoundFailed(None, f"fragment {key}: failed on every member before this state was saved"))
     return fut
+
+
+def _each(groups: Iterable[FlatGroup]) -> tuple[torch.Tensor, ...]:
+    """Every group's host buffers, in order."""
+    return _flat(g.buffers for g in groups)
+
+
+def _flat(parts: Iterable[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    return tuple(t for part in parts for t in part)
 
 
 class StreamingDiLoCo(Strategy):
@@ -118,6 +132,13 @@ class StreamingDiLoCo(Strategy):
     def outer_heals(self) -> int:
         """Heal rounds that averaged the members' copies of a fragment after a check found them apart."""
         return self._check.healed
+
+    def _held(self) -> list[Held]:
+        return [
+            Held("pseudo-gradients", PSEUDO_GRADIENT_WHY + ", then its mean until it lands", _each(self._groups)),
+            Held("global copies", GLOBAL_COPY_WHY, tuple(self._global)),
+            Held("outer momenta", OUTER_MOMENTUM_WHY, _flat(map(kept_momenta, self._outer, self._shadow))),
+        ]
 
     def outer_state(self, p: int) -> list[torch.Tensor]:
         """Fragment ``p``'s global copy and outer momentum (zeros before its first outer step)."""
