@@ -290,7 +290,7 @@ class CO2(Strategy):
         # where a check found the members' outer parameters apart (a partition): their mean, on every member
         self._check.heal(0, self.outer_state(), self._round(), timeout)
         if progress is not None:
-            self._group.write(self._outer_params + progress)
+            self._group.write(progress.add_(self._outer_params))  # outer + progress (addition commutes)
 
     def _outer_step(self, timeout: float | None) -> torch.Tensor | None:
         """The stale outer step with the landed average; the local progress made meanwhile, None where no
@@ -303,10 +303,12 @@ class CO2(Strategy):
         if res is None or gap_res is None:
             return None
         avg = self._group.work
-        local = torch.empty_like(avg)
-        self._group.read(local)
-        progress = local - self._launched  # local work done while the average travelled
-        outer_grad = self._outer_params - avg
+        # in place, one temporary of the model's size: the local work done while the average travelled, and
+        # the outer gradient in the mean's own buffer (nothing reads the mean after this)
+        progress = torch.empty_like(avg)
+        self._group.read(progress)
+        progress.sub_(self._launched)
+        outer_grad = torch.sub(self._outer_params, avg, out=avg)
         # staleness gap: the more the replicas moved meanwhile, the smaller the stale outer step; the mean
         # gap of the previous landing, so that every member takes the same step
         penalty = 1.0 + self.cfg.co2_gap_penalty * float(self._gap.work[0])
