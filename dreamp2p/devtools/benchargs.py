@@ -27,6 +27,7 @@ from dreamp2p.cli.args import (
 )
 from dreamp2p.config.codecs import CODEC_NAMES
 from dreamp2p.config.parse import parse_duration
+from dreamp2p.config.sync import STRATEGIES
 from dreamp2p.devtools.benchrun import run_bench
 
 Parser = argparse.ArgumentParser
@@ -344,6 +345,32 @@ def _regions_check(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("argument --strategies: regions runs one strategy (default ssgd)")
 
 
+def param_count(text: str) -> int:
+    """An argparse type: a parameter count of at least 1000, ``32000000`` or ``32e6``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count such as 32e6, got {text!r}") from None
+    if not value >= 1000 or value != value // 1 or value > 1e12:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1000 to 1e12, got {text}")
+    return int(value)
+
+
+def _memory(p: Parser) -> None:
+    _strategies(p, "which to measure besides none, the compute-only reference (all)")
+    p.add_argument(
+        "--params", type=param_count, default=32_000_000, help="model size, e.g. 32e6 (32000000: RSS noise small)"
+    )
+    _training(p, steps=None, period=4, width=None, depth=None)
+    _device(p, "the strategies")
+
+
+def _memory_check(parser: Parser, args: argparse.Namespace) -> None:
+    unknown = [name for name in args.strategies or () if name not in STRATEGIES]
+    if unknown:
+        parser.error(f"argument --strategies: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
+
+
 Check = Callable[[Parser, argparse.Namespace], None]
 # name -> (what it measures, its options, its checks across options); `bench --help` lists them in this order
 BENCHES: dict[str, tuple[str, Callable[[Parser], None], Check | None]] = {
@@ -354,6 +381,7 @@ BENCHES: dict[str, tuple[str, Callable[[Parser], None], Check | None]] = {
     "strategies": ("every strategy on one MLP over an emulated link, 2 peers", _strategies_bench, check_delay),
     "lm": ("the strategies on a byte-level GPT across emulated WAN regions", _lm, check_delay),
     "plancheck": ("`dreamp2p plan`'s predictions against bench lm over a grid", _plancheck, None),
+    "memory": ("host and device bytes per parameter each strategy adds to a one-rank member", _memory, _memory_check),
     "digits": ("a BatchNorm CNN on the digits data set, trained through the library", _digits, None),
     "chaos": ("node daemons trained through kills, freezes, partitions and link flaps", _chaos, _chaos_check),
     "regions": ("regions of many ranks against regions of one, over tbf links (root)", _regions, _regions_check),

@@ -158,6 +158,12 @@ def _bench_digits(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _bench_memory(args: argparse.Namespace) -> dict[str, Any]:
+    from dreamp2p.devtools.bench.memory.run import bench_memory
+
+    return bench_memory(strategies=args.strategies, params=args.params, period=args.period, device=args.device)
+
+
 def chaos_timing(args: argparse.Namespace) -> ChaosTiming:
     """bench chaos's fault schedule from its options (ChaosTiming's ValueError for bad values)."""
     from dreamp2p.devtools.bench.chaos.plan import FAULT_KINDS, ChaosTiming
@@ -213,6 +219,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "lm": _bench_lm,
     "plancheck": _bench_plancheck,
     "digits": _bench_digits,
+    "memory": _bench_memory,
     "chaos": _bench_chaos,
     "regions": _bench_regions,
 }

@@ -31,6 +31,7 @@ OPTIONS: dict[str, set[str]] = {
     "plancheck": {"--steps", "--period", "--sizes", "--rates", "--rtts", "--region-counts", "--target-cu", "--out"}
     | {"--reports"},
     "digits": {"--strategies", "--peers", "--max-delay"},
+    "memory": {"--strategies", "--params", "--period", "--device"},
     "chaos": {
         *("--minutes", "--peers", "--kill-every", "--down", "--max-down", "--flap-every", "--flap-down", "--no-flaps"),
         *("--rate", "--rtt", "--period", "--width", "--depth", "--max-delay", "--seed", "--run-dir"),
@@ -125,6 +126,11 @@ def test_one_name_for_the_link_rate() -> None:
         (["bench", "allreduce"], {"mbytes": 64.0, "peers": 4, "rate": "100mbit", "netns": False}),
         (["bench", "transport"], {"rtt": "0ms", "jitter": "0ms", "loss": 0.0, "seconds": 6.0}),
         (["bench", "digits"], {"peers": 3, "max_delay": None, "strategies": None}),
+        (["bench", "memory"], {"params": 32_000_000, "period": 4, "device": "cpu", "strategies": None}),
+        (
+            ["bench", "memory", "--params", "5e6", "--strategies", "diloco"],
+            {"params": 5_000_000, "strategies": ["diloco"]},
+        ),
         (["bench", "strategies", "--codec", "INT8"], {"codec": "int8"}),
         (["bench", "lm", "--json", "-v"], {"json": True, "verbose": 1, "what": "lm"}),
         (["bench", "lm"], {"loss": 0.0, "jitter": "0ms"}),
@@ -157,6 +163,10 @@ def test_each_bench_has_its_own_defaults(argv: list[str], expected: dict[str, ob
         (["bench", "lm", "--period", "4", "--max-delay", "4"], "--max-delay (4) must be less than --period (4)"),
         (["bench", "regions", "--strategies", "ssgd", "dreamddp"], "regions runs one strategy"),
         (["bench", "allreduce", "--peers", "1"], "argument --peers: must be >= 2"),
+        (["bench", "memory", "--params", "12"], "argument --params: must be a whole number from 1000 to 1e12"),
+        (["bench", "memory", "--params", "2500.5"], "argument --params: must be a whole number from 1000 to 1e12"),
+        (["bench", "memory", "--params", "big"], "argument --params: expected a count such as 32e6"),
+        (["bench", "memory", "--strategies", "diloco", "fsdp"], "argument --strategies: unknown fsdp; choose from"),
         (["bench", "nope"], "argument BENCH: invalid choice: 'nope'"),
         (["bench", "lm", "--loss", "abc"], "argument --loss: cannot parse loss 'abc'"),
         (["bench", "lm", "--loss", "100%"], "argument --loss: loss must be a fraction in [0, 1)"),
@@ -181,6 +191,8 @@ dreamp2p bench strategies --json
 dreamp2p bench chaos --json
 dreamp2p bench regions --json
 dreamp2p bench digits --json
+dreamp2p bench memory --json
+dreamp2p bench memory --json --params 32e6
 dreamp2p bench soak --minutes 10 --json
 dreamp2p bench chaos --minutes 10 --json
 dreamp2p bench transport --json --netns --rate 100mbit
