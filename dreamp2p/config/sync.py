@@ -66,6 +66,10 @@ class SyncConfig:
     # period - 1, so a sync that takes seconds on a WAN can span the period; the planner still picks
     # delay 0 for every group whose sync hides inside one backward pass (ties go to smaller delays)
     max_delay: int | None = None
+    # where the link cannot carry a plan's syncs within the period (no delay hides them), a measured plan may
+    # lengthen its period to 2, 4, ... up to max_stretch times ``period`` (dreamp2p.schedule.stretch): the
+    # same syncs, fewer of them, as DiLoCo's longer outer period. 1: the period is always ``period``
+    max_stretch: int = 8
     control_every: int = 10  # steps between control rounds (gather link stats and profiles)
     control_lead: int = 2  # steps a control round may travel before its result is used
     # while the link holds steady, control rounds space out: every control_every steps after a change or a
@@ -137,6 +141,7 @@ class SyncConfig:
             "control_backoff",
             "replan_sustain",
             "anchor_every",
+            "max_stretch",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"sync.{name} must be >= 1, got {getattr(self, name)}")

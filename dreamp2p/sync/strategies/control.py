@@ -32,7 +32,8 @@ from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import plan_dreamddp
 from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs, wire_ratio
 from dreamp2p.schedule.plan import Plan
-from dreamp2p.schedule.plancodec import choose_anchor_codec, choose_plan_codec
+from dreamp2p.schedule.plancodec import choose_anchor_codec
+from dreamp2p.schedule.stretch import choose_codec_and_period, choose_period, stretched_periods
 from dreamp2p.sync.comm.collective import Collective
 from dreamp2p.sync.model.groups import GROUP_CONTROL
 from dreamp2p.sync.model.layers import FlatGroup
@@ -224,24 +225,28 @@ class Replanner:
         )
         # adopted at the next period boundary of the plan in force: a plan switched mid-period would sync
         # layers again soon after the old plan did, two rounds contending for the link at once
-        start = t + 1 + (plan.effective_step - t - 1) % cfg.period
+        start = t + 1 + (plan.effective_step - t - 1) % plan.period
         self.basis_bw = g.bandwidth_Bps
         self.changed = 0
         log.info("plan v%d computed at step %d from bw %.3g B/s rtt %.3g s", next_version, t, g.bandwidth_Bps, g.rtt_s)
         return PlanRequest(g.costs, link, next_version, start)
 
     def make(self, req: PlanRequest) -> tuple[Plan, str]:
-        """The plan and its codec for ``req``: pure and deterministic, so every member makes the same."""
+        """The plan and its codec for ``req``: pure and deterministic, so every member makes the same. The plan's
+        period is ``sync.period``, or a multiple of it where the link cannot carry the syncs in that time
+        (`dreamp2p.schedule.stretch`)."""
         cfg = self.cfg
+        periods = stretched_periods(cfg.period, cfg.max_stretch)
 
-        def make_plan(lk: LinkModel) -> Plan:
+        def make_plan(lk: LinkModel, H: int) -> Plan:
             return plan_dreamddp(
                 list(req.costs),
                 lk,
-                cfg.period,
+                H,
                 version=req.version,
                 effective_step=req.start,
-                max_delay=cfg.delay_cap,
+                # a stretched period is a larger bound too: a sync may land up to a period after its launch
+                max_delay=H - 1 if cfg.max_delay is None else cfg.max_delay,
                 bubble_fill=cfg.bubble_fill,
                 round_cost_s=cfg.round_cost_s,
             )
@@ -249,25 +254,39 @@ class Replanner:
         if cfg.delta_codec:
             # the plan's syncs are pseudo-gradients in delta_codec: plan for their size; the plan codecs carry
             # only the anchors that follow a failed check
-            plan = make_plan(req.link)  # priced at delta_codec's size (`self.ratio`)
+            choice = choose_period(periods, req.costs, req.link, lambda H: make_plan(req.link, H))
+            plan = choice.plan  # priced at delta_codec's size (`self.ratio`)
+            if choice.stretch > 1:
+                log.info(
+                    "plan v%d: period %d (%d x sync.period): the link could not carry the syncs of a period of %d; "
+                    "now busy %.0f%% of the period",
+                    req.version,
+                    plan.period,
+                    choice.stretch,
+                    cfg.period,
+                    100 * choice.busy_fraction,
+                )
             if not cfg.plan_codecs or cfg.link_codecs:
                 return plan, cfg.codec
             candidates = [(c, wire_ratio(c)) for c in cfg.plan_codecs]
-            anchor = choose_anchor_codec(candidates, list(req.costs), req.link, cfg.period, plan, cfg.codec_link_budget)
+            anchor = choose_anchor_codec(
+                candidates, list(req.costs), req.link, plan.period, plan, cfg.codec_link_budget
+            )
             log.info("plan v%d: pseudo-gradients in %s, anchors in %s", req.version, cfg.delta_codec, anchor)
             return plan, anchor
         if not cfg.plan_codecs or cfg.link_codecs:  # per-link codecs replace the per-plan choice
-            return make_plan(req.link), cfg.codec
+            return choose_period(periods, req.costs, req.link, lambda H: make_plan(req.link, H)).plan, cfg.codec
         candidates = [(c, wire_ratio(c)) for c in cfg.plan_codecs]
-        choice = choose_plan_codec(candidates, list(req.costs), req.link, cfg.period, make_plan, cfg.codec_link_budget)
+        picked = choose_codec_and_period(candidates, req.costs, req.link, periods, make_plan, cfg.codec_link_budget)
         log.info(
-            "plan v%d: codec %s (link busy %.0f%% of the period, predicted exposed %.3g s per period)",
+            "plan v%d: codec %s, period %d (link busy %.0f%% of the period, predicted exposed %.3g s per period)",
             req.version,
-            choice.codec,
-            100 * choice.busy_fraction,
-            choice.exposed_s,
+            picked.codec,
+            picked.plan.period,
+            100 * picked.busy_fraction,
+            picked.exposed_s,
         )
-        return choice.plan, choice.codec
+        return picked.plan, picked.codec
 
 
 # A control round in flight: (the step its result is used at, the round, its buffer, the members it was

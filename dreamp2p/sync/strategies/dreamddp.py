@@ -354,7 +354,8 @@ class DreamDDP(Strategy):
             schedule_digest=self._schedule.digest(self._replanner.state()),
             # a member waits for each round within its delay and launches one at least once a period, so
             # in one ring no member trails another by more than a period and a delay; twice that is margin
-            lag_steps=2 * (plan.period + self.cfg.delay_cap),
+            # (a stretched plan's delays may exceed the configured cap)
+            lag_steps=2 * (plan.period + max(self.cfg.delay_cap, *(s.delay for s in plan.syncs))),
         )
 
     def _finish(self, timeout: float | None) -> None:

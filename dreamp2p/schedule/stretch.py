@@ -1,0 +1,115 @@
+"""How long a DreamDDP plan's period is: the configured one, or a multiple of it where the link cannot carry
+the plan's syncs in that time.
+
+DreamDDP (Tang et al., arXiv 2502.11058) hides each period's layer syncs behind the period's computation,
+which only works while the link can carry a whole model's syncs (in the pseudo-gradients' codec) within a
+period. On a tighter link no delay or bucketing hides them: at 2 Mbit/s the int4 syncs of `bench lm`'s GPT
+needed 1.4 periods of link time, every step waited, and the plan the planner kept was the same as at 5 Mbit/s.
+DiLoCo's answer (Douillard et al., arXiv 2311.08455) is a longer outer period: the same bytes per sync, fewer
+syncs. So where the syncs of a plan at the configured period ``H`` would keep the link busy more than
+`STRETCH_LINK_BUDGET` of the period's compute, the plan is made at the shortest of ``2H``, ``4H``, ... up to
+``max_stretch`` times ``H`` that keeps it within (the longest, if none does). The link's share falls with
+the period, since each layer still syncs once per period. A longer period is also a larger delay bound (a
+sync may land up to a period later), so the syncs of a stretched plan spread over more steps. Only the link
+decides: a plan whose syncs fit keeps the configured period whatever else it exposes (a round's own cost, a
+tiny model's), so fast links plan exactly as without stretching. Pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from dreamp2p.schedule.cost import LayerCost, LinkModel, ring_wire_bytes
+from dreamp2p.schedule.plan import Plan, total_exposed
+from dreamp2p.schedule.plancodec import CodecChoice, choose_plan_codec, link_busy_fraction
+
+# the most of a period's compute a plan's syncs may keep the link busy before the period is lengthened: the
+# rest is headroom for what the timing model leaves out (each byte's CPU on the trainer's cores, a link that
+# varies, the anchors that follow a failed check)
+STRETCH_LINK_BUDGET = 0.5
+
+
+@dataclass(frozen=True)
+class PeriodChoice:
+    plan: Plan
+    stretch: int  # the plan's period over the configured one
+    busy_fraction: float  # link time of one period's sync bytes / the period's compute time (`link_share`)
+    fits: bool  # busy within STRETCH_LINK_BUDGET
+
+
+def stretched_periods(period: int, max_stretch: int) -> tuple[int, ...]:
+    """``period`` times 1, 2, 4, ... up to ``max_stretch`` (at least ``period`` itself)."""
+    if period < 1 or max_stretch < 1:
+        raise ValueError(f"period and max_stretch must be >= 1, got {period} and {max_stretch}")
+    out = [period]
+    while out[-1] * 2 <= period * max_stretch:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+def link_share(costs: Sequence[LayerCost], link: LinkModel, H: int, plan: Plan) -> float:
+    """Seconds ``link`` takes to carry the bytes of one period of ``plan``'s syncs (at its margin), over the
+    period's compute seconds. Bytes only: a round's latency holds the round, not the link, and it is what a
+    tiny model's syncs mostly are (they fit the link at any period)."""
+    nbytes = {i: c.nbytes for i, c in enumerate(costs)}
+    wire = math.fsum(ring_wire_bytes(sum(nbytes[x] for x in s.layers), link) for s in plan.syncs)
+    period_s = H * plan.compute_s
+    return link.margin * wire / link.bandwidth_Bps / period_s if period_s > 0 else math.inf
+
+
+def stretch_for(busy: float, periods: Sequence[int]) -> int:
+    """Of ``periods`` (shortest first), the shortest at which syncs that keep the link ``busy`` of the first
+    one's compute stay within `STRETCH_LINK_BUDGET` (busy falls as 1 / period); the longest if none does."""
+    if not periods:
+        raise ValueError("no candidate periods")
+    if not math.isfinite(busy):
+        return periods[-1]
+    return next((H for H in periods if busy * periods[0] / H <= STRETCH_LINK_BUDGET), periods[-1])
+
+
+def choose_period(
+    periods: Sequence[int], costs: Sequence[LayerCost], link: LinkModel, make_plan: Callable[[int], Plan]
+) -> PeriodChoice:
+    """``make_plan(H)`` at the first of ``periods`` (the configured one) or, where its syncs would keep ``link``
+    busy more than the budget, at the period `stretch_for` names."""
+    plan = make_plan(periods[0])
+    busy = link_share(costs, link, periods[0], plan)
+    chosen = stretch_for(busy, periods)
+    if chosen != periods[0]:
+        plan = make_plan(chosen)
+        busy = link_share(costs, link, chosen, plan)
+    return PeriodChoice(plan, chosen // periods[0], busy, busy <= STRETCH_LINK_BUDGET)
+
+
+def choose_codec_and_period(
+    candidates: Sequence[tuple[str, float]],
+    costs: Sequence[LayerCost],
+    link: LinkModel,
+    periods: Sequence[int],
+    make_plan: Callable[[LinkModel, int], Plan],
+    link_budget: float,
+) -> CodecChoice:
+    """For syncs that average parameters in a codec of ``candidates``: `choose_plan_codec` at the first of
+    ``periods``, then, where that codec's syncs would keep the link busy more than `STRETCH_LINK_BUDGET`, the
+    same codec's plan at the period `stretch_for` names."""
+    first = choose_plan_codec(
+        candidates, costs, link, periods[0], functools.partial(_at_period, make_plan, periods[0]), link_budget
+    )
+    ratio = dict(candidates)[first.codec]
+    lk = LinkModel(link.bandwidth_Bps, link.rtt_s, link.world, ratio, link.per_hop_overhead_s, link.margin)
+    chosen = stretch_for(link_share(costs, lk, periods[0], first.plan), periods)
+    if chosen == periods[0]:
+        return first
+    plan = make_plan(lk, chosen)
+    busy = link_busy_fraction(costs, lk, chosen, plan)
+    exposed = total_exposed(plan)
+    return CodecChoice(
+        first.codec, plan, busy, exposed, exposed <= 0.01 * chosen * plan.compute_s and busy <= link_budget
+    )
+
+
+def _at_period(make_plan: Callable[[LinkModel, int], Plan], H: int, link: LinkModel) -> Plan:
+    return make_plan(link, H)

@@ -1,0 +1,121 @@
+"""A DreamDDP plan's period (pure logic, `dreamp2p.schedule.stretch`): the configured one wherever the link
+carries its syncs with headroom, else the shortest multiple of it that does."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dreamp2p.schedule.cost import LayerCost, LinkModel
+from dreamp2p.schedule.dreamddp import plan_dreamddp
+from dreamp2p.schedule.plan import Plan
+from dreamp2p.schedule.plancodec import choose_plan_codec
+from dreamp2p.schedule.stretch import (
+    STRETCH_LINK_BUDGET,
+    choose_codec_and_period,
+    choose_period,
+    link_share,
+    stretch_for,
+    stretched_periods,
+)
+
+# 8 layers of 1 MB, 30 ms of compute each (a step: 0.24 s); int4-sized pseudo-gradients: 1 MB a full sync
+COSTS = [LayerCost(f"l{i}", 0.01, 0.02, 1 << 20) for i in range(8)]
+PERIOD = 4
+PERIODS = (4, 8, 16, 32)
+
+
+def _link(bandwidth: float, ratio: float = 0.125) -> LinkModel:
+    return LinkModel(bandwidth, 0.0, 2, ratio)
+
+
+def _make(link: LinkModel, H: int) -> Plan:
+    return plan_dreamddp(COSTS, link, H, max_delay=H - 1, round_cost_s=0.08)
+
+
+def _busy(link: LinkModel, H: int) -> float:
+    return link_share(COSTS, link, H, _make(link, H))
+
+
+@pytest.mark.parametrize(
+    ("period", "max_stretch", "expected"),
+    [(4, 1, (4,)), (4, 2, (4, 8)), (4, 8, (4, 8, 16, 32)), (4, 7, (4, 8, 16)), (20, 4, (20, 40, 80)), (1, 3, (1, 2))],
+)
+def test_the_candidate_periods_double_up_to_the_stretch(
+    period: int, max_stretch: int, expected: tuple[int, ...]
+) -> None:
+    assert stretched_periods(period, max_stretch) == expected
+
+
+@pytest.mark.parametrize(("period", "max_stretch"), [(0, 4), (4, 0)])
+def test_out_of_range_periods_are_refused(period: int, max_stretch: int) -> None:
+    with pytest.raises(ValueError, match="must be >= 1"):
+        stretched_periods(period, max_stretch)
+
+
+@pytest.mark.parametrize(
+    ("busy", "expected"),
+    [
+        (0.0, 4),
+        (0.3, 4),
+        (STRETCH_LINK_BUDGET, 4),  # within the budget: kept
+        (0.51, 8),
+        (1.0, 8),
+        (1.4, 16),  # 2 Mbit/s in bench lm: 0.7 at twice the period is still over half
+        (2.0, 16),
+        (3.9, 32),
+        (100.0, 32),  # nothing fits: the longest
+        (math.inf, 32),
+        (math.nan, 32),
+    ],
+)
+def test_the_shortest_period_whose_syncs_fit_the_link(busy: float, expected: int) -> None:
+    assert stretch_for(busy, PERIODS) == expected
+
+
+@pytest.mark.parametrize("bandwidth", [50e6, 10e6, 4e6])
+def test_a_link_that_carries_the_syncs_keeps_the_configured_period(bandwidth: float) -> None:
+    link = _link(bandwidth)
+    choice = choose_period(PERIODS, COSTS, link, lambda H: _make(link, H))
+    assert (choice.plan.period, choice.stretch, choice.fits) == (PERIOD, 1, True)
+    assert choice.plan == _make(link, PERIOD)  # exactly the plan made without stretching
+
+
+@pytest.mark.parametrize("bandwidth", [1.5e6, 0.9e6, 0.6e6, 0.3e6])
+def test_a_tight_link_gets_the_shortest_period_whose_syncs_fit(bandwidth: float) -> None:
+    link = _link(bandwidth)
+    assert _busy(link, PERIOD) > STRETCH_LINK_BUDGET
+    choice = choose_period(PERIODS, COSTS, link, lambda H: _make(link, H))
+    period = choice.plan.period
+    assert choice.fits and period > PERIOD and period == PERIOD * choice.stretch
+    assert choice.busy_fraction == pytest.approx(_busy(link, period)) and choice.busy_fraction <= STRETCH_LINK_BUDGET
+    assert _busy(link, period // 2) > STRETCH_LINK_BUDGET  # the shortest that fits
+    # a stretched plan may delay a sync beyond the configured period
+    assert max(s.delay for s in choice.plan.syncs) < period
+    assert choice.plan.exposed_s and len(choice.plan.exposed_s) == period
+
+
+def test_a_link_no_period_fits_gets_the_longest() -> None:
+    link = _link(0.02e6)
+    choice = choose_period(PERIODS, COSTS, link, lambda H: _make(link, H))
+    assert (choice.plan.period, choice.fits) == (PERIODS[-1], False)
+
+
+def test_without_stretch_the_period_is_kept_even_where_the_link_cannot_carry_it() -> None:
+    link = _link(0.3e6)
+    choice = choose_period((PERIOD,), COSTS, link, lambda H: _make(link, H))
+    assert (choice.plan.period, choice.fits) == (PERIOD, False)
+
+
+def test_parameter_syncs_keep_the_codec_choice_and_stretch_only_where_it_does_not_fit() -> None:
+    candidates = [("fp32", 1.0), ("int8", 0.27)]
+    fast = _link(20e6, 1.0)
+    picked = choose_codec_and_period(candidates, COSTS, fast, PERIODS, _make, 0.25)
+    at_period = choose_plan_codec(candidates, COSTS, fast, PERIOD, lambda lk: _make(lk, PERIOD), 0.25)
+    assert picked == at_period
+    slow = _link(0.5e6, 1.0)
+    picked = choose_codec_and_period(candidates, COSTS, slow, PERIODS, _make, 0.25)
+    first = choose_plan_codec(candidates, COSTS, slow, PERIOD, lambda lk: _make(lk, PERIOD), 0.25)
+    assert picked.codec == first.codec and picked.plan.period == stretch_for(first.busy_fraction, PERIODS) > PERIOD
+    assert picked.busy_fraction < first.busy_fraction
