@@ -34,17 +34,36 @@ class Status(enum.IntEnum):
     IDENTITY_MISMATCH = 21
 
 
+class Connection(enum.Enum):
+    """What became of the connection under a call that found none (set by the transport, from gRPC's words).
+
+    ``REFUSED``: the member's host answered that nothing listens at its address: its process is gone.
+    ``BROKEN``: an established connection ended under the call: reset or closed by the other end (a process
+    that died, or one whose kernel gave the connection up), or given up by our own kernel (a connection
+    whose segments could not leave for seconds on a saturated link: TCP's probe limit or TCP_USER_TIMEOUT).
+    A broken connection alone says nothing about the member's life; the next call, on a new connection, does.
+    """
+
+    REFUSED = "refused"
+    BROKEN = "broken"
+
+
 class PeerError(Exception):
     """A refusal with a status: raised where input is rejected, turned into a gRPC error at the edge."""
 
-    def __init__(self, status: Status, detail: str, grpc_code: str | None = None) -> None:
+    def __init__(
+        self, status: Status, detail: str, grpc_code: str | None = None, connection: Connection | None = None
+    ) -> None:
         # UNSPECIFIED (no application status: the call failed in gRPC, or locally) is no news: the detail alone
         super().__init__(detail if status == Status.UNSPECIFIED else f"{status.name}: {detail}")
         self.status = status
         self.detail = detail
-        # the gRPC status code's name when the refusal came back from a call (e.g. "UNAVAILABLE": the
-        # connection was refused), so callers branch on a field, never on the message text
+        # the gRPC status code's name when the refusal came back from a call (e.g. "UNAVAILABLE": no
+        # connection carried it), so callers branch on a field, never on the message text
         self.grpc_code = grpc_code
+        # what became of the connection under an UNAVAILABLE call (see Connection; the transport reads it
+        # from gRPC's words); None otherwise, or when the words name neither
+        self.connection = connection
 
 
 class RoundFailed(RuntimeError):

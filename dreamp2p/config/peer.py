@@ -74,7 +74,10 @@ class TransportConfig:
     # peers' 4 MiB limit (transport.linkrate.probeburst)
     probe_burst_bytes: int = 256 << 10
     # failure detection: a member that misses this many heartbeats in a row (or is silent for
-    # dead_after_s) is dropped from the ring until it answers again; 0 disables heartbeats
+    # dead_after_s) is dropped from the ring until it answers again; 0 disables heartbeats. While this
+    # node's uplink is saturated (a link still needs heartbeat_s or more of its measured goodput for the
+    # round bytes handed to it) silence counts no miss: dead_after_s alone bounds it then. A refused
+    # connection drops a member at once.
     heartbeat_s: float = 1.0
     heartbeat_misses: int = 3
     dead_after_s: float = 15.0

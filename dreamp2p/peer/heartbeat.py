@@ -8,9 +8,20 @@ names, and a slow answer (a link queueing behind bulk data) still arrives in tim
 earlier design waited for a whole pass of echoes before the next one: with the echo's 2-interval deadline
 a silent member then took three times as long to be counted dead (9 s for 1 s x 3 misses).
 
-A refused connection marks a member dead at once; a member that answers again after being counted dead is
-introduced to once more (a restarted process admits nobody yet). Runs on the peer's event loop;
-`peer.liveness` owns the loop that ticks it.
+A tick taken while this node's own uplink is saturated (`uplink_saturated`: a link holds more than one
+interval of unacknowledged round bytes at its measured goodput) counts no miss; only the membership's
+``dead_after_s`` bound on silence applies then. Measured at 2 Mbit/s (tbf, as `bench lm`): while both
+members' round frames filled the link, the echoes on the control connection took up to 2-9 s (its
+segments dropped again and again at the full bottleneck queue) instead of 0.1-0.3 s, and members counted
+each other dead after 3 ticks.
+
+Only a refused connection (the member's host says nothing listens: its process is gone) marks a member
+dead at once. A connection that broke under an echo (reset, closed, or given up by our own kernel: at
+2 Mbit/s a control connection starved for ~8-10 s ends with ETIMEDOUT, on TCP's probe limit or gRPC's
+TCP_USER_TIMEOUT, and the member's side then sees a reset) is echoed again at once on a new connection
+(`echo`): a killed process refuses it, a live member answers or stays silent for the ticks to count. A
+member that answers again after being counted dead is introduced to once more (a restarted process admits
+nobody yet). Runs on the peer's event loop; `peer.liveness` owns the loop that ticks it.
 """
 
 from __future__ import annotations
@@ -19,13 +30,47 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-from dreamp2p.errors import PeerError
+from dreamp2p.errors import Connection, PeerError
 from dreamp2p.peer.membership import Membership
 from dreamp2p.transport.client import Link
 
 log = logging.getLogger(__name__)
+
+# echoes in all to a member whose connection broke under the previous one: the first call after a process
+# was killed may still meet its old connection ("Broken pipe": gRPC had not seen the close yet), the next
+# one connects anew and is refused
+BROKEN_TRIES = 3
+
+
+def uplink_saturated(backlogs_s: Iterable[float], heartbeat_s: float) -> bool:
+    """Whether an unanswered echo says nothing now: one of our links holds ``heartbeat_s`` or more of its
+    measured goodput in round bytes we handed it and the member has not acknowledged (``backlogs_s``, see
+    `Link.backlog_s`; inf while bytes wait on a link not measured yet), so our own echoes wait behind them,
+    or starve beside them at the bottleneck's full queue, and so do the answers that leave the member while
+    ours fill the link."""
+    return max(backlogs_s, default=0.0) >= heartbeat_s
+
+
+async def echo(link: Link, timeout: float) -> PeerError | None:
+    """One heartbeat echo to ``link``'s member within ``timeout``: None if it answered, else the failure.
+
+    A connection that broke under the echo (`Connection.BROKEN`) is echoed again at once, up to
+    `BROKEN_TRIES` echoes in all: the next call connects anew, which a member whose process is gone refuses
+    (`Connection.REFUSED`) and a live one answers.
+    """
+    deadline = time.monotonic() + timeout
+    failure: PeerError | None = None
+    for _ in range(BROKEN_TRIES):
+        try:
+            await link.heartbeat(max(0.05, deadline - time.monotonic()))
+            return None
+        except PeerError as err:
+            failure = err
+        if failure.connection is not Connection.BROKEN or time.monotonic() >= deadline:
+            break
+    return failure
 
 
 class Echoes:
@@ -46,19 +91,27 @@ class Echoes:
         self._asked: dict[str, int] = {}  # member -> the tick its oldest unanswered echo was sent at
         self._flying: dict[str, set[asyncio.Task[None]]] = {}
 
-    def tick(self, links: Mapping[str, Link]) -> set[asyncio.Task[None]]:
+    def tick(self, links: Mapping[str, Link], saturated: bool = False) -> set[asyncio.Task[None]]:
         """Count a miss for every member still silent since an earlier tick, then echo every member.
 
-        Returns the echoes this tick sent (the caller may give them a moment to answer before it
-        publishes the view).
+        ``saturated``: our own uplink is saturated (`uplink_saturated`): silence counts no miss now, only
+        the membership's bound on it. Returns the echoes this tick sent (the caller may give them a moment
+        to answer before it publishes the view).
         """
         now = time.monotonic()
         sent: set[asyncio.Task[None]] = set()
         cap = self.membership.misses
         for node, link in links.items():
             asked = self._asked.get(node)
-            if asked is not None and asked < self.ticks and self.membership.missed(node, now):
-                log.warning("%s has not answered for %d heartbeats: the ring re-forms without it", node, cap)
+            if asked is not None and asked < self.ticks and self.membership.missed(node, now, counted=not saturated):
+                if saturated:
+                    log.warning(
+                        "%s has been silent for %.0f s while our link was saturated: the ring re-forms without it",
+                        node,
+                        self.membership.dead_after_s,
+                    )
+                else:
+                    log.warning("%s has not answered for %d heartbeats: the ring re-forms without it", node, cap)
             flying = self._flying.setdefault(node, set())
             if len(flying) >= cap:  # enough echoes wait for it already: one more would only pile up
                 continue
@@ -71,13 +124,12 @@ class Echoes:
         return sent
 
     async def _echo(self, node: str, link: Link) -> None:
-        try:
-            await link.heartbeat(self.timeout)
-        except PeerError as err:
-            # typed, not parsed from the message: a refused connection is a process that is gone; any
-            # other failure (a deadline) is silence, which the ticks count
-            if err.grpc_code == "UNAVAILABLE" and self.membership.missed(node, time.monotonic(), fatal=True):
-                log.warning("%s is not answering (%s): the ring re-forms without it", node, err)
+        err = await echo(link, self.timeout)
+        if err is not None:
+            # a refused connection is a process that is gone; any other failure (a deadline, a connection
+            # that broke again and again, an unreachable host) is silence, which the ticks count
+            if err.connection is Connection.REFUSED and self.membership.missed(node, time.monotonic(), fatal=True):
+                log.warning("%s refuses connections (%s): the ring re-forms without it", node, err)
                 self._on_change()
             return
         self._asked.pop(node, None)

@@ -1,17 +1,20 @@
 """Who the peer runs rounds with: its `Membership`, the view of live members and the heartbeat loop.
 
 The loop ticks the heartbeat echoes (`peer.heartbeat`) every ``heartbeat_s`` and publishes the view they
-leave; a view change is handed to ``on_change`` (the peer fails the rounds that need a member that is
+leave; a tick taken while one of our links holds a heartbeat interval or more of round bytes we handed
+it and the member has not acknowledged (`Link.backlog_s`) counts no miss, so a member is dropped for
+silence after ``heartbeat_misses`` ticks on an unsaturated uplink and after ``dead_after_s`` at most
+while ours is saturated; a view change is handed to ``on_change`` (the peer fails the rounds that need a member that is
 gone). Callers that learned of a loss first take a member out at once (`mark_unreachable`); a member
 whose stream to us broke is echoed at once (`check`), so a dead one leaves the view without waiting for
 the next pass; a member that introduces itself while counted dead (a restarted process) is echoed at
 once too (`welcome`), so it is back in the view within a round trip; a retry waits for one more heartbeat
-tick (`next_heartbeat`). A live member
-judged a straggler (`peer.straggler`, from the evidence on a completed round's commit votes) is left out
-of the view until its probation ends; a straggler's own view is itself alone meanwhile. A live member
-whose last echo said it is still joining (it starts up and has not asked in, see `Peer.ask_in`) is left
-out of the view too, so rounds do not fail on it while it starts; it asks in by introducing itself
-again, which `welcome` answers with an echo at once. Runs on the peer's event loop only.
+tick (`next_heartbeat`). A live member judged a straggler (`peer.straggler`, from the evidence on a
+completed round's commit votes) is left out of the view until its probation ends; a straggler's own view
+is itself alone meanwhile. A live member whose last echo said it is still joining (it starts up and has
+not asked in, see `Peer.ask_in`) is left out of the view too, so rounds do not fail on it while it
+starts; it asks in by introducing itself again, which `welcome` answers with an echo at once. Runs on the
+peer's event loop only.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from typing import Any
 
 from dreamp2p.config import TransportConfig
-from dreamp2p.errors import PeerError
+from dreamp2p.errors import Connection, PeerError
 from dreamp2p.messages import RoundEvidence
-from dreamp2p.peer.heartbeat import Echoes
+from dreamp2p.peer.heartbeat import Echoes, echo, uplink_saturated
 from dreamp2p.peer.membership import Membership
 from dreamp2p.peer.straggler import StragglerPolicy, rule_of
 from dreamp2p.transport.client import Link
@@ -62,6 +65,7 @@ class Liveness:
         self._echoes: Echoes | None = None
         self._beat = asyncio.Event()  # set (and replaced) after each heartbeat tick
         self._checks: dict[str, asyncio.Task[None]] = {}  # one out-of-turn echo per member at a time
+        self.saturated = False  # the last tick found our uplink saturated (its silences counted no miss)
 
     def begin(self, members: Sequence[str], unreachable: Iterable[str]) -> None:
         """A new membership over ``members``, all alive but ``unreachable`` (they count as dead at once)."""
@@ -112,7 +116,8 @@ class Liveness:
             await asyncio.sleep(max(0.0, t.heartbeat_s - (loop.time() - last)))
             last = loop.time()
             assert self._echoes is not None
-            sent = self._echoes.tick(self._links())
+            links = self._links()
+            sent = self._echoes.tick(links, self._saturated(links))
             # a tick waits at most one interval for its own echoes (a refusal or a revival then shows in
             # the view it publishes, which a retry waiting on `next_heartbeat` runs among); a silent
             # member's echo never holds the next tick back, so ticks, and misses, keep their pace
@@ -125,6 +130,20 @@ class Liveness:
             self.heartbeat_rounds += 1
             done, self._beat = self._beat, asyncio.Event()
             done.set()
+
+    def _saturated(self, links: Mapping[str, Link]) -> bool:
+        """Whether our uplink is saturated now (`uplink_saturated`); a change is logged."""
+        saturated = uplink_saturated((link.backlog_s() for link in links.values()), self.transport.heartbeat_s)
+        if saturated != self.saturated:
+            self.saturated = saturated
+            log.debug(
+                "our uplink is %s: %s",
+                "saturated" if saturated else "clear",
+                f"silence counts no heartbeat miss, at most {self.transport.dead_after_s:g} s of it"
+                if saturated
+                else "heartbeat misses count again",
+            )
+        return saturated
 
     async def next_heartbeat(self) -> None:
         """Wait for the heartbeat loop's next tick, which counts every silent member once more (none: no wait)."""
@@ -146,13 +165,11 @@ class Liveness:
 
     async def _check(self, node: str, link: Link) -> None:
         # only a refused connection counts: a slow answer is no miss here (the loop counts those)
-        try:
-            await link.heartbeat(max(0.5, 2 * self.transport.heartbeat_s))
-        except PeerError as err:
-            if err.grpc_code == "UNAVAILABLE" and self.membership is not None:
-                if self.membership.missed(node, time.monotonic(), fatal=True):
-                    log.warning("%s refused a connection after its stream broke: the ring re-forms without it", node)
-                self._set_view(self._compose())
+        err = await echo(link, max(0.5, 2 * self.transport.heartbeat_s))
+        if err is not None and err.connection is Connection.REFUSED and self.membership is not None:
+            if self.membership.missed(node, time.monotonic(), fatal=True):
+                log.warning("%s refused a connection after its stream broke: the ring re-forms without it", node)
+            self._set_view(self._compose())
 
     def welcome(self, node: str) -> None:
         """``node`` introduced itself (a handshake): if it is out of the view (we count it dead, or its last
@@ -177,9 +194,7 @@ class Liveness:
         task.add_done_callback(lambda _: self._checks.pop(node, None))
 
     async def _welcome(self, node: str, link: Link) -> None:
-        try:
-            await link.heartbeat(max(0.5, 2 * self.transport.heartbeat_s))
-        except PeerError:
+        if await echo(link, max(0.5, 2 * self.transport.heartbeat_s)) is not None:
             return  # not reachable from here yet: the heartbeat loop keeps trying
         if self.membership is not None and self.membership.heard(node, time.monotonic()):
             log.warning("%s introduced itself and answers: it rejoins the ring", node)

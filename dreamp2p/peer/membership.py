@@ -2,9 +2,12 @@
 
 Pure bookkeeping, no I/O: the peer reports every successful contact (heartbeat answered, frame or vote
 received) and every failed one; a member is counted dead after ``misses`` consecutive failed heartbeats
-or no contact for ``dead_after_s``, and alive again at its next successful contact. The view is the live
-members in configured ring order; rounds carry its :func:`view_id`, so members that disagree about who is
-alive find out on the first frame (VIEW_MISMATCH) instead of waiting on a peer that is gone.
+or no contact for ``dead_after_s``, and alive again at its next successful contact. A failed heartbeat the
+caller does not count (one sent while this node's own uplink was saturated, see `peer.liveness`) only
+checks the ``dead_after_s`` bound, which therefore limits how long any silent member stays in the view.
+The view is the live members in configured ring order; rounds carry its :func:`view_id`, so members that
+disagree about who is alive find out on the first frame (VIEW_MISMATCH) instead of waiting on a peer that
+is gone.
 """
 
 from __future__ import annotations
@@ -69,15 +72,17 @@ class Membership:
             return True
         return False
 
-    def missed(self, member: str, now: float, *, fatal: bool = False) -> bool:
+    def missed(self, member: str, now: float, *, fatal: bool = False, counted: bool = True) -> bool:
         """A failed contact (``fatal``: the member is certainly gone, e.g. it refused the connection).
 
-        Returns True if this made the member dead.
+        ``counted`` False: the failure is no evidence (our own link was saturated): it adds no miss, and the
+        member dies only if it has been silent for ``dead_after_s``. Returns True if this made the member dead.
         """
         st = self._state.get(member)
         if st is None or st.dead:
             return False
-        st.misses += 1
+        if counted or fatal:
+            st.misses += 1
         if fatal or st.misses >= self.misses or now - st.last_ok >= self.dead_after_s:
             st.dead = True
             self.changes += 1

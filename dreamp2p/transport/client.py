@@ -8,7 +8,9 @@ would queue behind the frames already in its socket buffer, seconds of them on a
 busy sending would be counted dead. A round's frames leave through an
 :class:`~dreamp2p.transport.outbound.OutboundStream` the link opens over the data channels, paced by the
 link's optional token bucket (WAN emulation) and metered for goodput; probes and state transfers use the
-first data channel. Every call has a deadline.
+first data channel. The link keeps the backlog of round bytes handed to it and not acknowledged yet
+(`backlog_s`, in seconds of its measured goodput), which tells the heartbeat that this node's uplink is
+saturated. Every call has a deadline.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 
 import grpc
@@ -28,6 +31,7 @@ from dreamp2p.messages import Hello, MemberProgress, PeerStatus, RoundEvidence
 from dreamp2p.statemeta import StateManifest, StateRange
 from dreamp2p.transport import serde
 from dreamp2p.transport.auth import token_metadata
+from dreamp2p.transport.linkrate.backlog import Backlog
 from dreamp2p.transport.linkrate.limiter import TokenBucket
 from dreamp2p.transport.linkrate.linkstats import BusyMeter, LinkEstimator, rate_past_latency
 from dreamp2p.transport.linkrate.probeburst import MAX_PROBE_BYTES, probe_size
@@ -84,6 +88,7 @@ class Link:
         ]
         self.stats = LinkEstimator()
         self.meter = BusyMeter()
+        self.backlog = Backlog()  # round bytes handed to the link, not acknowledged yet (see `backlog_s`)
         self.bucket = TokenBucket(cfg.rate_limit) if cfg.rate_limit else None
         self.delay_s = cfg.delay_s
         self.chunk_bytes = 0
@@ -99,6 +104,15 @@ class Link:
 
     def set_rate_limit(self, rate_Bps: float | None) -> None:
         self.bucket = TokenBucket(rate_Bps) if rate_Bps else None
+
+    def goodput(self) -> float:
+        """The link's measured goodput in bytes/s; NaN before the first sample."""
+        return self.stats.goodput_Bps if self.stats.samples else math.nan
+
+    def backlog_s(self) -> float:
+        """The round bytes our open streams handed this link and the member has not acknowledged yet, in
+        seconds of its measured goodput: 0 when there are none, inf while its goodput is not measured."""
+        return self.backlog.seconds(self.goodput())
 
     # ------------------------------------------------------------------ calls
 

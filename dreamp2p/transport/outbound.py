@@ -1,7 +1,8 @@
 """One round's frames to one neighbour: several Push streams fed from one queue, with backpressure.
 
 Forwarded frames go first and never wait (so the ring cannot deadlock); own frames wait for room. Frames
-are paced by the link's token bucket and optional delay line (WAN emulation), metered for goodput, and
+are paced by the link's token bucket and optional delay line (WAN emulation), metered for goodput, counted
+into the link's backlog until acknowledged (`transport.linkrate.backlog`), and
 replayed once more to a successor process that restarted under the round. Moved out of `transport.client`
 (which opens these streams from a :class:`~dreamp2p.transport.client.Link`).
 """
@@ -76,6 +77,8 @@ class OutboundStream:
         self._sent: list[Frame] = []  # frames handed to the current connection generation
         self._generation = 0
         self._replays = 0
+        self._committed = 0  # bytes this stream took on for the link (its share of the link's backlog)
+        self._ended = False  # that share is settled (the stream closed or was aborted)
         self._calls: list[aio.StreamUnaryCall] = []
         self._tasks: list[asyncio.Future[pb.PushAck | None]] = []
         self._start_calls()
@@ -142,6 +145,7 @@ class OutboundStream:
         for frame in reversed(self._sent):
             self._fwd.appendleft(frame)
             self._queued_bytes += len(frame.payload)
+            self._commit(len(frame.payload))  # the link carries it once more
         self._sent = []
         for call in self._calls:
             call.cancel()
@@ -173,6 +177,7 @@ class OutboundStream:
     def forward(self, frame: Frame) -> None:
         self._fwd.append(frame)
         self._queued_bytes += len(frame.payload)
+        self._commit(len(frame.payload))
         self._wake.set()
 
     async def put(self, frame: Frame) -> None:
@@ -183,6 +188,7 @@ class OutboundStream:
             raise self._failure
         self._own.append(frame)
         self._queued_bytes += len(frame.payload)
+        self._commit(len(frame.payload))
         self._wake.set()
 
     async def _next(self) -> Frame | None:
@@ -273,10 +279,24 @@ class OutboundStream:
                     break
         finally:
             self._link.meter.idle()
+            self._end()
         if self._failure is not None:
             raise self._failure
 
+    def _commit(self, nbytes: int) -> None:
+        """``nbytes`` more for the link to carry, pending in its backlog until this stream ends."""
+        if not self._ended:
+            self._committed += nbytes
+            self._link.backlog.add(nbytes)
+
+    def _end(self) -> None:
+        """Our frames are acknowledged or given up: the link's backlog no longer holds this stream's bytes."""
+        if not self._ended:
+            self._ended = True
+            self._link.backlog.settle(self._committed)
+
     def abort(self, reason: str) -> None:
+        self._end()
         self._fail(PeerError(Status.UNSPECIFIED, f"aborted: {reason}"))
         self._timed_wake.set()
         if self._pump is not None:

@@ -1,16 +1,19 @@
 """Heartbeat echoes count one miss per tick a member stays silent, whatever one echo's deadline (no sockets).
 
 The links here are stand-ins whose answers the test releases by hand, so each case is a sequence of ticks
-and answers, not of seconds: the detector under test is `Echoes`, the links are only its input.
+and answers, not of seconds: the detector under test is `Echoes`, the links are only its input. Ticks
+taken while our uplink is saturated count no miss; only a refused connection is fatal at once, and a
+connection that broke under an echo is echoed again at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from dreamp2p.errors import PeerError, Status
+from dreamp2p.errors import Connection, PeerError, Status
 from dreamp2p.peer.heartbeat import Echoes
 from dreamp2p.peer.membership import Membership
 
@@ -35,11 +38,11 @@ class _Link:
                 fut.set_result(None)
         self.waiting.clear()
 
-    def fail_all(self, grpc_code: str) -> None:
-        for fut in self.waiting:
+    def fail_all(self, grpc_code: str, connection: Connection | None = None) -> None:
+        waiting, self.waiting = self.waiting, []
+        for fut in waiting:
             if not fut.done():
-                fut.set_exception(PeerError(Status.TIMEOUT, "echo failed", grpc_code=grpc_code))
-        self.waiting.clear()
+                fut.set_exception(PeerError(Status.TIMEOUT, "echo failed", grpc_code=grpc_code, connection=connection))
 
     def in_flight(self) -> int:
         return sum(not f.done() for f in self.waiting)
@@ -51,8 +54,8 @@ async def _settle() -> None:
 
 
 class _Harness:
-    def __init__(self, misses: int) -> None:
-        self.membership = Membership("me", ["me", "a"], misses=misses, dead_after_s=1e9)
+    def __init__(self, misses: int, dead_after_s: float = 1e9) -> None:
+        self.membership = Membership("me", ["me", "a"], misses=misses, dead_after_s=dead_after_s)
         self.membership.start(0.0)
         self.link = _Link()
         self.changes = 0
@@ -65,8 +68,8 @@ class _Harness:
     def _changed(self) -> None:
         self.changes += 1
 
-    async def tick(self) -> None:
-        self.echoes.tick({"a": self.link})  # type: ignore[dict-item]
+    async def tick(self, saturated: bool = False) -> None:
+        self.echoes.tick({"a": self.link}, saturated)  # type: ignore[dict-item]
         await _settle()
 
 
@@ -124,10 +127,90 @@ async def test_echoes_in_flight_are_capped_at_misses() -> None:
 async def test_a_refused_echo_is_fatal_at_once_and_reported() -> None:
     h = _Harness(3)
     await h.tick()
-    h.link.fail_all("UNAVAILABLE")
+    h.link.fail_all("UNAVAILABLE", Connection.REFUSED)
     await _settle()
     assert not h.membership.is_alive("a")
     assert h.changes == 1
+    await h.echoes.close()
+
+
+@pytest.mark.parametrize("saturated", [False, True])
+async def test_a_killed_process_is_dead_within_the_echo_that_met_its_broken_connection(saturated: bool) -> None:
+    """Measured on a SIGKILLed server: "Socket closed" for the call in flight, "Broken pipe" for the next one
+    on the stale connection, then "Connection refused"; all within one echo, saturated uplink or not."""
+    h = _Harness(3)
+    await h.tick(saturated)
+    h.link.fail_all("UNAVAILABLE", Connection.BROKEN)
+    await _settle()
+    h.link.fail_all("UNAVAILABLE", Connection.BROKEN)
+    await _settle()
+    assert h.membership.is_alive("a")
+    h.link.fail_all("UNAVAILABLE", Connection.REFUSED)
+    await _settle()
+    assert not h.membership.is_alive("a")
+    assert (h.changes, h.link.sent) == (1, 3)  # three echoes, one tick
+    await h.echoes.close()
+
+
+async def test_a_member_whose_starved_connection_broke_answers_on_a_new_one() -> None:
+    h = _Harness(3)
+    await h.tick()
+    h.link.fail_all("UNAVAILABLE", Connection.BROKEN)  # our kernel gave the connection up (ETIMEDOUT)
+    await _settle()
+    h.link.answer_all()
+    await _settle()
+    assert h.membership.is_alive("a") and h.changes == 0
+    await h.echoes.close()
+
+
+@pytest.mark.parametrize(
+    ("connection", "echoes"),
+    [
+        (Connection.BROKEN, 3),  # broken again and again (a reset on every new connection): BROKEN_TRIES
+        (None, 1),  # UNAVAILABLE with no fate: a connection never made (an unreachable host, a TLS failure)
+    ],
+)
+async def test_an_echo_failing_without_a_refusal_is_silence_for_the_ticks(
+    connection: Connection | None, echoes: int
+) -> None:
+    h = _Harness(2)
+    await h.tick()
+    for _ in range(echoes):
+        h.link.fail_all("UNAVAILABLE", connection)
+        await _settle()
+    assert h.membership.is_alive("a") and h.link.sent == echoes
+    await h.tick()
+    await h.tick()  # the ticks count the silence: two misses
+    assert not h.membership.is_alive("a")
+    await h.echoes.close()
+
+
+@pytest.mark.parametrize("misses", [1, 3])
+async def test_ticks_on_a_saturated_uplink_count_no_miss(misses: int) -> None:
+    h = _Harness(misses)
+    await h.tick(saturated=True)
+    for _ in range(20):
+        await h.tick(saturated=True)
+    assert h.membership.is_alive("a")
+    assert h.link.in_flight() == misses  # echoes still go out (capped): an answer would clear the silence
+    for _ in range(misses - 1):
+        await h.tick()  # the link cleared: misses count again, from where they were
+        assert h.membership.is_alive("a")
+    await h.tick()
+    assert not h.membership.is_alive("a")
+    await h.echoes.close()
+
+
+async def test_silence_on_a_saturated_uplink_is_bounded_by_dead_after_s() -> None:
+    dead_after_s = 0.2
+    h = _Harness(3, dead_after_s=dead_after_s)
+    h.membership.start(time.monotonic())
+    start = time.monotonic()
+    while h.membership.is_alive("a"):
+        await h.tick(saturated=True)
+        await asyncio.sleep(0.02)
+        assert time.monotonic() - start < 10 * dead_after_s
+    assert time.monotonic() - start >= dead_after_s
     await h.echoes.close()
 
 
