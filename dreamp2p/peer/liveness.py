@@ -1,20 +1,20 @@
 """Who the peer runs rounds with: its `Membership`, the view of live members and the heartbeat loop.
 
 The loop ticks the heartbeat echoes (`peer.heartbeat`) every ``heartbeat_s`` and publishes the view they
-leave; a tick taken while one of our links holds a heartbeat interval or more of round bytes we handed
-it and the member has not acknowledged (`Link.backlog_s`) counts no miss, so a member is dropped for
-silence after ``heartbeat_misses`` ticks on an unsaturated uplink and after ``dead_after_s`` at most
-while ours is saturated; a view change is handed to ``on_change`` (the peer fails the rounds that need a member that is
-gone). Callers that learned of a loss first take a member out at once (`mark_unreachable`); a member
+leave; a tick taken while one of our links holds a heartbeat interval or more of round bytes we handed it
+and the member has not acknowledged (`Link.backlog_s`) counts no miss, so a member is dropped for silence
+after ``heartbeat_misses`` ticks on an unsaturated uplink and after ``dead_after_s`` at most while ours
+is saturated; a view change is handed to ``on_change`` (the peer fails the rounds that need a member that
+is gone). Callers that learned of a loss first take a member out at once (`mark_unreachable`); a member
 whose stream to us broke is echoed at once (`check`), so a dead one leaves the view without waiting for
-the next pass; a member that introduces itself while counted dead (a restarted process) is echoed at
-once too (`welcome`), so it is back in the view within a round trip; a retry waits for one more heartbeat
-tick (`next_heartbeat`). A live member judged a straggler (`peer.straggler`, from the evidence on a
-completed round's commit votes) is left out of the view until its probation ends; a straggler's own view
-is itself alone meanwhile. A live member whose last echo said it is still joining (it starts up and has
-not asked in, see `Peer.ask_in`) is left out of the view too, so rounds do not fail on it while it
-starts; it asks in by introducing itself again, which `welcome` answers with an echo at once. Runs on the
-peer's event loop only.
+the next pass; a member that introduces itself while counted dead (a restarted process) is echoed at once
+too (`welcome`), so it is back in the view within a round trip; a retry waits for one more heartbeat tick
+(`next_heartbeat`). A live member judged a straggler (`peer.straggler`, from the evidence on a completed
+round's commit votes) is left out of the view until its probation ends; a straggler's own view is itself
+alone meanwhile. A live member whose last echo said it is still joining (it starts up and has not asked
+in, see `Peer.ask_in`) is left out of the view too, so rounds do not fail on it while it starts; it asks
+in by introducing itself again, which `welcome` answers with an echo at once. Runs on the peer's event
+loop only.
 """
 
 from __future__ import annotations
