@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import time
@@ -78,6 +79,19 @@ async def _until(check: Callable[[], bool]) -> None:
         await asyncio.sleep(0.01)
 
 
+class _Drops(logging.Handler):
+    """The heartbeat's messages that drop a member from the view."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "re-forms without it" in message:
+            self.messages.append(message)
+
+
 def _read_mark(mark: Path) -> dict[str, Any] | None:
     text = mark.read_text() if mark.exists() else ""
     return json.loads(text) if text else None
@@ -87,7 +101,8 @@ async def fault(
     peer: Peer, rank: int, world: int, floats: int, fault: str, after_s: float, mark: str, out: str
 ) -> dict[str, Any]:
     """One large all-reduce, during which rank 1 is SIGKILLed or SIGSTOPped (``fault``: "kill" or "stop")
-    ``after_s`` into it, by its own hand; rank 0 times how long the other member stays in its view after.
+    ``after_s`` into it, by its own hand; rank 0 times how long the other member stays in its view after, and
+    says why it left.
 
     Rank 1 writes its pid and the moment of the fault (CLOCK_MONOTONIC, one clock for every process) to
     ``mark`` first. Rank 0 writes ``{"dropped_after_s": ...}`` to ``out`` (a killed member never lets
@@ -101,12 +116,14 @@ async def fault(
         await asyncio.to_thread(Path(mark).write_text, note)
         os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     else:
+        why = _Drops()  # the heartbeat's words on why the member left the view
+        logging.getLogger("dreamp2p.peer.heartbeat").addHandler(why)
         faulted = None
         while faulted is None:
             faulted = await asyncio.to_thread(_read_mark, Path(mark))
             await asyncio.sleep(0.01)
         await _until(lambda: "p1" not in peer.view)
-        dropped = json.dumps({"dropped_after_s": time.monotonic() - faulted["at"]})
+        dropped = json.dumps({"dropped_after_s": time.monotonic() - faulted["at"], "why": why.messages})
         await asyncio.to_thread(Path(out).write_text, dropped)
         if fault == "stop":
             os.kill(faulted["pid"], signal.SIGCONT)
