@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel, ring_wire_bytes
 from dreamp2p.schedule.plan import Plan, total_exposed
@@ -100,7 +100,7 @@ def choose_codec_and_period(
         candidates, costs, link, periods[0], functools.partial(_at_period, make_plan, periods[0]), link_budget
     )
     ratio = dict(candidates)[first.codec]
-    lk = LinkModel(link.bandwidth_Bps, link.rtt_s, link.world, ratio, link.per_hop_overhead_s, link.margin)
+    lk = replace(link, codec_ratio=ratio)
     chosen = stretch_for(link_share(costs, lk, periods[0], first.plan), periods)
     if chosen == periods[0]:
         return first
