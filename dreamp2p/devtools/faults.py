@@ -14,7 +14,6 @@ fault tests (issues 5 and 14) and the recovery benchmark.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -23,7 +22,7 @@ from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 from dreamp2p.config import PeerInfo
-from dreamp2p.devtools.launch import expect_message, node_config, reap, start_child
+from dreamp2p.devtools.launch import child_context, expect_message, node_config, reap, start_child
 from dreamp2p.devtools.localrun import free_ports
 
 log = logging.getLogger(__name__)
@@ -158,7 +157,7 @@ def kill_and_rejoin(
     config = {"transport": {"heartbeat_s": 0.5, "round_timeout_s": 30.0, **(transport or {})}}
     ports = free_ports(n)
     ring = [(f"p{r}", f"127.0.0.1:{ports[r]}") for r in range(n)]
-    ctx = mp.get_context("spawn")
+    ctx = child_context()
     boxes = [ctx.Value("q", 0) for _ in range(n)]
     procs: list[Any] = [None] * n
     pipes: list[Any] = [None] * n

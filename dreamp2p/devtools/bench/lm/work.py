@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dreamp2p.devtools.launch import expect_message, reap, start_child
+from dreamp2p.devtools.launch import child_context, expect_message, reap, start_child
 from dreamp2p.devtools.netns import wire_bytes
 from dreamp2p.errors import FlushIncomplete, RoundFailed
 from dreamp2p.manifest import param_digest, state_digest
@@ -315,7 +315,7 @@ def ceiling_child(
 
 def run_ceiling(n: int, workload: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     """``n`` concurrent plain training processes (started together); their results in rank order."""
-    barrier = mp.get_context("spawn").Barrier(n)
+    barrier = child_context().Barrier(n)
     pipes, procs = [], []
     for rank in range(n):
         p, parent = start_child(ceiling_child, (rank, n, workload, barrier), pipe_at=4)
