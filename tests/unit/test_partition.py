@@ -65,6 +65,7 @@ def test_segments_cover_exactly(n: int, parts: int, align: int) -> None:
 )
 @settings(max_examples=300, deadline=None)
 def test_chunks_tile_segments(n: int, parts: int, chunk: int, align: int) -> None:
+    chunk = max(chunk, n // 4000)  # a million one-element chunks checks nothing 4000 do not, 250x slower
     total = 0
     for seg in split_segments(n, parts, align):
         pos = seg.start
