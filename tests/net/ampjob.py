@@ -19,7 +19,7 @@ def amp_job(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    sync = node.attach(model, opt, strategy=strategy, period=4, warmup_steps=2, control_every=4)
+    sync = node.attach(model, opt, strategy=strategy, period=4, warmup_steps=2, control_every=4, max_stretch=1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     for step in range(steps):
         if step == quiet_from:

@@ -50,7 +50,7 @@ def test_link_down_30s_both_sides_train_on_and_resync(tmp_path: Path) -> None:
 
         cutter = threading.Thread(target=cut_link, daemon=True)
         cutter.start()
-        sync = {"period": 5, "warmup_steps": 3, "control_every": 5, "max_delay": 2}
+        sync = {"period": 5, "warmup_steps": 3, "control_every": 5, "max_delay": 2, "max_stretch": 1}  # as quiet_steps
         config = {"transport": {"heartbeat_s": 0.5, "round_timeout_s": 20.0}}
         results = run_local(
             2,

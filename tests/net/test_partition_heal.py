@@ -57,7 +57,7 @@ def test_sides_that_planned_apart_converge_on_one_plan_after_the_heal(tmp_path: 
         cutter = threading.Thread(target=cut_link, daemon=True)
         cutter.start()
         # the first measured plan comes after warm-up, i.e. while the link is down
-        sync = {"period": 5, "warmup_steps": 60, "control_every": 5, "max_delay": 2}
+        sync = {"period": 5, "warmup_steps": 60, "control_every": 5, "max_delay": 2, "max_stretch": 1}  # as quiet_steps
         results = run_local(
             3,
             JOB,
@@ -129,7 +129,7 @@ def test_a_2_plus_2_split_that_keeps_one_plan_heals_without_a_held_round(tmp_pat
 
         cutter = threading.Thread(target=split_and_heal, daemon=True)
         cutter.start()
-        sync = {"replan_sustain": 1_000_000}
+        sync = {"replan_sustain": 1_000_000, "max_stretch": 1}  # the quiet stretch assumes the configured period
         results = run_local(
             4,
             JOB,

@@ -20,7 +20,8 @@ from dreamp2p.devtools.regionjob import free_port_block
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 REGIONS = ("a", "b")
-DREAMDDP_SYNC = {"period": 4, "warmup_steps": 3, "control_every": 4, "max_delay": 1}
+# max_stretch 1: the quiet period assumes the configured period (dreamp2p.schedule.stretch may lengthen it)
+DREAMDDP_SYNC = {"period": 4, "warmup_steps": 3, "control_every": 4, "max_delay": 1, "max_stretch": 1}
 
 
 def mean(xs: list[float]) -> float:
