@@ -69,10 +69,9 @@ class SyncConfig:
     # where the link cannot carry a plan's syncs within the period (their bytes would keep it busy over 0.8 of
     # the period's compute), a measured plan may lengthen its period to 2, 4, ... up to max_stretch times
     # ``period`` (dreamp2p.schedule.stretch): the same syncs, fewer of them, as DiLoCo's longer outer period.
-    # 1 (default for now): the period is always ``period``. 8 made dreamddp the fastest strategy at 2 Mbit/s
-    # (docs/BENCHMARKS.md), but how far it stretches follows the measured bandwidth and step time, and on a
-    # loaded 2-core host tiny test models read as link-bound too, so it stays opt-in until it is measured at
-    # every rate and the tests that assume the configured period pin it
+    # 1 (default for now): the period is always ``period``. 8 made dreamddp the fastest strategy at 2 Mbit/s,
+    # but at 5 Mbit/s, where the plan at ``period`` hid every sync, a goodput read at 0.4x the link stretched
+    # it 4x for a 0.9% worse model (docs/BENCHMARKS.md), so it stays opt-in until that read is mended
     max_stretch: int = 1
     control_every: int = 10  # steps between control rounds (gather link stats and profiles)
     control_lead: int = 2  # steps a control round may travel before its result is used
