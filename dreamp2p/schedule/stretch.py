@@ -52,13 +52,15 @@ def stretched_periods(period: int, max_stretch: int) -> tuple[int, ...]:
 
 
 def link_share(costs: Sequence[LayerCost], link: LinkModel, H: int, plan: Plan) -> float:
-    """Seconds ``link`` takes to carry the bytes of one period of ``plan``'s syncs (at its margin), over the
-    period's compute seconds. Bytes only: a round's latency holds the round, not the link, and it is what a
-    tiny model's syncs mostly are (they fit the link at any period)."""
+    """Seconds ``link`` takes to carry the bytes of one period of ``plan``'s syncs, over the period's compute
+    seconds. Bytes only: a round's latency holds the round, not the link, and it is what a tiny model's syncs
+    mostly are (they fit the link at any period). At the measured bandwidth, not at the planner's margin
+    (``link.margin``): `STRETCH_LINK_BUDGET` is the headroom here, and both together stretched `bench lm`'s
+    plan at 5 Mbit/s, 0.6 of the link, where the plan at the configured period hid every sync."""
     nbytes = {i: c.nbytes for i, c in enumerate(costs)}
     wire = math.fsum(ring_wire_bytes(sum(nbytes[x] for x in s.layers), link) for s in plan.syncs)
     period_s = H * plan.compute_s
-    return link.margin * wire / link.bandwidth_Bps / period_s if period_s > 0 else math.inf
+    return wire / link.bandwidth_Bps / period_s if period_s > 0 else math.inf
 
 
 def stretch_for(busy: float, periods: Sequence[int]) -> int:

@@ -122,3 +122,36 @@ def test_parameter_syncs_keep_the_codec_choice_and_stretch_only_where_it_does_no
     first = choose_plan_codec(candidates, COSTS, slow, PERIOD, lambda lk: _make(lk, PERIOD), 0.25)
     assert picked.codec == first.codec and picked.plan.period == stretch_for(first.busy_fraction, PERIODS) > PERIOD
     assert picked.busy_fraction < first.busy_fraction
+
+
+# bench lm's GPT as its plans saw it: 28 layers, 13.3 MB in fp32, int4 pseudo-gradients, 0.254 s a step,
+# 2 regions, planned at sync.plan_margin 0.3
+GPT = [LayerCost(f"g{i}", 0.254 / 28 / 3, 2 * 0.254 / 28 / 3, 13_294_592 // 28) for i in range(28)]
+
+
+@pytest.mark.parametrize("margin", [1.0, 1.3, 2.0])
+def test_the_share_is_at_the_measured_bandwidth_whatever_the_planners_margin(margin: float) -> None:
+    link = LinkModel(0.616e6, 0.0, 2, 0.140625, margin=margin)
+    plan = plan_dreamddp(GPT, link, 20, max_delay=19, round_cost_s=0.08)
+    wire = 13_294_592 // 28 * 28 * 0.140625  # a 2-member ring: each member sends the whole vector once
+    assert link_share(GPT, link, 20, plan) == pytest.approx(wire / 0.616e6 / (20 * plan.compute_s), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("mbit", "expected"),
+    [
+        (100.0, 1),
+        (20.0, 1),
+        (5.0, 1),  # 0.6 of the link: the plan at the configured period hid every sync, so it is kept
+        (4.0, 1),  # 0.75: within the budget (at the planner's margin, 0.98, it was stretched)
+        (2.0, 2),  # 1.5 of the link: twice the period carries it
+        (1.0, 4),
+    ],
+)
+def test_bench_lms_gpt_stretches_only_where_the_link_cannot_carry_it(mbit: float, expected: int) -> None:
+    link = LinkModel(mbit * 1e6 / 8 * 0.985, 0.0, 2, 0.140625, margin=1.3)  # 0.985: what a 5 Mbit/s tbf read
+
+    def make(H: int) -> Plan:
+        return plan_dreamddp(GPT, link, H, max_delay=H - 1, round_cost_s=0.08)
+
+    assert choose_period((20, 40, 80, 160), GPT, link, make).stretch == expected
