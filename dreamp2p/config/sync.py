@@ -70,8 +70,9 @@ class SyncConfig:
     # the period's compute), a measured plan may lengthen its period to 2, 4, ... up to max_stretch times
     # ``period`` (dreamp2p.schedule.stretch): the same syncs, fewer of them, as DiLoCo's longer outer period.
     # 1 (default for now): the period is always ``period``. 8 made dreamddp the fastest strategy at 2 Mbit/s,
-    # but at 5 Mbit/s, where the plan at ``period`` hid every sync, a goodput read at 0.4x the link stretched
-    # it 4x for a 0.9% worse model (docs/BENCHMARKS.md), so it stays opt-in until that read is mended
+    # but a stretch trades model quality for speed, which the planner does not price yet, and a bandwidth
+    # burst sent beside a sync reads the link low (at 5 Mbit/s a 0.4x read stretched a plan that hid every
+    # sync, for a 0.9% worse model; docs/BENCHMARKS.md), so it stays opt-in until both are mended
     max_stretch: int = 1
     control_every: int = 10  # steps between control rounds (gather link stats and profiles)
     control_lead: int = 2  # steps a control round may travel before its result is used
