@@ -12,6 +12,7 @@ import importlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.context
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -135,7 +136,7 @@ async def _child_main(
 PRELOAD = ("torch", "numpy")
 
 
-def child_context() -> Any:
+def child_context() -> multiprocessing.context.ForkServerContext:
     """The multiprocessing context every local peer process starts from: a fork server that has imported
     ``PRELOAD``, so a child forks from a clean single-threaded process with torch loaded (never from the
     caller, whose threads and sockets a plain fork would copy). Objects shared with children (values,
