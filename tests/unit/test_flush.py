@@ -156,7 +156,7 @@ def test_dreamddp_flush_averages_through_its_delta_codec_and_checks_the_result()
     theta = ends[0][1]
     assert theta is not None and theta.numel() == params
     assert all(t is not None and torch.equal(t, theta) for _, t in ends)  # the outer weights agreed
-    mean = torch.cat([torch.stack([b[i] for b, _ in ends]).mean(0).reshape(-1) for i in range(len(ends[0][0]))])
+    mean = torch.stack([torch.cat([p.reshape(-1) for p in before]) for before, _ in ends]).mean(0)
     result = torch.cat([p.detach().reshape(-1) for p in models[0].body.parameters()])
     bound = float((theta - mean).abs().max()) / 14.0
     assert bound > 0.0
