@@ -105,6 +105,8 @@ class LinkSnapshot:
     bytes_received: int
     samples: int
     chunk_bytes: int
+    # the goodput is only a floor: every sample was a burst sent beside other traffic on the link
+    goodput_is_floor: bool = False
 
 
 @dataclass(frozen=True)

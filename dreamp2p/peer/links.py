@@ -213,6 +213,7 @@ class RingLinks:
                 bytes_received=link.stats.bytes_received,
                 samples=link.stats.samples,
                 chunk_bytes=link.chunk_bytes,
+                goodput_is_floor=link.stats.floor,
             )
             for node, link in self._links.items()
         ]

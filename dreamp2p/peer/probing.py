@@ -3,7 +3,9 @@
 Busy links are measured passively from real transfers (see `transport.linkrate.linkstats`); a link with no
 traffic for a whole interval gets a burst now and then, so a plan made for a link that went quiet or
 changed rate still has a current goodput, and a link with no sample yet, or none for `STALE_TICKS`
-intervals, gets one even while busy (`wants_burst`). After each probe the link's estimate is checked against the
+intervals, gets one even while busy (`wants_burst`). A burst sent beside other traffic reads only its share
+of the link, so it is recorded as a floor (`LinkEstimator.observe_transfer`), and the link gets a burst on its
+next idle interval to replace it. After each probe the link's estimate is checked against the
 kernel's TCP ceilings (`transport.linkrate.kernelnet.KernelCheck`, a warning once per link). Runs on the
 peer's event loop.
 """
@@ -33,9 +35,10 @@ def _check(kernel: KernelCheck | None, link: Link) -> None:
         kernel.check(link.dest.node_id, link.stats, link.cfg.streams_per_link)
 
 
-def wants_burst(idle: bool, samples: int, tick: int, unmeasured_ticks: int) -> bool:
-    """Whether a probe tick sends a link a burst: an idle link every `BURST_EVERY` ticks, and any link that
-    has no goodput sample yet, or none for `STALE_TICKS` ticks (``unmeasured_ticks``), busy or not.
+def wants_burst(idle: bool, samples: int, tick: int, unmeasured_ticks: int, floor: bool = False) -> bool:
+    """Whether a probe tick sends a link a burst: an idle link every `BURST_EVERY` ticks, or at once while its
+    estimate is only a ``floor``, and any link that has no goodput sample yet, or none for `STALE_TICKS` ticks
+    (``unmeasured_ticks``), busy or not.
 
     A busy link is measured from its own transfers, but only while data backs up in our queue for it
     (`transport.linkrate.linkstats.BusyMeter`). Through a real path the kernel's socket buffers take a modest
@@ -44,7 +47,7 @@ def wants_burst(idle: bool, samples: int, tick: int, unmeasured_ticks: int) -> b
     or stays at its first sample for good (a link that slowed from 20 to 1 Mbit/s under syncs of a few
     hundred KB kept reporting its first 0.8 MB/s for the whole run, so the planner never saw the change).
     """
-    return samples == 0 or (idle and tick % BURST_EVERY == 0) or unmeasured_ticks >= STALE_TICKS
+    return samples == 0 or (idle and (floor or tick % BURST_EVERY == 0)) or unmeasured_ticks >= STALE_TICKS
 
 
 async def probe_forever(
@@ -64,8 +67,8 @@ async def probe_forever(
             idle = time.monotonic() - link.stats.last_activity >= interval_s
             try:
                 await link.probe_rtt()  # a tiny echo costs nothing even on a busy link
-                if wants_burst(idle, samples, tick, tick - since):
-                    await link.probe_bandwidth(burst_bytes)
+                if wants_burst(idle, samples, tick, tick - since, link.stats.floor):
+                    await link.probe_bandwidth(burst_bytes, shared=not idle)
                     link.stats.last_activity = time.monotonic()
             except PeerError as exc:
                 log.warning("probe of %s failed: %s", link.dest.node_id, exc)

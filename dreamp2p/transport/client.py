@@ -264,14 +264,15 @@ class Link:
         self.stats.observe_rtt(rtt)
         return rtt
 
-    async def probe_bandwidth(self, nbytes: int) -> float:
+    async def probe_bandwidth(self, nbytes: int, *, shared: bool = False) -> float:
         """Send a burst and time it (minus one RTT); returns and records bytes/s. The burst is ``nbytes``, or
-        more where the link's estimate and RTT ask for it (`transport.linkrate.probeburst.probe_size`)."""
+        more where the link's estimate and RTT ask for it (`transport.linkrate.probeburst.probe_size`).
+        ``shared``: other traffic is on the link, so the reading is recorded as a floor (`LinkEstimator`)."""
         rtt = self.stats.min_rtt_s if self.stats.rtt_samples else 0.0
         size = probe_size(self.stats.goodput_Bps, rtt, min(nbytes, MAX_PROBE_BYTES), MAX_PROBE_BYTES)
         elapsed = await self._timed_probe(bytes(size))
         rate = rate_past_latency(size, elapsed, rtt)
-        self.stats.observe_transfer(size, size / rate)
+        self.stats.observe_transfer(size, size / rate, shared=shared)
         self.stats.bytes_sent += size
         return rate
 

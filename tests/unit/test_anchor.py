@@ -10,7 +10,7 @@ import torch
 
 from dreamp2p.config.sync import SyncConfig
 from dreamp2p.schedule.cost import LayerCost
-from dreamp2p.sync.strategies.control import in_background, pack_control, unpack_control
+from dreamp2p.sync.strategies.control import in_background, link_bandwidth, pack_control, unpack_control
 from dreamp2p.sync.strategies.outer import DIGEST_BITS, anchor_check_vector, anchor_verdict
 
 
@@ -88,6 +88,30 @@ def test_control_round_takes_the_slowest_of_goodputs_and_sync_pace(
     for got, want in zip(g.link_bandwidths, goodputs, strict=True):
         assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, rel=1e-6)
     assert [c.bwd_s for c in g.costs] == pytest.approx([0.02, 0.02])
+
+
+@pytest.mark.parametrize(
+    ("goodput", "floor", "pace", "reported"),
+    [
+        (0.6e6, False, math.nan, 0.6e6),  # no sync yet: the goodput as it is
+        (0.25e6, True, math.nan, 0.25e6),  # only a floor, but nothing better known
+        (0.25e6, True, 0.6e6, 0.6e6),  # a floor below the syncs' pace: the link carries at least the pace
+        (0.9e6, True, 0.6e6, 0.9e6),  # a floor above it: at least the floor
+        (math.nan, True, 0.6e6, 0.6e6),
+        (0.25e6, False, 0.6e6, 0.25e6),  # a full sample below the pace: the link may have slowed; kept
+    ],
+)
+def test_a_member_reports_a_floor_no_lower_than_its_syncs_pace(
+    goodput: float, floor: bool, pace: float, reported: float
+) -> None:
+    assert link_bandwidth(goodput, floor, pace) == pytest.approx(reported)
+
+
+def test_a_floor_below_the_pace_does_not_set_the_plans_bandwidth() -> None:
+    costs = [LayerCost("a", 0.01, 0.02, 1000)]
+    bws = [link_bandwidth(0.25e6, True, 0.6e6), link_bandwidth(0.7e6, False, 0.62e6)]
+    vec = sum(pack_control(r, 2, bws[r], 0.01, costs, (0.6e6, 0.62e6)[r]) for r in range(2)) / 2
+    assert unpack_control(vec, 2, costs).bandwidth_Bps == pytest.approx(0.6e6, rel=1e-6)
 
 
 def test_in_background_hands_over_the_result_or_the_exception() -> None:

@@ -30,3 +30,18 @@ from dreamp2p.peer.probing import BURST_EVERY, STALE_TICKS, wants_burst
 )
 def test_which_links_get_a_burst(idle: bool, samples: int, tick: int, unmeasured: int, expected: bool) -> None:
     assert wants_burst(idle, samples, tick, unmeasured) is expected
+
+
+@pytest.mark.parametrize(
+    ("idle", "tick", "unmeasured", "expected"),
+    [
+        (True, 1, 0, True),  # idle: measured alone at once, not at the next BURST_EVERY-th tick
+        (True, BURST_EVERY + 1, 0, True),
+        (False, 1, 0, False),  # still busy: another burst would read another share
+        (False, 1, STALE_TICKS, True),  # the stale rule holds for floors too
+    ],
+)
+def test_a_link_known_only_by_a_floor_gets_a_burst_on_its_first_idle_tick(
+    idle: bool, tick: int, unmeasured: int, expected: bool
+) -> None:
+    assert wants_burst(idle, 1, tick, unmeasured, floor=True) is expected

@@ -313,9 +313,10 @@ def restore_control(rec: dict[str, Any], world: int) -> Control:
     return (int(rec["land"]), done, group, int(rec.get("world", world)))
 
 
-def successor_link(comm: Collective) -> tuple[int, int, float, float]:
-    """(members, our rank, goodput B/s, RTT s) of our link to the next member, NaN where not measured yet:
-    what this member's slot of a control round reports (`pack_control`)."""
+def successor_link(comm: Collective) -> tuple[int, int, float, float, bool]:
+    """(members, our rank, goodput B/s, RTT s, whether that goodput is only a floor) of our link to the next
+    member, NaN where not measured yet: what this member's slot of a control round reports (`pack_control`,
+    through `link_bandwidth`)."""
     links = {s.peer: s for s in comm.links()}
     members = comm.members  # read once: the view may change on the comm thread meanwhile
     world, rank = len(members), members.index(comm.node_id)
@@ -323,7 +324,21 @@ def successor_link(comm: Collective) -> tuple[int, int, float, float]:
     snap = links.get(succ) if succ else None
     bw = snap.goodput_Bps if snap is not None and snap.goodput_Bps > 0 else math.nan
     rtt = snap.rtt_s if snap is not None and snap.rtt_s > 0 else math.nan
-    return world, rank, bw, rtt
+    return world, rank, bw, rtt, snap is not None and snap.goodput_is_floor
+
+
+def link_bandwidth(goodput: float, floor: bool, sync_rate: float) -> float:
+    """The bandwidth a member reports for its link: its ``goodput``, unless that is only a ``floor`` and its
+    own syncs' pace (``sync_rate``, NaN if none yet) is known; then the larger of the two.
+
+    The planner takes the slowest of the links and the paces, so a floor below the pace would set the plan
+    while the syncs themselves show the link carries more: at 5 Mbit/s a burst that met a sync read 0.25 MB/s
+    and the planner stretched the period 4x, while the syncs' pace read 0.6 MB/s. A full goodput sample below
+    the pace still counts: that link may have slowed since the syncs of the pace's window.
+    """
+    if floor and math.isfinite(sync_rate):
+        return max(goodput, sync_rate) if math.isfinite(goodput) else sync_rate
+    return goodput
 
 
 class ControlSchedule:

@@ -56,6 +56,7 @@ from dreamp2p.sync.strategies.control import (
     ControlSchedule,
     Gathered,
     Replanner,
+    link_bandwidth,
     pack_control,
     successor_link,
     unpack_control,
@@ -296,11 +297,12 @@ class DreamDDP(Strategy):
 
     def _control_vector(self) -> tuple[torch.Tensor, int]:
         """This member's slot of a control round (`pack_control`) and the member count it was packed for."""
-        world, rank, bw, rtt = successor_link(self.comm)
+        world, rank, goodput, rtt, floor = successor_link(self.comm)
         self._pace.read_rtt(world, rtt)
         for inf in self._inflight:
             self._pace.sample(inf)
         costs = self.profiler.costs() if self.profiler.steps else self._blank
+        bw = link_bandwidth(goodput, floor, self._pace.rate)
         return pack_control(rank, world, bw, rtt, costs, self._pace.rate), world
 
     def _decide(self, control: Control) -> None:

@@ -32,13 +32,28 @@ class LinkEstimator:
     bytes_received: int = 0
     last_activity: float = 0.0
     delay_line_peak: int = 0  # most frames at once in the emulated delay line (transport.delay_s)
+    # every goodput sample so far was shared with other traffic (`observe_transfer`): the link carries at
+    # least ``goodput_Bps``, maybe much more
+    floor: bool = False
 
-    def observe_transfer(self, nbytes: int, seconds: float) -> None:
-        """A period during which the link was kept busy moved ``nbytes`` in ``seconds``."""
+    def observe_transfer(self, nbytes: int, seconds: float, *, shared: bool = False) -> None:
+        """A period during which the link was kept busy moved ``nbytes`` in ``seconds``.
+
+        ``shared``: other traffic held the link meanwhile (a probe burst sent beside a sync), so the rate may be
+        only the share the transfer got: at 5 Mbit/s such a burst read 0.25 MB/s of a 0.625 MB/s link. While
+        the link has no other sample, that reading is kept as a floor (``floor``; a higher floor raises it)
+        and the first sample of the link alone replaces it outright. Once the link has one, a shared reading
+        is a sample like any other: on a link that syncs keep busy it may be the only news that the link
+        slowed (`peer.probing.wants_burst`).
+        """
         if nbytes <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         rate = nbytes / seconds
-        self.goodput_Bps = rate if self.samples == 0 else (1 - self.alpha) * self.goodput_Bps + self.alpha * rate
+        if self.samples == 0 or self.floor:
+            self.goodput_Bps = max(self.goodput_Bps, rate) if self.floor and shared else rate
+            self.floor = shared
+        else:
+            self.goodput_Bps = (1 - self.alpha) * self.goodput_Bps + self.alpha * rate
         self.samples += 1
 
     def observe_rtt(self, seconds: float) -> None:
