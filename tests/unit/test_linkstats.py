@@ -26,9 +26,9 @@ def estimate(samples: list[tuple[float, bool]]) -> LinkEstimator:
         ([(0.6, False)], 0.6, False),
         # a burst beside a sync, the link's only sample: kept, but as a floor
         ([(0.25, True)], 0.25, True),
-        # a higher floor raises it; a lower one does not lower it
+        # the latest shared reading is the floor, lower or higher: a link that slowed shows through it
         ([(0.25, True), (0.4, True)], 0.4, True),
-        ([(0.4, True), (0.25, True)], 0.4, True),
+        ([(0.4, True), (0.25, True)], 0.25, True),
         # the first sample of the link alone replaces a floor outright, higher or lower
         ([(0.25, True), (0.62, False)], 0.62, False),
         ([(0.4, True), (0.1, False)], 0.1, False),

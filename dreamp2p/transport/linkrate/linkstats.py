@@ -41,16 +41,17 @@ class LinkEstimator:
 
         ``shared``: other traffic held the link meanwhile (a probe burst sent beside a sync), so the rate may be
         only the share the transfer got: at 5 Mbit/s such a burst read 0.25 MB/s of a 0.625 MB/s link. While
-        the link has no other sample, that reading is kept as a floor (``floor``; a higher floor raises it)
-        and the first sample of the link alone replaces it outright. Once the link has one, a shared reading
-        is a sample like any other: on a link that syncs keep busy it may be the only news that the link
-        slowed (`peer.probing.wants_burst`).
+        the link has no other sample, the latest such reading stands as a floor (``floor``), and the first
+        sample of the link alone replaces it outright. The latest, not the highest: on a link that syncs keep
+        busy, shared readings may be the only news that the link slowed (`peer.probing.wants_burst`), and a
+        floor that could only rise would hide it. Once the link has a full sample, a shared reading is a
+        sample like any other, for the same reason.
         """
         if nbytes <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         rate = nbytes / seconds
         if self.samples == 0 or self.floor:
-            self.goodput_Bps = max(self.goodput_Bps, rate) if self.floor and shared else rate
+            self.goodput_Bps = rate
             self.floor = shared
         else:
             self.goodput_Bps = (1 - self.alpha) * self.goodput_Bps + self.alpha * rate
