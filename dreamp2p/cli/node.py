@@ -22,10 +22,12 @@ HEALTH_SERVICES = ("", "dreamp2p.v1.Peer")
 
 def _node(args: argparse.Namespace) -> int:
     from dreamp2p.config import DaemonConfig
+
+    cfg = DaemonConfig.from_toml(args.config)  # before torch loads: a bad file fails in a fraction of a second
+
     from dreamp2p.service.daemon import StopFlag, run_node
     from dreamp2p.service.logsetup import configure_logging
 
-    cfg = DaemonConfig.from_toml(args.config)
     # a node logs at INFO (progress lines, lifecycle events) unless -vv asks for DEBUG
     log_format = args.log_format or ("json" if cfg.metrics.json_format else "text")
     level = logging.DEBUG if args.verbose >= 2 else logging.INFO

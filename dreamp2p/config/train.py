@@ -19,7 +19,7 @@ SCHEDULES = ("constant", "cosine")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """``[train]``: micro-batches per step, gradient clipping, mixed precision and the learning-rate schedule."""
+    """``[train]``: micro-batches per step, gradient clipping, mixed precision, the learning-rate schedule, a pace."""
 
     accumulation: int = 1  # micro-batches whose gradients are summed (each loss divided by this) per step
     grad_clip: float = 0.0  # max global L2 norm of the gradients before the optimizer step; 0 turns it off
@@ -27,6 +27,10 @@ class TrainConfig:
     schedule: str = "constant"  # "cosine": from task.lr down to lr_min at task.steps, after the warm-up
     warmup_steps: int = 0  # linear warm-up from task.lr / warmup_steps to task.lr over these first steps
     lr_min: float = 0.0  # the learning rate the cosine schedule ends at
+    # the shortest wall time a daemon's step may take: the trainer sleeps out the rest (0: never sleeps). For
+    # daemons that share a host (a laptop demo, a test suite on two cores), so a tiny model does not spin a
+    # core flat out stepping faster than anyone reads; the sleep is outside the profiled compute
+    min_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.accumulation, bool) or not isinstance(self.accumulation, int) or self.accumulation < 1:
@@ -41,6 +45,8 @@ class TrainConfig:
             raise ValueError(f"train.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         if not 0 <= self.lr_min < math.inf:
             raise ValueError(f"train.lr_min must be a number >= 0, got {self.lr_min!r}")
+        if isinstance(self.min_step_s, bool) or not 0 <= self.min_step_s < 60:
+            raise ValueError(f"train.min_step_s must be a number of seconds in [0, 60), got {self.min_step_s!r}")
         if self.lr_min > 0 and self.schedule != "cosine":
             raise ValueError("train.lr_min is where the cosine schedule ends: set train.schedule = 'cosine' too")
 

@@ -232,6 +232,12 @@ def _checkpoint(
     )
 
 
+def _pace(t_step: float, min_step_s: float, stop: StopFlag) -> None:
+    """Sleep out what is left of ``min_step_s`` since ``t_step`` (``[train] min_step_s``); a stop cuts it short."""
+    if (rest := min_step_s - (time.perf_counter() - t_step)) > 0:
+        stop.event.wait(rest)
+
+
 def _train(
     cfg: DaemonConfig,
     training: Training,
@@ -243,8 +249,7 @@ def _train(
     stop_at_file: Path | None = None,
     quiet_steps: int = 0,
 ) -> dict[str, Any]:
-    first_eval = None
-    last_eval = None
+    first_eval = last_eval = None
     failed_at = -1  # the step of the last checkpoint the storage failed
     last_plan = -1
     t_last = time.perf_counter()
@@ -254,7 +259,7 @@ def _train(
     notifier.ready(f"training from step {sync.step_count}")
     heap = HeapTrimmer()
     while sync.step_count < final and not stop.event.is_set():
-        step = sync.step_count
+        step, t_step = sync.step_count, time.perf_counter()
         if step % 5 == 0 and (agreed := _read_stop_at(stop_at_file)) is not None:
             final = min(cfg.task.steps, max(agreed, step))
         try:
@@ -268,6 +273,7 @@ def _train(
             sync.abandon()
             break
         sync.zero_grad()
+        _pace(t_step, cfg.train.min_step_s, stop)
         now = time.perf_counter()
         dt, t_last = now - t_last, now
         value, stats = done.loss, done.stats

@@ -29,6 +29,10 @@ NODE = {"node_id": "eu-west"}
         ({"warmup_steps": -1}, "train.warmup_steps must be an integer >= 0"),
         ({"lr_min": -0.1, "schedule": "cosine"}, "train.lr_min must be a number >= 0"),
         ({"lr_min": 1e-4}, "train.lr_min is where the cosine schedule ends"),
+        ({"min_step_s": -0.01}, "train.min_step_s must be a number of seconds in [0, 60)"),
+        ({"min_step_s": math.nan}, "train.min_step_s must be a number of seconds in [0, 60)"),
+        ({"min_step_s": 60}, "train.min_step_s must be a number of seconds in [0, 60)"),
+        ({"min_step_s": True}, "train.min_step_s must be a number of seconds in [0, 60)"),
     ],
 )
 def test_bad_train_values_are_refused_naming_the_key(fields: dict[str, Any], message: str) -> None:
@@ -45,6 +49,7 @@ def test_bad_train_values_are_refused_naming_the_key(fields: dict[str, Any], mes
         {"amp": "fp16"},
         {"schedule": "cosine", "warmup_steps": 10, "lr_min": 1e-5},
         {"warmup_steps": 5},
+        {"min_step_s": 0.02},
     ],
 )
 def test_good_train_values(fields: dict[str, Any]) -> None:
