@@ -264,6 +264,12 @@ def _chaos(p: Parser) -> None:
     _training(p, steps=None, period=5, width=64, depth=2)
     _max_delay(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule (0)")
+    p.add_argument(
+        "--min-step",
+        type=nonneg_float,
+        default=0.0,
+        help="each daemon's step takes at least this many seconds ([train] min_step_s; 0: as fast as it can)",
+    )
     p.add_argument("--run-dir", default=None, help="keep the daemons' folder here (default: a temporary one)")
 
 

@@ -205,6 +205,7 @@ def _bench_chaos(args: argparse.Namespace) -> dict[str, Any]:
             dim=args.width,
             layers=args.depth,
             seed=args.seed,
+            min_step_s=args.min_step,
             run_dir=args.run_dir,
         )
     )

@@ -81,8 +81,11 @@ def write_configs(
     device: str = "cpu",
     hosts: list[str] | None = None,
     log_every: int = 1,
+    train: dict[str, Any] | None = None,
 ) -> list[Path]:
     """One TOML per node sharing a ring, on 127.0.0.1 or on ``hosts`` (an address per node); their paths.
+
+    ``train``: the ``[train]`` table, if any (e.g. ``{"min_step_s": 0.05}``: daemons that share a host).
 
     With ``hosts`` (addresses inside network namespaces) clear text is allowed on the ring.
     """
@@ -107,6 +110,7 @@ def write_configs(
             "node.transport": transport,
             "sync": sync,
             "task": task,
+            **({"train": train} if train else {}),
             "checkpoint": {"dir": str(run_dir / name / "checkpoints"), "every_steps": checkpoint_every, "keep": 2},
             "metrics": {
                 "run_dir": str(run_dir),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import socket
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,17 @@ from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
 
 
-def free_port_block(n: int, start: int = 20000, stop: int = 60000) -> int:
-    """A loopback port p such that p .. p + n - 1 are free now (a region's ranks listen on them)."""
-    for base in range(start, stop, max(n, 1) * 7 + 1):
+def free_port_block(n: int, start: int = 20000, stop: int = 32768) -> int:
+    """A loopback port p such that p .. p + n - 1 are free now (a region's ranks listen on them).
+
+    Blocks are tried in a random order, so two callers at once (tests on parallel workers) rarely pick the
+    same one; the default range ends where Linux's ephemeral ports begin, so no socket the kernel numbers
+    itself takes a port of the block between this check and the ranks' binds.
+    """
+    stride = max(n, 1) + 1
+    bases = list(range(start, stop - n, stride))
+    random.shuffle(bases)
+    for base in bases:
         socks: list[socket.socket] = []
         try:
             for port in range(base, base + n):

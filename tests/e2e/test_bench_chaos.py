@@ -48,6 +48,9 @@ def test_bench_chaos_injects_every_kind_and_ends_with_equal_digests(tmp_path: Pa
     # short freezes and partitions, no long freeze: 30 s of chaos hold one fault of each kind (the kinds come
     # as from a shuffled deck, every kind once in the first three faults)
     args += ["--stop-min", "1", "--stop-max", "3", "--long-stop-p", "0", "--partition-min", "2", "--partition-max", "4"]
+    # five daemons on a machine that runs other tests beside this one: a small model and a floor on each step
+    # (ten a second), not a core each
+    args += ["--width", "32", "--depth", "1", "--min-step", "0.1"]
     out = subprocess.run(
         [sys.executable, "-m", "dreamp2p.cli", "bench", "chaos", "--json", *args, "--run-dir", str(run_dir)],
         capture_output=True,
@@ -58,7 +61,7 @@ def test_bench_chaos_injects_every_kind_and_ends_with_equal_digests(tmp_path: Pa
     assert out.returncode == 0, out.stderr[-4000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(report) >= KEYS, sorted(KEYS - set(report))
-    assert report["nodes"] == 5 and report["max_down"] == 2
+    assert report["nodes"] == 5 and report["max_down"] == 2 and report["min_step_s"] == 0.1
     assert report["kills"] >= 1 and report["restarts"] >= 1 and report["rejoins"] >= 1
     assert report["crashes"] == []
     assert report["kills_survived"] == report["kills"]

@@ -10,6 +10,7 @@ each one's shard ring and link (deliver 5).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import port_range
 
 from dreamp2p.devtools.localrun import child_env, dump_toml, read_records, wait_exits
 from dreamp2p.devtools.regionjob import free_port_block
@@ -34,6 +36,9 @@ SYNCS: dict[str, dict[str, Any]] = {
 }
 QUIET = 7
 RANKS = ("a", "a.1", "b", "b.1")
+# a floor on each step: four daemons of a tiny model would otherwise each spin a core stepping ~75 times a
+# second while region b restarts, and starve what else runs on the machine
+MIN_STEP_S = 0.04
 
 
 def rank_pid(torchrun: int, local_rank: int) -> int | None:
@@ -94,7 +99,8 @@ def launch(tmp_path: Path, region: str, restarts: int, *flags: str) -> subproces
 def test_a_killed_local_rank_takes_its_region_out_and_the_region_comes_back(
     tmp_path: Path, strategy: str, restart: str
 ) -> None:
-    base = free_port_block(8)  # peers of both regions (each rank: the region's port + k), then metrics
+    # peers of both regions (each rank: the region's port + k), then metrics
+    base = free_port_block(8, *port_range())
     ring = [{"node_id": r, "address": f"127.0.0.1:{base + 2 * i}"} for i, r in enumerate(("a", "b"))]
     stop_at = tmp_path / "stop_at"
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -109,6 +115,7 @@ def test_a_killed_local_rank_takes_its_region_out_and_the_region_comes_back(
             },
             "sync": SYNCS[strategy],
             "task": TASK,
+            "train": {"min_step_s": MIN_STEP_S},
             "checkpoint": {"dir": str(tmp_path / region / "checkpoints"), "every_steps": 100_000, "keep": 1},
             "metrics": {"run_dir": str(tmp_path), "log_every": 1, "listen": f"127.0.0.1:{base + 4 + 2 * i}"},
         }
@@ -164,6 +171,9 @@ def test_a_killed_local_rank_takes_its_region_out_and_the_region_comes_back(
                 proc.wait()
     for node in ("a", "a.1"):  # region a never restarted
         assert len(kinds(tmp_path, node, "start")) == 1
+        # [train] min_step_s holds: the daemon sleeps out each step's rest (the clock of the records: wall time)
+        times = [r["t"] for r in read_records(tmp_path, node) if r["kind"] == "step"]
+        assert min(b - a for a, b in itertools.pairwise(times)) >= MIN_STEP_S * 0.99, node
     for node in ("b", "b.1"):  # region b started twice: fresh, then restarted and joining
         assert len(kinds(tmp_path, node, "start")) == 2
         assert kinds(tmp_path, node, "join")[-1]["resumed"] is (restart == "resume")

@@ -70,6 +70,7 @@ def chaos_report(
     return {
         "minutes": run.minutes,
         "nodes": run.nodes,
+        "min_step_s": run.min_step_s,
         **_timing(timing),
         "kills": len(inj.kills),
         "kills_survived": len(recovered),

@@ -70,6 +70,9 @@ class ChaosRun:
     dim: int = 64
     layers: int = 2
     seed: int = 0
+    # each daemon's step takes at least this long ([train] min_step_s; 0: as fast as it can). Five daemons
+    # of the default model on a 2-core box each want a core: a floor shares the cores out evenly
+    min_step_s: float = 0.0
     run_dir: str | None = None  # None: a temporary folder, removed after a run that passed its checks
     startup_timeout_s: float = 300.0
     heal_timeout_s: float = 300.0
@@ -82,6 +85,8 @@ class ChaosRun:
             raise ValueError(f"max_down ({self.timing.max_down}) must leave a member up of {self.nodes}")
         if not self.minutes > 0:
             raise ValueError(f"minutes must be > 0, got {self.minutes}")
+        if not 0 <= self.min_step_s < 60:
+            raise ValueError(f"min_step_s must be in [0, 60) seconds, got {self.min_step_s}")
 
     @property
     def delay(self) -> int:
@@ -168,6 +173,7 @@ def _configs(run: ChaosRun, run_dir: Path, hosts: list[str] | None) -> list[Path
         checkpoint_every=1000,
         metrics=False,
         hosts=hosts,
+        train={"min_step_s": run.min_step_s} if run.min_step_s else None,
     )
     for path in paths:  # killed members never finish a round: a short grace at the final stop
         path.write_text("stop_grace_s = 5\n" + path.read_text())
