@@ -34,18 +34,33 @@ SYNC_STRATEGIES = tuple(s for s in STRATEGIES if s != "none")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test with its kind, which is the folder it lives in; the slow ones run first.
+    """Mark every test with its kind, which is the folder it lives in; the longest kinds run first.
 
-    Slow first: ``make test-parallel`` runs the suite on one worker per core (pytest-xdist, an idle worker steals
-    queued tests from a busy one), and a minute-long multi-process test started last keeps one worker busy
-    while the others have nothing left to do.
+    ``make test`` runs the suite on pytest-xdist workers that take one test at a time, and a minute-long
+    multi-process test started last keeps one worker busy while the others have nothing left to do. So the
+    slow ones go first, then the kinds from the longest tests to the shortest (end to end, peers, hostile
+    input, pure logic): the seconds-long unit tests fill the workers' last gaps.
     """
     for item in items:
         kind = item.path.parent.name
         if kind not in KINDS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in one of the folders {', '.join(KINDS)}")
         item.add_marker(getattr(pytest.mark, kind))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: otherwise in file order
+    longest_first = ("e2e", "net", "adversarial", "unit")
+    # stable: within a key, in file order
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, longest_first.index(item.path.parent.name)))
+
+
+def port_range(low: int = 20000, high: int = 32768) -> tuple[int, int]:
+    """This pytest-xdist worker's share of ``low .. high`` (the whole range without xdist), for tests that
+    pick fixed ports (`dreamp2p.devtools.regionjob.free_port_block`): workers never pick the same block."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count <= 1:
+        return low, high
+    share = (high - low) // count
+    index = int(worker[2:])
+    return low + index * share, low + (index + 1) * share
 
 
 def ring_configs(n: int, **fields: Any) -> list[PeerConfig]:

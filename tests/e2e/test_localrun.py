@@ -90,8 +90,10 @@ def test_demo_reports_daemons_that_die_at_start_at_once(
     )
     out = capsys.readouterr().out
     assert code == 1, out
-    assert re.search(r"node (eu-west|us-east) exited with code 1 before it started training", out), out
+    reported = re.search(r"node (eu-west|us-east) exited with code 1 before it started training", out)
+    assert reported, out
     assert "strategy must be one of" in out and "'no-such-strategy'" in out, out  # the tail of its log
     assert "shadow" not in out, out
-    for name in ("eu-west", "us-east"):
-        assert "strategy must be one of" in (tmp_path / "run" / f"{name}.log").read_text()
+    # the node reported wrote the cause to its log; the other may have been stopped before it got that far
+    # (the demo stops the rest as soon as one fails: on a loaded machine, still inside its imports)
+    assert "strategy must be one of" in (tmp_path / "run" / f"{reported[1]}.log").read_text()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import port_range
 
 from dreamp2p.devtools.localrun import child_env, dump_toml, read_records, wait_exits
 from dreamp2p.devtools.regionjob import free_port_block
@@ -58,7 +59,8 @@ def records(tmp_path: Path, node: str, kind: str) -> list[dict[str, Any]]:
 def test_two_torchrun_regions_of_daemons_train_one_replica_and_resume_from_one_checkpoint_each(
     tmp_path: Path,
 ) -> None:
-    base = free_port_block(8)  # two regions of two ranks: peers, then metrics (each rank: the region's + k)
+    # two regions of two ranks: peers, then metrics (each rank: the region's + k)
+    base = free_port_block(8, *port_range())
     run_regions(tmp_path, base, TASK["steps"])
     stops = {node: records(tmp_path, node, "stop")[-1] for node in RANKS}  # each rank its own run log
     assert {s["step"] for s in stops.values()} == {TASK["steps"]}

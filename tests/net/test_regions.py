@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import port_range
 
 from dreamp2p.devtools.localrun import child_env
 from dreamp2p.devtools.regionjob import free_port_block
@@ -33,7 +34,7 @@ def launch(
 ) -> dict[str, tuple[int, str]]:
     """One torchrun per region (``ranks[i]`` local ranks in region i); each region's exit code and log."""
     out.mkdir(parents=True, exist_ok=True)
-    base = free_port_block(sum(ranks))
+    base = free_port_block(sum(ranks), *port_range())
     starts = [base + sum(ranks[:i]) for i in range(len(ranks))]
     ring = ",".join(f"{r}=127.0.0.1:{p}" for r, p in zip(REGIONS, starts, strict=True))
     env = {**child_env(), "OMP_NUM_THREADS": "1"}

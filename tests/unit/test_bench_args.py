@@ -36,7 +36,7 @@ OPTIONS: dict[str, set[str]] = {
         *("--minutes", "--peers", "--kill-every", "--down", "--max-down", "--flap-every", "--flap-down", "--no-flaps"),
         *("--rate", "--rtt", "--period", "--width", "--depth", "--max-delay", "--seed", "--run-dir"),
         *("--kinds", "--stop-min", "--stop-max", "--long-stop-p", "--long-stop-max", "--partition-min"),
-        *("--partition-max", "--oneway-p"),
+        *("--partition-max", "--oneway-p", "--min-step"),
     },
     "regions": {
         *("--regions", "--ranks", "--rate", "--rtt", "--strategies", "--steps", "--period", "--width", "--depth"),
