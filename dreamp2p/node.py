@@ -218,7 +218,7 @@ class Node:
         tensor verified by its SHA-256 (a member that dies mid-transfer is replaced by another); the
         newest step any member reports, plus a small lead, is where we start.
         """
-        others = [n for n in self.comm.members if n != self.config.node_id]
+        others = self._others_alive(timeout)
         if self.region is None:
             self._ask_in()
             self._await_admission(others, timeout)
@@ -305,6 +305,21 @@ class Node:
             fetched.bytes,
         )
         return start, fetched.skeleton, fetched.tensors
+
+    def _others_alive(self, timeout: float) -> list[str]:
+        """The other members our view holds, waiting while it holds only us.
+
+        A node that just started may have counted the others dead before their first heartbeat answers came
+        (a loaded host): its view is then only itself for a few heartbeats. Joining with no one to ask would
+        wait out the admission for nothing, so wait for the view to hold someone else first.
+        """
+        me, t = self.config.node_id, self.config.transport
+        deadline = time.monotonic() + max(timeout, 10 * t.heartbeat_s)
+        while not (others := [n for n in self.comm.members if n != me]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"joining: no other member answered heartbeats within {timeout:.0f} s")
+            time.sleep(max(0.05, t.heartbeat_s / 4))
+        return others
 
     def _statuses(self, members: list[str], timeout: float) -> list[PeerStatus]:
         out = []
