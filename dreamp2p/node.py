@@ -314,10 +314,11 @@ class Node:
         wait out the admission for nothing, so wait for the view to hold someone else first.
         """
         me, t = self.config.node_id, self.config.transport
-        deadline = time.monotonic() + max(timeout, 10 * t.heartbeat_s)
+        limit = max(timeout, 10 * t.heartbeat_s)
+        deadline = time.monotonic() + limit
         while not (others := [n for n in self.comm.members if n != me]):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"joining: no other member answered heartbeats within {timeout:.0f} s")
+                raise RuntimeError(f"joining: no other member answered heartbeats within {limit:.0f} s")
             time.sleep(max(0.05, t.heartbeat_s / 4))
         return others
 
