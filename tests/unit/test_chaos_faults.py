@@ -187,6 +187,12 @@ def test_no_namespaces_no_flaps() -> None:
     assert flapper.done == []
 
 
+@pytest.mark.parametrize("min_step_s", [-0.1, 60.0])
+def test_a_step_floor_outside_0_to_60_seconds_is_refused(min_step_s: float) -> None:
+    with pytest.raises(ValueError, match=r"min_step_s must be in \[0, 60\) seconds"):
+        ChaosRun(min_step_s=min_step_s)
+
+
 def run_with(kinds: tuple[str, ...] = FAULT_KINDS, nodes: int = 5, flaps: bool = True) -> ChaosRun:
     return ChaosRun(nodes=nodes, timing=ChaosTiming(max_down=1, kinds=kinds), flaps=flaps)
 

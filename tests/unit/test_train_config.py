@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -11,6 +13,8 @@ import pytest
 from dreamp2p.config import DaemonConfig, TrainConfig
 from dreamp2p.config.check import check_daemon_config
 from dreamp2p.config.train import check_train, scheduled_lr
+from dreamp2p.service.daemon import _pace
+from dreamp2p.service.lifecycle import StopFlag
 
 NODE = {"node_id": "eu-west"}
 
@@ -147,3 +151,16 @@ def test_the_cosine_falls_monotonically_after_the_warm_up() -> None:
     assert lrs[:20] == sorted(lrs[:20]) and lrs[19] == pytest.approx(3e-3)
     assert all(a >= b for a, b in itertools.pairwise(lrs[20:]))
     assert min(lrs) == pytest.approx(1e-4) and all(lr > 0 for lr in lrs)
+
+
+@pytest.mark.timeout(20)
+def test_the_daemons_pace_sleeps_out_the_floor_and_a_stop_cuts_it_short() -> None:
+    stop = StopFlag()
+    t0 = time.perf_counter()
+    _pace(t0, 0.05, stop)
+    assert time.perf_counter() - t0 >= 0.05 * 0.99  # the rest of the floor was slept out
+    t1 = time.perf_counter()
+    _pace(t1 - 1.0, 0.05, stop)  # a step that already took longer than the floor: no sleep at all
+    threading.Timer(0.05, stop.event.set).start()
+    _pace(time.perf_counter(), 30.0, stop)  # returns once the stop is set (else: this test's timeout)
+    assert stop.event.is_set()
