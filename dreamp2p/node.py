@@ -313,13 +313,12 @@ class Node:
         (a loaded host): its view is then only itself for a few heartbeats. Joining with no one to ask would
         wait out the admission for nothing, so wait for the view to hold someone else first.
         """
-        me, t = self.config.node_id, self.config.transport
-        limit = max(timeout, 10 * t.heartbeat_s)
-        deadline = time.monotonic() + limit
+        me = self.config.node_id
+        limit, deadline = _join_deadline(timeout, self.config.transport.heartbeat_s)
         while not (others := [n for n in self.comm.members if n != me]):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"joining: no other member answered heartbeats within {limit:.0f} s")
-            time.sleep(max(0.05, t.heartbeat_s / 4))
+            _join_pause(self.config.transport.heartbeat_s)
         return others
 
     def _statuses(self, members: list[str], timeout: float) -> list[PeerStatus]:
@@ -339,7 +338,7 @@ class Node:
         """Wait until every member that answers counts us in its view (see :meth:`join`)."""
         me = self.config.node_id
         t = self.config.transport
-        deadline = time.monotonic() + max(timeout, 10 * t.heartbeat_s)
+        limit, deadline = _join_deadline(timeout, self.config.transport.heartbeat_s)
         while True:
             statuses = self._statuses(members, t.rpc_deadline_s)
             waiting = [s.node_id for s in statuses if me not in s.live]
@@ -348,9 +347,9 @@ class Node:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"joining: {', '.join(waiting) or 'no member'} did not count this node alive within "
-                    f"{max(timeout, 10 * t.heartbeat_s):.0f} s (heartbeats every {t.heartbeat_s} s)"
+                    f"{limit:.0f} s (heartbeats every {t.heartbeat_s} s)"
                 )
-            time.sleep(max(0.05, t.heartbeat_s / 4))
+            _join_pause(self.config.transport.heartbeat_s)
 
     def stand_aside(self) -> None:
         """Stop taking part in rounds until :meth:`join` is done (a resuming node that must join instead)."""
@@ -375,3 +374,14 @@ class Node:
                     self.region.close()
             finally:
                 self.comm.close()
+
+
+def _join_deadline(timeout: float, heartbeat_s: float) -> tuple[float, float]:
+    """How long one wait of a join may last (``timeout``, at least ten heartbeats) and when it ends."""
+    limit = max(timeout, 10 * heartbeat_s)
+    return limit, time.monotonic() + limit
+
+
+def _join_pause(heartbeat_s: float) -> None:
+    """The pause between two looks while joining: a quarter heartbeat, so a change is seen soon after."""
+    time.sleep(max(0.05, heartbeat_s / 4))

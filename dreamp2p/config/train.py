@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from dreamp2p.config.parse import one_of_message
 
 AMP_MODES = ("off", "bf16", "fp16")
+# the most a step floor (min_step_s) may ask, in seconds: more is a typo, not a pace
+MAX_MIN_STEP_S = 60.0
 SCHEDULES = ("constant", "cosine")
 
 
@@ -45,8 +47,10 @@ class TrainConfig:
             raise ValueError(f"train.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         if not 0 <= self.lr_min < math.inf:
             raise ValueError(f"train.lr_min must be a number >= 0, got {self.lr_min!r}")
-        if isinstance(self.min_step_s, bool) or not 0 <= self.min_step_s < 60:
-            raise ValueError(f"train.min_step_s must be a number of seconds in [0, 60), got {self.min_step_s!r}")
+        if isinstance(self.min_step_s, bool) or not 0 <= self.min_step_s < MAX_MIN_STEP_S:
+            raise ValueError(
+                f"train.min_step_s must be a number of seconds in [0, {MAX_MIN_STEP_S:g}), got {self.min_step_s!r}"
+            )
         if self.lr_min > 0 and self.schedule != "cosine":
             raise ValueError("train.lr_min is where the cosine schedule ends: set train.schedule = 'cosine' too")
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamp2p.config import parse_duration, parse_rate
+from dreamp2p.config.train import MAX_MIN_STEP_S
 from dreamp2p.devtools.bench.chaos.faults import Flapper, Injector
 from dreamp2p.devtools.bench.chaos.plan import FAULT_KINDS, ChaosTiming, FaultSchedule, flap_times
 from dreamp2p.devtools.bench.chaos.proc import Cluster, RecordTail
@@ -85,8 +86,8 @@ class ChaosRun:
             raise ValueError(f"max_down ({self.timing.max_down}) must leave a member up of {self.nodes}")
         if not self.minutes > 0:
             raise ValueError(f"minutes must be > 0, got {self.minutes}")
-        if not 0 <= self.min_step_s < 60:
-            raise ValueError(f"min_step_s must be in [0, 60) seconds, got {self.min_step_s}")
+        if not 0 <= self.min_step_s < MAX_MIN_STEP_S:
+            raise ValueError(f"min_step_s must be in [0, {MAX_MIN_STEP_S:g}) seconds, got {self.min_step_s}")
 
     @property
     def delay(self) -> int:
