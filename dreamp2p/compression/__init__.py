@@ -9,7 +9,7 @@ from dreamp2p.compression.base import (
     get_codec,
     register_codec,
 )
-from dreamp2p.compression.codecs import BF16, E3M0, FP16, FP32, INT4, INT8
+from dreamp2p.compression.codecs import BF16, E3M0, FP16, FP32, INT2, INT4, INT8
 from dreamp2p.compression.feedback import ErrorFeedback
 from dreamp2p.compression.lossless import ZstdStage
 from dreamp2p.compression.sparse import TOPK
@@ -19,6 +19,7 @@ __all__ = [
     "E3M0",
     "FP16",
     "FP32",
+    "INT2",
     "INT4",
     "INT8",
     "TOPK",

@@ -1,4 +1,4 @@
-"""The built-in tensor codecs (fp32, fp16, bf16, int8, int4, e3m0) and their registration.
+"""The built-in tensor codecs (fp32, fp16, bf16, int8, int4, e3m0, int2) and their registration.
 
 Wire formats (all little-endian, ``n`` = element count, ``nb = ceil(n / 64)``):
 
@@ -20,6 +20,11 @@ Wire formats (all little-endian, ``n`` = element count, ``nb = ceil(n / 64)``):
   ``k = 1..7`` is ``2**(k - 7) * s`` (``s/64 .. s``). Rounding is to the nearest level in the linear
   domain (thresholds ``s/128`` and ``1.5 * 2**e * s``), so ``|err| <= max(|x| / 3, s / 128)``. Same
   scale/nibble layout as ``int4``.
+* ``int2`` (id 8): four levels, ``s = absmax / 1.5``, code ``c`` in 0..3 decoding to ``(c - 1.5) * s``
+  (``+-absmax``, ``+-absmax / 3``: no zero, so ``|err| <= absmax / 3``), packed four per byte. A block of
+  ``w`` elements (64, or a partial last block rounded up to a multiple of 4 with zeros) uses ``w / 4``
+  bytes: byte ``j`` holds codes ``j``, ``j + w/4``, ``j + w/2``, ``j + 3w/4`` in bits 0-1, 2-3, 4-5, 6-7.
+  Meant for pseudo-gradients with error feedback, where a link cannot carry 4 bits of each in time.
 
 Blockwise encoders work tile by tile (2**18 elements) so that their temporaries stay in cache, and write
 straight into slices of the output. Blocks whose absmax is below ~2.9e-39 (denormal) encode as zeros,
@@ -36,7 +41,7 @@ import torch
 
 from dreamp2p.compression.base import Codec, NonFiniteError, register_codec
 
-__all__ = ["BF16", "E3M0", "FP16", "FP32", "INT4", "INT8"]
+__all__ = ["BF16", "E3M0", "FP16", "FP32", "INT2", "INT4", "INT8"]
 
 _FLT_MAX = float(np.finfo(np.float32).max)
 # Elements per tile: 1 MiB of float32, small enough that a tile and its temporaries stay in L2.
@@ -197,15 +202,15 @@ class _Blockwise(Codec):
     _max_scale: float
     # Above this scale a crafted (never encoded) code could decode to +-inf, so decoded tiles are checked.
     _overflow_scale: float
-    # Whether two codes share a byte.
-    _packed: bool
+    # How many codes share a byte (1, 2 or 4).
+    _per_byte: int
 
     def _code_bytes(self, n: int) -> int:
-        return (n + 1) // 2 if self._packed else n
+        return -(-n // self._per_byte)
 
     def _width(self, r: int) -> int:
         """Row width used for a partial last block of ``r`` elements."""
-        return r + (r & 1) if self._packed else r
+        return self._code_bytes(r) * self._per_byte
 
     def encoded_nbytes(self, n: int) -> int:
         self._check_n(n)
@@ -327,7 +332,7 @@ class _INT8(_Blockwise):
 
     name = "int8"
     wire_id = 4
-    _packed = False
+    _per_byte = 1
     _scale_div = 127.0
     _max_scale = _largest_safe_scale(127)
     _overflow_scale = _FLT_MAX / 128.0
@@ -349,7 +354,7 @@ class _INT4(_Blockwise):
 
     name = "int4"
     wire_id = 5
-    _packed = True
+    _per_byte = 2
     _scale_div = 7.0
     _max_scale = _largest_safe_scale(7)
     _overflow_scale = _FLT_MAX / 8.0
@@ -387,7 +392,7 @@ class _E3M0(_Blockwise):
 
     name = "e3m0"
     wire_id = 6
-    _packed = True
+    _per_byte = 2
     _scale_div = 1.0
     _max_scale = _FLT_MAX
     # Decoded magnitudes never exceed the scale, so a finite scale cannot overflow.
@@ -433,13 +438,44 @@ class _E3M0(_Blockwise):
         out.mul_(256.0).mul_(scales)
 
 
+class _INT2(_Blockwise):
+    """Blockwise absmax 2-bit, levels -1.5..1.5 in steps of 1, codes ``level + 1.5`` packed four per byte."""
+
+    name = "int2"
+    wire_id = 8
+    _per_byte = 4
+    _scale_div = 1.5
+    _max_scale = _largest_safe_scale(2)
+    _overflow_scale = _FLT_MAX / 2.0
+
+    def _quantize(self, rows: torch.Tensor, mag: torch.Tensor, inv: torch.Tensor, codes: torch.Tensor) -> None:
+        m, w = rows.shape
+        t = torch.mul(rows, inv, out=mag)
+        # [-1, 1] -> [0, 3], then round half up by truncation; 3.5 (x = absmax) must stay code 3
+        t.mul_(1.5).add_(2.0).clamp_(max=3.5)
+        q = _buffer("u8a", torch.uint8, m * w).view(m, w)
+        q.copy_(t)
+        k = w // 4
+        torch.add(q[:, :k], q[:, k : 2 * k], alpha=4, out=codes)
+        codes.add_(q[:, 2 * k : 3 * k], alpha=16).add_(q[:, 3 * k :], alpha=64)
+
+    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        m, k = codes.shape
+        part = _buffer("u8a", torch.uint8, m * k).view(m, k)
+        for j in range(4):
+            torch.bitwise_right_shift(codes, 2 * j, out=part).bitwise_and_(3)
+            out[:, j * k : (j + 1) * k].copy_(part)
+        out.sub_(1.5).mul_(scales)
+
+
 FP32: Codec = _FP32()
 FP16: Codec = _FP16()
 BF16: Codec = _BF16()
 INT8: Codec = _INT8()
 INT4: Codec = _INT4()
 E3M0: Codec = _E3M0()
+INT2: Codec = _INT2()
 
-for _codec in (FP32, FP16, BF16, INT8, INT4, E3M0):
+for _codec in (FP32, FP16, BF16, INT8, INT4, E3M0, INT2):
     register_codec(_codec)
 del _codec

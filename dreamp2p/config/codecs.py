@@ -15,13 +15,24 @@ from collections.abc import Sequence
 from dreamp2p.config.parse import did_you_mean
 
 # Every registered codec, in wire-id order (as `dreamp2p.compression.codec_names()` lists them).
-CODEC_NAMES: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8", "int4", "e3m0", "topk")
+CODEC_NAMES: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8", "int4", "e3m0", "topk", "int2")
 # Codecs that send a few values of each block and decode the rest as zeros (usable only with error feedback).
 SPARSE_CODECS: frozenset[str] = frozenset({"topk"})
-# What a node may name as its handshake default codec (`[node] codec`): every codec but the sparse ones.
-DENSE_CODECS: tuple[str, ...] = tuple(c for c in CODEC_NAMES if c not in SPARSE_CODECS)
+# Codecs that lose so much of each round (about half of an update with int2, 98% with topk) that pseudo-gradient
+# syncs use them only with error feedback, which carries the loss into the next rounds.
+FEEDBACK_CODECS: frozenset[str] = frozenset({"int2", "topk"})
+# What a node may name as its handshake default codec (`[node] codec`), the one parameters are averaged in:
+# every codec but those that need error feedback (2 bits or 2% of a weight would wreck the model).
+PARAMETER_CODECS: tuple[str, ...] = tuple(c for c in CODEC_NAMES if c not in FEEDBACK_CODECS)
 # The codecs grouped by wire bytes per fp32 byte, most bytes first; codecs in one group send the same.
-_BY_WIRE_BYTES: tuple[tuple[str, ...], ...] = (("fp32",), ("fp16", "bf16"), ("int8",), ("int4", "e3m0"), ("topk",))
+_BY_WIRE_BYTES: tuple[tuple[str, ...], ...] = (
+    ("fp32",),
+    ("fp16", "bf16"),
+    ("int8",),
+    ("int4", "e3m0"),
+    ("int2",),
+    ("topk",),
+)
 _RANK = {name: rank for rank, group in enumerate(_BY_WIRE_BYTES) for name in group}
 
 
@@ -42,6 +53,11 @@ def unknown_codec_message(name: object) -> str:
 def is_sparse(name: str) -> bool:
     """Whether ``name`` is a sparse codec; an unknown name is not (the check that knows its field refuses it)."""
     return isinstance(name, str) and name.strip().lower() in SPARSE_CODECS
+
+
+def needs_feedback(name: str) -> bool:
+    """Whether pseudo-gradients may travel in ``name`` only with error feedback (`FEEDBACK_CODECS`)."""
+    return isinstance(name, str) and name.strip().lower() in FEEDBACK_CODECS
 
 
 def wire_rank(name: str) -> int:

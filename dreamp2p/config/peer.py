@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dreamp2p.config.codecs import DENSE_CODECS
+from dreamp2p.config.codecs import PARAMETER_CODECS
 from dreamp2p.config.parse import _build, one_of_message
 
 
@@ -195,8 +195,8 @@ class PeerConfig:
             raise ValueError(f"node_id must be a non-empty word without spaces, got {self.node_id!r}")
         if not self.cluster_id:
             raise ValueError("cluster_id must not be empty")
-        if self.codec not in DENSE_CODECS:
-            raise ValueError(one_of_message("codec", self.codec, DENSE_CODECS))
+        if self.codec not in PARAMETER_CODECS:
+            raise ValueError(one_of_message("codec", self.codec, PARAMETER_CODECS))
         ids = [p.node_id for p in self.ring]
         if len(set(ids)) != len(ids):
             raise ValueError(f"ring lists a node id twice: {ids}")

@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from dreamp2p.cli.args import duration, link_rate
-from dreamp2p.config.codecs import DENSE_CODECS
+from dreamp2p.config.codecs import PARAMETER_CODECS
 from dreamp2p.config.sync import STRATEGIES
 from dreamp2p.devtools.benchargs import add_bench_parser
 
@@ -41,7 +41,7 @@ def add_demo_parser(sub: Any) -> None:
     d.add_argument("--rtt", type=duration, default="80ms", help="emulated round-trip time per hop")
     d.add_argument("--minutes", type=float, default=3.0, help="training time before a clean stop")
     # the demo's codec averages parameters, which a sparse codec (topk) would zero: [sync] refuses it
-    d.add_argument("--codec", type=str.lower, choices=DENSE_CODECS, default="int8")
+    d.add_argument("--codec", type=str.lower, choices=PARAMETER_CODECS, default="int8")
     d.add_argument("--strategy", choices=STRATEGIES, default="dreamddp")
     d.add_argument("--out", default=None, help="run folder (default runs/demo-TIMESTAMP)")
     d.add_argument(

@@ -42,6 +42,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_INT4: _ClassVar[Codec]
     CODEC_E3M0: _ClassVar[Codec]
     CODEC_TOPK: _ClassVar[Codec]
+    CODEC_INT2: _ClassVar[Codec]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -85,6 +86,7 @@ CODEC_INT8: Codec
 CODEC_INT4: Codec
 CODEC_E3M0: Codec
 CODEC_TOPK: Codec
+CODEC_INT2: Codec
 DTYPE_UNSPECIFIED: DType
 DTYPE_FP32: DType
 DTYPE_FP16: DType

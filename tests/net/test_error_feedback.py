@@ -1,4 +1,4 @@
-"""Error feedback through the real ring: 3 peers on loopback averaging increments in 4 bits, or sparse."""
+"""Error feedback through the real ring: 3 peers on loopback averaging increments in 4 or 2 bits, or sparse."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ async def run(feedback: bool, rounds: int = 30, codec: str = "int4") -> tuple[fl
 
 # topk sends 2% of each block per encode, so it needs more rounds than int4 before the residuals, not the
 # truth, are what is left: each element reaches the top once its carried sum is large enough.
-@pytest.mark.parametrize(("codec", "rounds", "ratio"), [("int4", 30, 0.5), ("topk", 100, 0.4)])
+@pytest.mark.parametrize(("codec", "rounds", "ratio"), [("int4", 30, 0.5), ("int2", 30, 0.5), ("topk", 100, 0.4)])
 async def test_feedback_keeps_the_applied_sum_on_the_true_sum_and_members_identical(
     codec: str, rounds: int, ratio: float
 ) -> None:

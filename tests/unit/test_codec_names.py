@@ -14,7 +14,8 @@ import pytest
 from dreamp2p.compression import codec_names, get_codec
 from dreamp2p.config.codecs import (
     CODEC_NAMES,
-    DENSE_CODECS,
+    FEEDBACK_CODECS,
+    PARAMETER_CODECS,
     SPARSE_CODECS,
     canonical_codec,
     check_link_codecs,
@@ -31,7 +32,8 @@ def test_the_names_are_the_registry_s_in_wire_id_order() -> None:
 def test_the_sparse_codecs_are_those_the_registry_marks_sparse() -> None:
     assert {n for n in codec_names() if get_codec(n).sparse} == SPARSE_CODECS
     assert all(is_sparse(n) == get_codec(n).sparse for n in codec_names())
-    assert set(DENSE_CODECS) | SPARSE_CODECS == set(CODEC_NAMES) and not set(DENSE_CODECS) & SPARSE_CODECS
+    assert SPARSE_CODECS <= FEEDBACK_CODECS
+    assert set(PARAMETER_CODECS) | FEEDBACK_CODECS == set(CODEC_NAMES) and not set(PARAMETER_CODECS) & FEEDBACK_CODECS
 
 
 @pytest.mark.parametrize(("a", "b"), list(itertools.combinations(CODEC_NAMES, 2)))

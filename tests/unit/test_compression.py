@@ -30,8 +30,11 @@ TINY = 3e-39
 # Relative slack on the analytic bounds for float32 rounding inside the kernels (a few ulps).
 SLACK = 1e-3
 
-NAMES = ["fp32", "fp16", "bf16", "int8", "int4", "e3m0"]
-BLOCKWISE = ["int8", "int4", "e3m0"]
+NAMES = ["fp32", "fp16", "bf16", "int8", "int4", "e3m0", "int2"]
+BLOCKWISE = ["int8", "int4", "e3m0", "int2"]
+# wire ids: topk (7, sparse) has its own tests in tests/unit/test_sparse_codec.py
+WIRE_IDS = {"fp32": 1, "fp16": 2, "bf16": 3, "int8": 4, "int4": 5, "e3m0": 6, "int2": 8}
+REGISTERED = ["fp32", "fp16", "bf16", "int8", "int4", "e3m0", "topk", "int2"]
 SIZES = [0, 1, 2, 63, 64, 65, 127, 1000, 4099, 1 << 16]
 # More than one 2**18-element tile plus a partial block, to cover the tile loop.
 BIG = (1 << 18) + 3 * 64 + 5
@@ -60,6 +63,9 @@ def error_bound(name: str, x: torch.Tensor) -> torch.Tensor:
         return am / 254 * (1 + SLACK) + TINY
     if name == "int4":
         return am / 14 * (1 + SLACK) + TINY
+    if name == "int2":
+        # levels +-absmax and +-absmax / 3, no zero: half a step is absmax / 3
+        return am / 3 * (1 + SLACK) + TINY
     # e3m0: levels 0 and 2**-6..1 times absmax, rounded to the nearest in the linear domain. Between
     # 2**e and 2**(e+1) the worst case is at the midpoint 1.5 * 2**e, error 2**e / 2 = |x| / 3; below
     # the smallest level the error is at most the midpoint absmax / 128.
@@ -93,21 +99,20 @@ def sample(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_registry_order_and_ids() -> None:
-    # topk (id 7) is sparse and has its own tests: tests/unit/test_sparse_codec.py
-    assert codec_names() == [*NAMES, "topk"]
-    for wire_id, name in enumerate(NAMES, start=1):
+    assert codec_names() == REGISTERED
+    for name, wire_id in WIRE_IDS.items():
         assert get_codec(name).wire_id == wire_id
         assert get_codec(wire_id) is get_codec(name)
         assert get_codec(name.upper()) is get_codec(name)
 
 
 def test_codec_attributes() -> None:
-    assert [get_codec(n).lossless for n in NAMES] == [True, False, False, False, False, False]
-    assert [get_codec(n).block for n in NAMES] == [1, 1, 1, 64, 64, 64]
-    assert [get_codec(n).itemsize for n in NAMES] == [4, 2, 2, 1, 1, 1]
+    assert [get_codec(n).lossless for n in NAMES] == [True, False, False, False, False, False, False]
+    assert [get_codec(n).block for n in NAMES] == [1, 1, 1, 64, 64, 64, 64]
+    assert [get_codec(n).itemsize for n in NAMES] == [4, 2, 2, 1, 1, 1, 1]
 
 
-@pytest.mark.parametrize("key", ["nope", "", 0, 8, 99, -1, True])
+@pytest.mark.parametrize("key", ["nope", "", 0, 9, 99, -1, True])
 def test_unknown_codec(key: str | int) -> None:
     with pytest.raises(UnknownCodecError) as info:
         get_codec(key)
@@ -140,7 +145,7 @@ def test_register_refuses_duplicates() -> None:
 
     with pytest.raises(ValueError, match="wire id 4"):
         register_codec(Clash())
-    assert codec_names() == [*NAMES, "topk"]
+    assert codec_names() == REGISTERED
 
 
 # ---------------------------------------------------------------- round trips
@@ -190,6 +195,9 @@ def test_quantized_levels(name: str) -> None:
         assert torch.allclose(rel, rel.round(), atol=1e-4) and rel.round().abs().max() <= 127
     elif name == "int4":
         assert torch.allclose(rel, rel.round(), atol=1e-5) and rel.round().abs().max() <= 7
+    elif name == "int2":
+        # half-integers: -1.5, -0.5, 0.5, 1.5
+        assert torch.allclose(rel + 0.5, (rel + 0.5).round(), atol=1e-5) and rel.abs().max() <= 1.5 + 1e-5
     else:
         mags = rel.abs()[rel != 0]
         levels = torch.tensor([2.0**-k for k in range(7)], dtype=torch.float64)
@@ -570,7 +578,7 @@ def test_error_feedback_tracks_sum(name: str) -> None:
     # telescoping: what was sent so far equals what was offered minus what is still owed
     assert torch.allclose(sum_in - sum_ef, residual.double(), atol=1e-3)
     # and what is owed is at most one quantization step of the (compensated) block
-    step = {"int8": 1.0 / 127, "int4": 1.0 / 7, "e3m0": 0.5}[name]
+    step = {"int8": 1.0 / 127, "int4": 1.0 / 7, "e3m0": 0.5, "int2": 2.0 / 3}[name]
     ef_err = float((sum_in - sum_ef).abs().max())
     plain_err = float((sum_in - sum_plain).abs().max())
     assert ef_err <= step * 1.1

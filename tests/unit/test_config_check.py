@@ -89,7 +89,7 @@ def test_checkpoint_write_errors_continue_unless_the_file_says_stop() -> None:
     assert DaemonConfig.from_dict(stop).checkpoint.on_write_error == "stop"
 
 
-KNOWN_CODECS = "known codecs: fp32, fp16, bf16, int8, int4, e3m0, topk"
+KNOWN_CODECS = "known codecs: fp32, fp16, bf16, int8, int4, e3m0, topk, int2"
 
 
 @pytest.mark.parametrize(

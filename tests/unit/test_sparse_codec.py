@@ -101,7 +101,7 @@ def sample(n: int, seed: int) -> torch.Tensor:
 
 
 def test_registered_as_a_sparse_lossy_codec() -> None:
-    assert codec_names()[-1] == "topk"
+    assert "topk" in codec_names()
     assert get_codec(7) is TOPK
     assert (TOPK.wire_id, TOPK.lossless, TOPK.sparse, TOPK.block, TOPK.itemsize) == (7, False, True, 4096, 1)
     assert not any(get_codec(c).sparse for c in codec_names() if c != "topk")
