@@ -126,8 +126,9 @@ def _plan_target(args: argparse.Namespace) -> int:
     run = SyncConfig()  # a recommendation must keep the headroom a dreamddp run demands of its plans
     costs = uniform_costs(args.params, args.layers, args.step_time)
     link = LinkModel(parse_rate(args.link), parse_duration(args.rtt), args.peers, margin=run.link_margin)
-    # unpinned: what a run sends by default (4-bit pseudo-gradients), the fewest bytes at the same loss
-    codecs = [get_codec(c).name for c in ((args.codec,) if args.codec else (run.delta_codec,))]
+    # unpinned: what a run sends by default (4-bit pseudo-gradients, 2-bit with error feedback where the link
+    # cannot carry 4), the fewest bytes at the same loss
+    codecs = [get_codec(c).name for c in ((args.codec,) if args.codec else run.delta_chain)]
     periods = (args.period,) if args.period else SEARCH_PERIODS
     rec = recommend(
         costs,

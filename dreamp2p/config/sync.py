@@ -6,6 +6,7 @@ the codec registry in `dreamp2p.compression`, which a unit test holds those name
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -14,6 +15,7 @@ from dreamp2p.config.codecs import (
     canonical_codec,
     check_link_codecs,
     is_sparse,
+    needs_feedback,
     unknown_codec_message,
     wire_rank,
 )
@@ -106,6 +108,13 @@ class SyncConfig:
     # the first period sends (checked) pseudo-gradients too, and plans are priced at delta_codec's size.
     # Empty delta_codec: every sync averages parameters.
     delta_codec: str = "int4"
+    # where the link cannot carry a period's pseudo-gradients in delta_codec (the plan's syncs would keep it
+    # busy more than dreamp2p.schedule.stretch's budget), the plan's syncs use the first of these that it
+    # can, else the last; always with error feedback (2-bit rounding errs by about half a pseudo-gradient's
+    # norm each round, lost for good without it). Tried before stretching the period. Least to
+    # most compressive; those sending no fewer bytes than delta_codec are skipped (`delta_chain`). Empty:
+    # delta_codec whatever the link.
+    delta_fallbacks: tuple[str, ...] = ("int2",)
     anchor_every: int = 4
     # error feedback on those pseudo-gradient syncs: what delta_codec lost in one round is added to the
     # same group's next round, at every lossy encode of the ring (dreamp2p.collective.feedback)
@@ -191,6 +200,7 @@ class SyncConfig:
         unknown = [c for c in self.plan_codecs if c not in CODEC_NAMES]
         if unknown:
             raise ValueError(f"sync.plan_codecs: {unknown_codec_message(unknown[0])}")
+        self._check_delta_fallbacks()
         self._check_sparse_codecs()
         if not 0.0 < self.codec_link_budget <= 1.0:
             raise ValueError(f"sync.codec_link_budget must be in (0, 1], got {self.codec_link_budget}")
@@ -199,6 +209,32 @@ class SyncConfig:
                 check_link_codecs(self.codec, self.link_codecs, self.link_codec_tolerance)
             except ValueError as exc:
                 raise ValueError(f"sync.link_codecs: {exc}") from None
+
+    def _check_delta_fallbacks(self) -> None:
+        """Known codec names, each sending fewer bytes than the one before it."""
+        names = self.delta_fallbacks
+        if isinstance(names, str) or not all(isinstance(c, str) for c in names):
+            raise ValueError(f"sync.delta_fallbacks must be a list of codec names, got {names!r}")
+        try:
+            names = tuple(canonical_codec(c) for c in names)
+        except ValueError as exc:
+            raise ValueError(f"sync.delta_fallbacks: {exc}") from None
+        object.__setattr__(self, "delta_fallbacks", names)
+        for before, after in itertools.pairwise(names):
+            if wire_rank(after) <= wire_rank(before):
+                raise ValueError(
+                    f"sync.delta_fallbacks: {after} sends no fewer bytes than {before}; list them least "
+                    "compressive first"
+                )
+
+    @property
+    def delta_chain(self) -> tuple[str, ...]:
+        """The codecs a plan's pseudo-gradients may use, least compressive first: ``delta_codec``, then the
+        fallbacks that send fewer bytes than it; empty without a delta codec."""
+        if not self.delta_codec:
+            return ()
+        base = wire_rank(self.delta_codec)
+        return (canonical_codec(self.delta_codec), *(c for c in self.delta_fallbacks if wire_rank(c) > base))
 
     def _check_sparse_codecs(self) -> None:
         """A sparse codec (``topk``) only where error feedback carries what it leaves out: DreamDDP's
@@ -220,6 +256,11 @@ class SyncConfig:
         if self.delta_codec and is_sparse(self.delta_codec) and not self.error_feedback:
             raise ValueError(
                 f"sync.delta_codec {self.delta_codec} is sparse (2% of each block per round): it needs "
+                "sync.error_feedback = true, which carries the rest into the next rounds"
+            )
+        if self.delta_codec and needs_feedback(self.delta_codec) and not self.error_feedback:
+            raise ValueError(
+                f"sync.delta_codec {self.delta_codec} loses about half of each pseudo-gradient per round: it needs "
                 "sync.error_feedback = true, which carries the rest into the next rounds"
             )
 
@@ -281,8 +322,8 @@ def dreamddp_settings(codec: str, period: int, max_delay: int | None = None) -> 
     most ``max_delay`` steps late (None: left out, so the default cap, period - 1) — what ``dreamp2p plan
     --target-cu`` recommends, in a user's words.
 
-    A 4-bit or sparse codec carries pseudo-gradients (``delta_codec``, the default mode; a sparse one only
-    with error feedback): 4 bits of a weight are too coarse, 4 bits of an update are not. A wider codec
+    A 4-bit, 2-bit or sparse codec carries pseudo-gradients (``delta_codec``, the default mode; a 2-bit or
+    sparse one only with error feedback): 4 bits of a weight are too coarse, 4 bits of an update are not. A wider codec
     averages the parameters themselves (``delta_codec = ""``, ``plan_codecs = [codec]``).
     """
     name = canonical_codec(codec)
@@ -291,7 +332,7 @@ def dreamddp_settings(codec: str, period: int, max_delay: int | None = None) -> 
         out["max_delay"] = max_delay
     if wire_rank(name) >= wire_rank("int4"):
         out["delta_codec"] = name
-        if is_sparse(name):
+        if needs_feedback(name):
             out["error_feedback"] = True
     else:
         out.update(delta_codec="", plan_codecs=[name])

@@ -70,6 +70,7 @@ class RoundRunner:
         self._zstd = ZstdStage(config.transport.zstd_level) if config.transport.zstd else None
         self._guard = ContributionGuard(config.max_norm_ratio)
         self._feedback: dict[int, GroupFeedback] = {}  # error-feedback residuals per group (base group id)
+        self._feedback_plan: dict[int, int] = {}  # the plan version of each group in _feedback
 
     def members(self) -> tuple[PeerInfo, ...]:
         """The ring's members alive now, in ring order (the whole ring before the first view)."""
@@ -231,10 +232,16 @@ class RoundRunner:
     def _feedback_for(self, spec: RoundSpec, numel: int) -> RoundFeedback:
         """This round's draft of its group's error-feedback residuals (see `dreamp2p.collective.feedback`).
 
-        A retry continues its group's residuals; a new member list, rank or codec starts from zero.
+        A retry continues its group's residuals; a new member list, rank or codec starts from zero. Groups of
+        plan versions other than this round's and the one before are dropped: a new plan's syncs are new
+        groups, so those residuals would never be continued, and each re-plan would keep a model's worth.
         """
+        for gid in [g for g, v in self._feedback_plan.items() if v not in (spec.plan_version, spec.plan_version - 1)]:
+            del self._feedback[gid], self._feedback_plan[gid]
         layout = (spec.view_id, spec.rank, spec.rs_codec.name, spec.ag_codec.name)
-        group = self._feedback.setdefault(spec.group_id & ~RETRY_GROUP_BIT, GroupFeedback())
+        gid = spec.group_id & ~RETRY_GROUP_BIT
+        self._feedback_plan[gid] = spec.plan_version
+        group = self._feedback.setdefault(gid, GroupFeedback())
         return group.begin(layout, numel)
 
     def _resolve_codec(self, codec: str | RingCodecPlan | None) -> tuple[RingCodecPlan | None, Codec]:

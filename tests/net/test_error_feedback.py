@@ -71,3 +71,22 @@ async def test_a_failed_round_leaves_the_residuals_as_they_were() -> None:
                 )
             )
         assert [p.feedback_norm(9) for p in peers] == before
+
+
+async def test_residuals_of_plans_before_the_last_two_are_dropped() -> None:
+    """A new plan's syncs are new groups: residuals of older plans would never be continued, so a round of
+    plan v keeps only those of v and v - 1 (else each re-plan would keep a model's worth of them)."""
+    async with running_ring(ring_configs(3, transport=TransportConfig(probe_interval_s=3600.0))) as peers:
+        x = [torch.randn(N) * 0.01 for _ in range(3)]
+        for version, group in ((1, 11), (2, 12), (2, 13), (3, 14)):
+            await asyncio.gather(
+                *(
+                    p.allreduce([x[r]], group_id=group, codec="int2", plan_version=version, error_feedback=True)
+                    for r, p in enumerate(peers)
+                )
+            )
+            if version == 2:
+                assert all(p.feedback_norm(11) > 0 for p in peers)  # v1 is the one before: kept
+        for p in peers:
+            assert p.feedback_norm(11) == 0.0
+            assert min(p.feedback_norm(g) for g in (12, 13, 14)) > 0

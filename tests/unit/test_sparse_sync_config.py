@@ -42,6 +42,76 @@ def test_sparse_codec_refused_where_parameters_or_unfed_increments_travel(settin
         SyncConfig.from_dict({"strategy": "dreamddp", **settings})
 
 
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({"delta_codec": "int2"}, "sync.delta_codec int2 loses about half .* needs sync.error_feedback = true"),
+        ({"delta_fallbacks": ["int3"]}, "sync.delta_fallbacks: unknown codec 'int3'"),
+        ({"delta_fallbacks": "int2"}, "sync.delta_fallbacks must be a list of codec names"),
+        ({"delta_fallbacks": ["topk", "int2"]}, "sync.delta_fallbacks: int2 sends no fewer bytes than topk"),
+    ],
+)
+def test_2_bit_pseudo_gradients_need_error_feedback_and_fallbacks_are_checked(
+    settings: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        SyncConfig.from_dict({"strategy": "dreamddp", **settings})
+
+
+@pytest.mark.parametrize(
+    ("settings", "chain"),
+    [
+        ({}, ("int4", "int2")),
+        ({"delta_fallbacks": []}, ("int4",)),
+        ({"delta_codec": "int2", "error_feedback": True}, ("int2",)),  # int2 is no fallback of itself
+        ({"delta_codec": "int8", "delta_fallbacks": ["INT2", "topk"]}, ("int8", "int2", "topk")),
+        ({"delta_codec": ""}, ()),  # parameter averaging: no pseudo-gradients to compress
+    ],
+)
+def test_the_codecs_pseudo_gradients_may_use(settings: dict[str, Any], chain: tuple[str, ...]) -> None:
+    assert SyncConfig.from_dict({"strategy": "dreamddp", **settings}).delta_chain == chain
+
+
+def _train_pair(hub: InProcessHub, cfg: SyncConfig, steps: int) -> list[Any]:
+    """Two members of ``hub`` training the same small model on different data for ``steps``, then flush()."""
+    strategies = []
+    for rank in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 3))
+        strategies.append(
+            strategy_class("dreamddp")(model, torch.optim.SGD(model.parameters(), lr=0.05), hub.member(rank), cfg)
+        )
+
+    def run(rank: int) -> None:
+        s = strategies[rank]
+        for step in range(steps):
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            x = torch.randn(16, 6, generator=g)
+            nn.functional.mse_loss(s.model(x), torch.sin(x[:, :3])).backward()
+            s.step()
+            s.zero_grad()
+        s.flush()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(run, range(2)))
+    return strategies
+
+
+def test_a_link_that_cannot_carry_int4_gets_int2_pseudo_gradients_with_error_feedback() -> None:
+    """A measured plan on a link far too slow for a period of int4 pseudo-gradients sends them in the fallback,
+    with error feedback though the run did not ask for it; the replicas still end identical."""
+    cfg = SyncConfig(strategy="dreamddp", period=4, warmup_steps=2, control_every=4, max_delay=2)
+    hub = InProcessHub(2, goodput_Bps=2e3, rtt_s=0.001)
+    strategies = _train_pair(hub, cfg, 40)
+    assert [s.sync_codec for s in strategies] == ["int2", "int2"]
+    # the layer syncs (not their 17-element fp32 checks)
+    syncs = [r for r in hub.rounds if r.group_id >= GROUP_PLAN_BASE and r.elements > 17]
+    # the warm-up plan's, before the link was measured, in int4 and without feedback; the measured plan's in int2
+    assert {(r.codec, r.error_feedback) for r in syncs} == {("int4", False), ("int2", True)}
+    a, b = (b"".join(p.detach().numpy().tobytes() for p in s.model.parameters()) for s in strategies)
+    assert a == b
+
+
 def test_dreamddp_trains_with_sparse_pseudo_gradients_and_replicas_stay_identical() -> None:
     """In memory (InProcessHub encodes each mean with the round's codec and keeps its residual): the layer
     syncs between anchors go as topk with error feedback, training goes on, and members end identical."""

@@ -14,6 +14,7 @@ from dreamp2p.schedule.plancodec import choose_plan_codec
 from dreamp2p.schedule.stretch import (
     STRETCH_LINK_BUDGET,
     choose_codec_and_period,
+    choose_delta_codec,
     choose_period,
     link_share,
     stretch_for,
@@ -155,3 +156,34 @@ def test_bench_lms_gpt_stretches_only_where_the_link_cannot_carry_it(mbit: float
         return plan_dreamddp(GPT, link, H, max_delay=H - 1, round_cost_s=0.08)
 
     assert choose_period((20, 40, 80, 160), GPT, link, make).stretch == expected
+
+
+# pseudo-gradients in "q4" (1 MB a full sync) or "q2" (half of it)
+DELTAS = [("q4", 0.125), ("q2", 0.0625)]
+
+
+@pytest.mark.parametrize(
+    ("bandwidth", "periods", "codec", "period"),
+    [
+        (2e6, PERIODS, "q4", 4),  # the link carries the least compressive
+        (1e6, PERIODS, "q2", 4),  # it carries only the second, at the configured period
+        (1e6, (4,), "q2", 4),
+        (0.4e6, PERIODS, "q2", 8),  # it carries neither: the last, stretched until it fits
+        (0.4e6, (4,), "q2", 4),  # ... or kept where the period may not stretch
+    ],
+)
+def test_pseudo_gradients_take_the_first_codec_the_link_carries_before_a_longer_period(
+    bandwidth: float, periods: tuple[int, ...], codec: str, period: int
+) -> None:
+    name, choice = choose_delta_codec(DELTAS, COSTS, _link(bandwidth), periods, _make)
+    assert (name, choice.plan.period) == (codec, period)
+    ratio = dict(DELTAS)[name]
+    assert choice.plan == _make(_link(bandwidth, ratio), period)  # planned at the chosen codec's size
+    shares = [_busy(_link(bandwidth, r), PERIOD) for _, r in DELTAS]
+    first_fit = next((c for (c, _), sh in zip(DELTAS, shares, strict=True) if sh <= STRETCH_LINK_BUDGET), "q2")
+    assert name == first_fit
+
+
+def test_pseudo_gradients_need_a_candidate() -> None:
+    with pytest.raises(ValueError, match="no candidate"):
+        choose_delta_codec([], COSTS, _link(1e6), PERIODS, _make)

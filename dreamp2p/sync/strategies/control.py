@@ -33,7 +33,7 @@ from dreamp2p.schedule.dreamddp import plan_dreamddp
 from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs, wire_ratio
 from dreamp2p.schedule.plan import Plan
 from dreamp2p.schedule.plancodec import choose_anchor_codec
-from dreamp2p.schedule.stretch import choose_codec_and_period, choose_period, stretched_periods
+from dreamp2p.schedule.stretch import choose_codec_and_period, choose_delta_codec, choose_period, stretched_periods
 from dreamp2p.sync.comm.collective import Collective
 from dreamp2p.sync.model.groups import GROUP_CONTROL
 from dreamp2p.sync.model.layers import FlatGroup
@@ -125,6 +125,16 @@ class PlanRequest:
     link: LinkModel
     version: int
     start: int  # the step it takes effect at (a period boundary of the plan in force)
+
+
+@dataclass(frozen=True)
+class MadePlan:
+    """A plan and the codecs of its syncs: ``anchors`` for syncs that average parameters (every sync without a
+    delta codec), ``deltas`` for the pseudo-gradients ("" without a delta codec)."""
+
+    plan: Plan
+    anchors: str
+    deltas: str = ""
 
 
 class Replanner:
@@ -231,10 +241,11 @@ class Replanner:
         log.info("plan v%d computed at step %d from bw %.3g B/s rtt %.3g s", next_version, t, g.bandwidth_Bps, g.rtt_s)
         return PlanRequest(g.costs, link, next_version, start)
 
-    def make(self, req: PlanRequest) -> tuple[Plan, str]:
-        """The plan and its codec for ``req``: pure and deterministic, so every member makes the same. The plan's
+    def make(self, req: PlanRequest) -> MadePlan:
+        """The plan and its codecs for ``req``: pure and deterministic, so every member makes the same. The plan's
         period is ``sync.period``, or a multiple of it where the link cannot carry the syncs in that time
-        (`dreamp2p.schedule.stretch`)."""
+        (`dreamp2p.schedule.stretch`); its pseudo-gradients use the first codec of ``sync.delta_chain`` that
+        the link carries (`choose_delta_codec`)."""
         cfg = self.cfg
         periods = stretched_periods(cfg.period, cfg.max_stretch)
 
@@ -252,30 +263,10 @@ class Replanner:
             )
 
         if cfg.delta_codec:
-            # the plan's syncs are pseudo-gradients in delta_codec: plan for their size; the plan codecs carry
-            # only the anchors that follow a failed check
-            choice = choose_period(periods, req.costs, req.link, lambda H: make_plan(req.link, H))
-            plan = choice.plan  # priced at delta_codec's size (`self.ratio`)
-            if choice.stretch > 1:
-                log.info(
-                    "plan v%d: period %d (%d x sync.period): the link could not carry the syncs of a period of %d; "
-                    "now busy %.0f%% of the period",
-                    req.version,
-                    plan.period,
-                    choice.stretch,
-                    cfg.period,
-                    100 * choice.busy_fraction,
-                )
-            if not cfg.plan_codecs or cfg.link_codecs:
-                return plan, cfg.codec
-            candidates = [(c, wire_ratio(c)) for c in cfg.plan_codecs]
-            anchor = choose_anchor_codec(
-                candidates, list(req.costs), req.link, plan.period, plan, cfg.codec_link_budget
-            )
-            log.info("plan v%d: pseudo-gradients in %s, anchors in %s", req.version, cfg.delta_codec, anchor)
-            return plan, anchor
+            return self._make_deltas(req, periods, make_plan)
         if not cfg.plan_codecs or cfg.link_codecs:  # per-link codecs replace the per-plan choice
-            return choose_period(periods, req.costs, req.link, lambda H: make_plan(req.link, H)).plan, cfg.codec
+            plan = choose_period(periods, req.costs, req.link, lambda H: make_plan(req.link, H)).plan
+            return MadePlan(plan, cfg.codec)
         candidates = [(c, wire_ratio(c)) for c in cfg.plan_codecs]
         picked = choose_codec_and_period(candidates, req.costs, req.link, periods, make_plan, cfg.codec_link_budget)
         log.info(
@@ -286,7 +277,41 @@ class Replanner:
             100 * picked.busy_fraction,
             picked.exposed_s,
         )
-        return picked.plan, picked.codec
+        return MadePlan(picked.plan, picked.codec)
+
+    def _make_deltas(
+        self, req: PlanRequest, periods: tuple[int, ...], make_plan: Callable[[LinkModel, int], Plan]
+    ) -> MadePlan:
+        """`make` where the plan's syncs are pseudo-gradients: planned for their codec's size; the plan codecs
+        carry only the anchors that follow a failed check."""
+        cfg = self.cfg
+        deltas, choice = choose_delta_codec(
+            [(c, wire_ratio(c)) for c in cfg.delta_chain], req.costs, req.link, periods, make_plan
+        )
+        plan = choice.plan
+        if deltas != cfg.delta_codec:
+            log.info(
+                "plan v%d: pseudo-gradients in %s with error feedback: the link could not carry them in %s",
+                req.version,
+                deltas,
+                cfg.delta_codec,
+            )
+        if choice.stretch > 1:
+            log.info(
+                "plan v%d: period %d (%d x sync.period): the link could not carry the syncs of a period of %d; "
+                "now busy %.0f%% of the period",
+                req.version,
+                plan.period,
+                choice.stretch,
+                cfg.period,
+                100 * choice.busy_fraction,
+            )
+        if not cfg.plan_codecs or cfg.link_codecs:
+            return MadePlan(plan, cfg.codec, deltas)
+        candidates = [(c, wire_ratio(c)) for c in cfg.plan_codecs]
+        anchor = choose_anchor_codec(candidates, list(req.costs), req.link, plan.period, plan, cfg.codec_link_budget)
+        log.info("plan v%d: pseudo-gradients in %s, anchors in %s", req.version, deltas, anchor)
+        return MadePlan(plan, anchor, deltas)
 
 
 # A control round in flight: (the step its result is used at, the round, its buffer, the members it was

@@ -28,7 +28,9 @@ Codec per plan (bandwidth-aware compression, arXiv 2408.14736): with ``plan_code
 every plan is made for each candidate's wire size and the least lossy candidate is taken whose plan hides
 every sync and keeps the link busy at most ``codec_link_budget`` of the period (the rest is headroom for
 the CPU cost of each byte and for noise); if none does, the most compressive. Every peer decides from the
-same gathered inputs, so all use the same codec for the rounds of a plan.
+same gathered inputs, so all use the same codec for the rounds of a plan. Pseudo-gradients likewise: where
+the link cannot carry a period's syncs in ``delta_codec``, a plan's syncs use the first of
+``delta_fallbacks`` it can (int2 by default), always with error feedback (`Replanner.make`).
 
 One plan for all: plans are computed only from inputs every peer holds bit-identically, gathered by a
 small control all-reduce every ``control_every`` steps (each peer's link measurements and layer
@@ -195,7 +197,10 @@ class DreamDDP(Strategy):
             self._inflight.remove(inf)
             self._land(inf)
         anchor_codec = self.ring_codecs or self.plan_codec
-        self._inflight.append(self._syncs.launch(self.plan, idx, self.step_count, self._round(), anchor_codec))
+        launched = self._syncs.launch(
+            self.plan, idx, self.step_count, self._round(), anchor_codec, self._plans.delta_codec
+        )
+        self._inflight.append(launched)
 
     def _flush_params(self, round_id: int) -> RoundResult | None:
         """flush()'s trainable part through the compressed path (`dreamp2p.sync.strategies.deltaflush`)."""
@@ -219,7 +224,7 @@ class DreamDDP(Strategy):
     @property
     def sync_codec(self) -> str:
         """The codec nearly all layer syncs use, the one plans are priced at: the pseudo-gradients'."""
-        return self.cfg.delta_codec or self.plan_codec
+        return self._plans.delta_codec or self.plan_codec
 
     def _land(self, inf: InFlight, timeout: float | None = None) -> None:
         """Wait for a sync (and an anchor's check round) and merge it; a failed one is skipped everywhere."""
@@ -400,6 +405,7 @@ class DreamDDP(Strategy):
             "history": plans["history"],
             **self._weights.state(),
             "plan_codecs": plans["plan_codecs"],
+            "delta_codecs": plans["delta_codecs"],
             "inflight": [r for inf in self._inflight if (r := inf.record(self.round_limit_s))],
         }
         record = self._schedule.record(self.round_limit_s)

@@ -41,9 +41,19 @@ class LayerSyncs:
         self._weights = weights
         self._groups: dict[tuple[int, int], FlatGroup] = {}
 
-    def launch(self, plan: Plan, idx: int, step: int, round_id: int, anchor_codec: str | RingCodecPlan) -> InFlight:
+    def launch(
+        self,
+        plan: Plan,
+        idx: int,
+        step: int,
+        round_id: int,
+        anchor_codec: str | RingCodecPlan,
+        delta_codec: str,
+    ) -> InFlight:
         """Launch sync ``idx`` of ``plan`` at ``step``; its buffers must not be in flight any more.
-        ``anchor_codec``: what an anchor's parameters travel in (the plan's codec, or the per-link codecs)."""
+        ``anchor_codec``: what an anchor's parameters travel in (the plan's codec, or the per-link codecs);
+        ``delta_codec``: what a pseudo-gradient travels in (``delta_codec`` or, on a tight link, a fallback,
+        which always carries error feedback)."""
         sync = plan.syncs[idx]
         key = (plan.version, idx)
         group = self._groups.get(key)
@@ -68,11 +78,11 @@ class LayerSyncs:
         fut = self._comm.allreduce_group(
             group,
             gid,
-            self._cfg.delta_codec,
+            delta_codec,
             plan_version=plan.version,
             round_id=round_id,
             prepare=pseudo_gradient,
-            error_feedback=self._cfg.error_feedback,
+            error_feedback=self._cfg.error_feedback or delta_codec != self._cfg.delta_codec,
         )
         if not self._is_check(step):
             return InFlight(step + sync.delay, key, group, sync.layers, fut)

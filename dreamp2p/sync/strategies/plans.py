@@ -18,7 +18,7 @@ from dreamp2p.config.sync import SyncConfig
 from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.schedule.dreamddp import warmup_plan
 from dreamp2p.schedule.plan import Plan
-from dreamp2p.sync.strategies.control import Gathered, PlanRequest, Replanner, in_background
+from dreamp2p.sync.strategies.control import Gathered, MadePlan, PlanRequest, Replanner, in_background
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +35,12 @@ class PlanBook:
         # before the link is measured: a few large syncs, landing as late as the WAN extension allows
         self.plan: Plan = self._warmup()
         self._next: Plan | None = None
-        # a plan being made off the training thread: (its request, the future of (plan, codec))
-        self._making: tuple[PlanRequest, concurrent.futures.Future[tuple[Plan, str]]] | None = None
+        # a plan being made off the training thread: (its request, the future of the plan and its codecs)
+        self._making: tuple[PlanRequest, concurrent.futures.Future[MadePlan]] | None = None
         self.history: list[tuple[int, int]] = [(0, 0)]
-        # codec of each plan's layer syncs (plan version -> name)
+        # codec of each plan's anchors, and of its pseudo-gradients where not delta_codec (plan version -> name)
         self._codecs: dict[int, str] = {0: self._warmup_codec()}
+        self._deltas: dict[int, str] = {}
 
     def _warmup(self) -> Plan:
         return warmup_plan(self._blank, self._cfg.period, WARMUP_GROUPS, delay=self._cfg.delay_cap)
@@ -52,6 +53,11 @@ class PlanBook:
     def codec(self) -> str:
         """The codec of the plan in force's anchors (of all its layer syncs without a delta codec)."""
         return self._codecs.get(self.plan.version, self._cfg.codec)
+
+    @property
+    def delta_codec(self) -> str:
+        """The codec of the plan in force's pseudo-gradients: ``delta_codec`` or a fallback of it ("" without)."""
+        return self._deltas.get(self.plan.version, self._cfg.delta_codec)
 
     def adopt(self, step: int) -> None:
         """Adopt the plan due by ``step``, waiting for it if it is still being made."""
@@ -68,7 +74,10 @@ class PlanBook:
         if self._making is not None:
             req, fut = self._making
             self._making = None
-            self._next, self._codecs[req.version] = fut.result()
+            made = fut.result()
+            self._next, self._codecs[req.version] = made.plan, made.anchors
+            if made.deltas != self._cfg.delta_codec:
+                self._deltas[req.version] = made.deltas
         return self._next
 
     def replan(self, replanner: Replanner, g: Gathered, t: int, world: int) -> None:
@@ -95,15 +104,17 @@ class PlanBook:
         self._making = None
         self.history = [(self.plan.version, step)]
         self._codecs = {self.plan.version: self._warmup_codec()}
+        self._deltas = {}
 
     def state(self) -> dict[str, Any]:
         """Checkpoint entries ``plan``, ``next_plan`` (the plan being made is waited for), ``history`` and
-        ``plan_codecs``."""
+        ``plan_codecs`` and ``delta_codecs`` (only plans whose pseudo-gradients use a fallback)."""
         return {
             "plan": self.plan.to_dict(),
             "next_plan": queued.to_dict() if (queued := self.collect()) is not None else None,
             "history": [list(h) for h in self.history],
             "plan_codecs": dict(self._codecs),
+            "delta_codecs": dict(self._deltas),
         }
 
     def load(self, state: dict[str, Any]) -> None:
@@ -113,3 +124,4 @@ class PlanBook:
         self._making = None
         self.history = [(int(v), int(e)) for v, e in state.get("history", [])]
         self._codecs.update({int(v): str(c) for v, c in state.get("plan_codecs", {}).items()})
+        self._deltas.update({int(v): str(c) for v, c in state.get("delta_codecs", {}).items()})
