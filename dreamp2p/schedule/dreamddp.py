@@ -69,6 +69,16 @@ group per iteration wherever both hide; one all-layer group wins only where stag
 a round's worth of wait. Bubble filling is off while rounds cost (each repeat is a
 round bought for freshness, which the model cannot price in seconds).
 
+Staleness: a sync that lands late merges a pseudo-gradient measured that many steps before, and near a whole
+period late that costs the model more than any step time it saves. On `bench lm` at 2 Mbit/s (2-bit
+pseudo-gradients, period 20) one group of every layer landing 18-19 steps late (the cheapest plan by a round's
+0.08 s) gave held-out 2.577 per replica, worse than one region alone (2.482); two staggered groups landing
+10 steps late gave 2.457. So where the plan picked above lands later than `FRESH_SHARE` (0.6) of a period
+(byte-weighted), the cheapest candidate that lands within it is taken instead, if it costs at most `STALE_PRICE`
+(10%) of the period's compute more than the fastest. The planner predicted the two groups 0.275 s dearer per
+5.26 s period (its link times carry `plan_margin`); they waited 0.13 s per period in the run. Links that
+carry the syncs easily plan as before: their fastest plans land within a few steps.
+
 Bubble filling: after the plan is fixed, idle stretches of the link inside an iteration's backward window (in
 the steady state) get ``repeat=True`` single-layer syncs of layers that fit there entirely, most stale first
 (iterations since the layer's base sync landed; ties: earliest-ready layer). A repeat never starts before its
@@ -125,6 +135,12 @@ __all__ = [
 # dreamp2p.sync, and diloco/streaming/co2 have no model here. The strategies are `dreamp2p.config.sync.STRATEGIES`.
 PLANNED_SCHEDULES = ("dreamddp", "plsgd", "localsgd", "ssgd")
 _MAX_DESCENT_PASSES = 16
+# what a plan may cost (exposed wait plus rounds, as a share of the period's compute) to land its syncs
+# within half a period rather than later; see "Staleness" in the module docstring
+STALE_PRICE = 0.1
+# how late (byte-weighted, as a share of the period) a plan's syncs may land before freshness is bought:
+# two staggered groups land half a period late and a step or two more
+FRESH_SHARE = 0.6
 
 
 # -------------------------------------------------------------------------------- delays and bubble filling
@@ -170,6 +186,20 @@ def _staleness(jobs: Sequence[Job]) -> float:
     if weight <= 0:
         return float(sum(job.delay for job in jobs))
     return math.fsum(job.delay * job.comm for job in jobs) / weight
+
+
+def _pick(scored: Sequence[tuple[float, float, list[Job]]], round_cost_s: float, H: int, period_s: float) -> list[Job]:
+    """Of the candidates' (cost, staleness, jobs): the freshest of those within one round's cost of the fastest
+    (the cost is a measured figure, not exact to a round; ties: the earlier candidate). Where that one lands
+    later than `FRESH_SHARE` of a period, the cheapest that lands within it, if it costs at most `STALE_PRICE`
+    of the period's compute more than the fastest (see the module docstring)."""
+    fastest = min(cost for cost, _, _ in scored)
+    best = min((c for c in scored if c[0] <= fastest + round_cost_s), key=lambda c: c[1])
+    late = FRESH_SHARE * H
+    if best[1] <= late:
+        return best[2]
+    fresh = [c for c in scored if c[1] <= late and c[0] <= fastest + max(round_cost_s, STALE_PRICE * period_s)]
+    return min(fresh, key=lambda c: c[0])[2] if fresh else best[2]
 
 
 def _spread_candidates(prof: Profile, seg: Segments, H: int) -> list[list[Job]]:
@@ -366,10 +396,7 @@ def plan_dreamddp(
             chosen, total = _choose_delays(cand, H, prof.B, prof.F, max_delay)
             rounds = sum(1 for job in chosen if job.comm > 0)  # a group of no bytes starts no round
             scored.append((math.fsum((total, rounds * round_cost_s)), _staleness(chosen), chosen))
-        # plans within one round's cost of the fastest are alike (the cost is a measured figure, not exact
-        # to a round); among them the freshest wins, then the earlier candidate
-        fastest = min(cost for cost, _, _ in scored)
-        jobs = min((c for c in scored if c[0] <= fastest + round_cost_s), key=lambda c: c[1])[2]
+        jobs = _pick(scored, round_cost_s, H, H * (prof.F + prof.B))
     plan, cyc = _plan_from_jobs(jobs, prof, H, version, effective_step)
     if not bubble_fill or round_cost_s > 0:
         return plan  # a repeat is one more round of trainer time, bought for freshness the model cannot price
