@@ -136,7 +136,7 @@ __all__ = [
 PLANNED_SCHEDULES = ("dreamddp", "plsgd", "localsgd", "ssgd")
 _MAX_DESCENT_PASSES = 16
 # what a plan may cost (exposed wait plus rounds, as a share of the period's compute) to land its syncs
-# within half a period rather than later; see "Staleness" in the module docstring
+# within FRESH_SHARE of a period rather than later; see "Staleness" in the module docstring
 STALE_PRICE = 0.1
 # how late (byte-weighted, as a share of the period) a plan's syncs may land before freshness is bought:
 # two staggered groups land half a period late and a step or two more

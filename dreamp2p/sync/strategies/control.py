@@ -179,8 +179,9 @@ class Replanner:
         """Steps from a control round launched now to the next one (`control_interval`, on agreed memory)."""
         return control_interval(self.cfg.control_every, self.cfg.control_backoff, self.quiet)
 
-    def report(self, plan: Plan, profiled: tuple[LayerCost, ...], world: int) -> dict[str, Any]:
-        """``plan`` with the layer costs and link it was made from (``profiled`` before any was gathered)."""
+    def report(self, plan: Plan, profiled: tuple[LayerCost, ...], world: int, codec: str = "") -> dict[str, Any]:
+        """``plan`` with the layer costs and link it was made from (``profiled`` before any was gathered);
+        ``codec``: what its syncs send, where not the codec plans start from (a fallback of delta_codec)."""
         g = self.last_gathered
         costs = g.costs if g is not None else profiled
         bw = g.bandwidth_Bps if g is not None and math.isfinite(g.bandwidth_Bps) else 1e12
@@ -192,7 +193,7 @@ class Replanner:
                 "bandwidth_Bps": bw,
                 "rtt_s": g.rtt_s if g is not None else 0.0,
                 "world": world,
-                "codec_ratio": self.ratio,
+                "codec_ratio": wire_ratio(codec) if codec else self.ratio,
             },
         }
 

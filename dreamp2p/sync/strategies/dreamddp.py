@@ -324,7 +324,7 @@ class DreamDDP(Strategy):
 
     def plan_report(self) -> dict[str, Any]:
         """The plan in force with the profile and link it was made from (the run report's Gantt chart)."""
-        return self._replanner.report(self.plan, tuple(self.profiler.costs()), self.comm.world)
+        return self._replanner.report(self.plan, tuple(self.profiler.costs()), self.comm.world, self.sync_codec)
 
     def _rearm(self) -> None:
         """Arm the step this node jumped to (a join or a resync, `Strategy.jump_to`).
