@@ -36,7 +36,7 @@ def test_the_freshest_alike_or_the_cheapest_that_lands_in_time(
 ) -> None:
     cands = [(cost, stale, [name]) for cost, stale, name in scored]
     assert _pick(cands, 0.08, H, PERIOD_S) == [expected]  # type: ignore[arg-type]
-    assert (STALE_PRICE * PERIOD_S, FRESH_SHARE * H) == pytest.approx((0.25, 12))
+    assert pytest.approx((0.25, 12)) == (STALE_PRICE * PERIOD_S, FRESH_SHARE * H)
 
 
 def _staleness(plan: Plan, costs: list[LayerCost]) -> float:
