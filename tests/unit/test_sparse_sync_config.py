@@ -72,8 +72,9 @@ def test_the_codecs_pseudo_gradients_may_use(settings: dict[str, Any], chain: tu
     assert SyncConfig.from_dict({"strategy": "dreamddp", **settings}).delta_chain == chain
 
 
-def _train_pair(hub: InProcessHub, cfg: SyncConfig, steps: int) -> list[Any]:
-    """Two members of ``hub`` training the same small model on different data for ``steps``, then flush()."""
+def _train_pair(hub: InProcessHub, cfg: SyncConfig, steps: int) -> tuple[list[Any], list[list[float]]]:
+    """Two members of ``hub`` training the same small model on different data for ``steps``, then flush():
+    the strategies and each member's training losses."""
     strategies = []
     for rank in range(2):
         torch.manual_seed(0)
@@ -81,20 +82,23 @@ def _train_pair(hub: InProcessHub, cfg: SyncConfig, steps: int) -> list[Any]:
         strategies.append(
             strategy_class("dreamddp")(model, torch.optim.SGD(model.parameters(), lr=0.05), hub.member(rank), cfg)
         )
+    losses: list[list[float]] = [[], []]
 
     def run(rank: int) -> None:
         s = strategies[rank]
         for step in range(steps):
             g = torch.Generator().manual_seed(1000 * rank + step)
             x = torch.randn(16, 6, generator=g)
-            nn.functional.mse_loss(s.model(x), torch.sin(x[:, :3])).backward()
+            loss = nn.functional.mse_loss(s.model(x), torch.sin(x[:, :3]))
+            loss.backward()
             s.step()
             s.zero_grad()
+            losses[rank].append(float(loss.detach()))
         s.flush()
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         list(pool.map(run, range(2)))
-    return strategies
+    return strategies, losses
 
 
 @pytest.mark.parametrize(("goodput_Bps", "measured"), [(2e3, ("int2", True)), (1e9, ("int4", False))])
@@ -106,7 +110,7 @@ def test_pseudo_gradients_travel_in_int2_with_error_feedback_where_the_link_cann
     error feedback, though the run did not ask for it. The replicas end identical either way."""
     cfg = SyncConfig(strategy="dreamddp", period=4, warmup_steps=2, control_every=4, max_delay=2)
     hub = InProcessHub(2, goodput_Bps=goodput_Bps, rtt_s=0.001)
-    strategies = _train_pair(hub, cfg, 40)
+    strategies, _ = _train_pair(hub, cfg, 40)
     assert [s.sync_codec for s in strategies] == [measured[0]] * 2
     # the layer syncs (not their 17-element fp32 checks), in order
     syncs = [(r.codec, r.error_feedback) for r in hub.rounds if r.group_id >= GROUP_PLAN_BASE and r.elements > 17]
@@ -130,29 +134,7 @@ def test_dreamddp_trains_with_sparse_pseudo_gradients_and_replicas_stay_identica
         delta_codec="topk",
         error_feedback=True,
     )
-    strategies = []
-    for rank in range(2):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 3))
-        strategies.append(
-            strategy_class("dreamddp")(model, torch.optim.SGD(model.parameters(), lr=0.05), hub.member(rank), cfg)
-        )
-    losses: list[list[float]] = [[], []]
-
-    def run(rank: int) -> None:
-        s = strategies[rank]
-        for step in range(48):
-            g = torch.Generator().manual_seed(1000 * rank + step)
-            x = torch.randn(16, 6, generator=g)
-            loss = nn.functional.mse_loss(s.model(x), torch.sin(x[:, :3]))
-            loss.backward()
-            s.step()
-            s.zero_grad()
-            losses[rank].append(float(loss.detach()))
-        s.flush()
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        list(pool.map(run, range(2)))
+    strategies, losses = _train_pair(hub, cfg, 48)
     deltas = [r for r in hub.rounds if r.group_id >= GROUP_PLAN_BASE and r.codec == "topk"]
     assert deltas and all(r.error_feedback for r in deltas)
     for curve in losses:
