@@ -82,7 +82,13 @@ def test_slowed_link_replans_everywhere_at_the_same_step() -> None:
             "chunk_max_bytes": 65536,
         }
     }
-    sync = {"period": 4, "warmup_steps": 3, "control_every": 4, "replan_sustain": 2, "max_stretch": 1}
+    # int4 pseudo-gradients throughout (no int2 fallback): this small model's int2 rounds are a few 16 KB frames,
+    # the in-process limiter's burst, and under load their pace read 1.2-3.5 MB/s on the 0.4 MB/s link, so the
+    # re-plan this test is about was not triggered by them (issue 34's note)
+    sync = {
+        **{"period": 4, "warmup_steps": 3, "control_every": 4, "replan_sustain": 2, "max_stretch": 1},
+        "delta_fallbacks": [],
+    }
     # the slowed rate sits far below what a loaded loopback measures (1.7-2 MB/s with 3 busy cores beside):
     # a slowdown within the re-plan threshold of the measured basis rightly changes nothing
     results = train(3, "dreamddp", config, steps=90, width=256, sync=sync, slow_at=30, slow_rate=4e5, step_sleep=0.005)

@@ -23,6 +23,7 @@ QUANT_STEP = {
     "int8": 1 / 254,
     "int4": 1 / 14,
     "e3m0": 1 / 3,
+    "int2": 1 / 3,
     # top-k: a kept value errs by less than the block's largest, a dropped one is below the smallest kept
     # (so this only checks bit-identical, finite results; its accuracy comes over rounds with error feedback)
     "topk": 1.0,
@@ -65,7 +66,16 @@ def test_ring_mean_every_codec(world: int) -> None:
         total = 4 * sum(SIZES)
         sent = reports[0]["bytes_sent"]
         expect = total * 2 * (world - 1) / world
-        ratio = {"fp32": 1.0, "fp16": 0.5, "bf16": 0.5, "int8": 0.27, "int4": 0.15, "e3m0": 0.15, "topk": 0.0066}[codec]
+        ratio = {
+            "fp32": 1.0,
+            "fp16": 0.5,
+            "bf16": 0.5,
+            "int8": 0.27,
+            "int4": 0.15,
+            "e3m0": 0.15,
+            "int2": 0.08,
+            "topk": 0.0066,
+        }[codec]
         assert sent <= expect * ratio * 1.05 + 4096, f"{codec}: sent {sent} bytes"
 
 

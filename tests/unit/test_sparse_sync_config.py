@@ -105,17 +105,17 @@ def _train_pair(hub: InProcessHub, cfg: SyncConfig, steps: int) -> tuple[list[An
 def test_pseudo_gradients_travel_in_int2_with_error_feedback_where_the_link_cannot_carry_int4(
     goodput_Bps: float, measured: tuple[str, bool]
 ) -> None:
-    """The warm-up plan, before the link is measured, sends the most compressive fallback; a measured plan on a
-    link far too slow for a period of int4 pseudo-gradients too, a fast link's int4. A fallback always carries
-    error feedback, though the run did not ask for it. The replicas end identical either way."""
+    """A measured plan on a link far too slow for a period of int4 pseudo-gradients sends them in the fallback,
+    with error feedback though the run did not ask for it; a fast link's plan keeps int4, as does the warm-up
+    plan before the link is measured. The replicas end identical either way."""
     cfg = SyncConfig(strategy="dreamddp", period=4, warmup_steps=2, control_every=4, max_delay=2)
     hub = InProcessHub(2, goodput_Bps=goodput_Bps, rtt_s=0.001)
     strategies, _ = _train_pair(hub, cfg, 40)
     assert [s.sync_codec for s in strategies] == [measured[0]] * 2
     # the layer syncs (not their 17-element fp32 checks), in order
     syncs = [(r.codec, r.error_feedback) for r in hub.rounds if r.group_id >= GROUP_PLAN_BASE and r.elements > 17]
-    assert syncs[0] == ("int2", True) and syncs[-1] == measured
-    assert set(syncs) == {("int2", True), measured}
+    assert syncs[0] == ("int4", False) and syncs[-1] == measured
+    assert set(syncs) == {("int4", False), measured}
     a, b = (b"".join(p.detach().numpy().tobytes() for p in s.model.parameters()) for s in strategies)
     assert a == b
 

@@ -40,7 +40,7 @@ class PlanBook:
         self.history: list[tuple[int, int]] = [(0, 0)]
         # codec of each plan's anchors, and of its pseudo-gradients where not delta_codec (plan version -> name)
         self._codecs: dict[int, str] = {0: self._warmup_codec()}
-        self._deltas: dict[int, str] = self._warmup_deltas()
+        self._deltas: dict[int, str] = {}
 
     def _warmup(self) -> Plan:
         return warmup_plan(self._blank, self._cfg.period, WARMUP_GROUPS, delay=self._cfg.delay_cap)
@@ -48,12 +48,6 @@ class PlanBook:
     def _warmup_codec(self) -> str:
         """The warm-up plan's codec: the most compressive candidate, since the link is not measured yet."""
         return self._cfg.plan_codecs[-1] if self._cfg.plan_codecs else self._cfg.codec
-
-    def _warmup_deltas(self) -> dict[int, str]:
-        """The warm-up plan's (version 0) pseudo-gradient codec where not delta_codec: the most compressive of
-        ``delta_chain``, as for its anchors (at 2 Mbit/s its int4 syncs waited 4.4 s in 20 steps)."""
-        chain = self._cfg.delta_chain
-        return {0: chain[-1]} if len(chain) > 1 else {}
 
     @property
     def codec(self) -> str:
@@ -110,7 +104,7 @@ class PlanBook:
         self._making = None
         self.history = [(self.plan.version, step)]
         self._codecs = {self.plan.version: self._warmup_codec()}
-        self._deltas = self._warmup_deltas()
+        self._deltas = {}
 
     def state(self) -> dict[str, Any]:
         """Checkpoint entries ``plan``, ``next_plan`` (the plan being made is waited for), ``history`` and
