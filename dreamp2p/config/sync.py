@@ -253,15 +253,15 @@ class SyncConfig:
                     f"sync.{key}: {sparse[0]} is a sparse codec, usable only as sync.delta_codec with "
                     "sync.error_feedback = true (it sends 2% of each block and decodes the rest as zeros)"
                 )
-        if self.delta_codec and is_sparse(self.delta_codec) and not self.error_feedback:
-            raise ValueError(
-                f"sync.delta_codec {self.delta_codec} is sparse (2% of each block per round): it needs "
-                "sync.error_feedback = true, which carries the rest into the next rounds"
-            )
         if self.delta_codec and needs_feedback(self.delta_codec) and not self.error_feedback:
+            loss = (
+                "is sparse (2% of each block per round)"
+                if is_sparse(self.delta_codec)
+                else "loses about half of each pseudo-gradient per round"
+            )
             raise ValueError(
-                f"sync.delta_codec {self.delta_codec} loses about half of each pseudo-gradient per round: it needs "
-                "sync.error_feedback = true, which carries the rest into the next rounds"
+                f"sync.delta_codec {self.delta_codec} {loss}: it needs sync.error_feedback = true, which carries "
+                "the rest into the next rounds"
             )
 
     @property

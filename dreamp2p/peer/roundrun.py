@@ -69,8 +69,8 @@ class RoundRunner:
         self._commits = commits
         self._zstd = ZstdStage(config.transport.zstd_level) if config.transport.zstd else None
         self._guard = ContributionGuard(config.max_norm_ratio)
-        self._feedback: dict[int, GroupFeedback] = {}  # error-feedback residuals per group (base group id)
-        self._feedback_plan: dict[int, int] = {}  # the plan version of each group in _feedback
+        # error-feedback residuals per group (base group id), with the plan version of the group's last round
+        self._feedback: dict[int, tuple[int, GroupFeedback]] = {}
 
     def members(self) -> tuple[PeerInfo, ...]:
         """The ring's members alive now, in ring order (the whole ring before the first view)."""
@@ -84,8 +84,8 @@ class RoundRunner:
 
     def feedback_norm(self, group_id: int) -> float:
         """Norm of the error-feedback residuals carried into group ``group_id``'s next round (0 without)."""
-        group = self._feedback.get(group_id)
-        return group.residual_norm() if group is not None else 0.0
+        entry = self._feedback.get(group_id)
+        return entry[1].residual_norm() if entry is not None else 0.0
 
     async def allreduce(
         self,
@@ -236,13 +236,12 @@ class RoundRunner:
         plan versions other than this round's and the one before are dropped: a new plan's syncs are new
         groups, so those residuals would never be continued, and each re-plan would keep a model's worth.
         """
-        for gid in [g for g, v in self._feedback_plan.items() if v not in (spec.plan_version, spec.plan_version - 1)]:
-            del self._feedback[gid], self._feedback_plan[gid]
-        layout = (spec.view_id, spec.rank, spec.rs_codec.name, spec.ag_codec.name)
+        kept = (spec.plan_version, spec.plan_version - 1)
+        self._feedback = {g: entry for g, entry in self._feedback.items() if entry[0] in kept}
         gid = spec.group_id & ~RETRY_GROUP_BIT
-        self._feedback_plan[gid] = spec.plan_version
-        group = self._feedback.setdefault(gid, GroupFeedback())
-        return group.begin(layout, numel)
+        group = self._feedback[gid][1] if gid in self._feedback else GroupFeedback()
+        self._feedback[gid] = (spec.plan_version, group)
+        return group.begin((spec.view_id, spec.rank, spec.rs_codec.name, spec.ag_codec.name), numel)
 
     def _resolve_codec(self, codec: str | RingCodecPlan | None) -> tuple[RingCodecPlan | None, Codec]:
         """A round's per-link codec plan (None for one codec on every link) and its base codec."""

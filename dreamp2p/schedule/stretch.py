@@ -78,7 +78,13 @@ def choose_period(
 ) -> PeriodChoice:
     """``make_plan(H)`` at the first of ``periods`` (the configured one) or, where its syncs would keep ``link``
     busy more than the budget, at the period `stretch_for` names."""
-    plan = make_plan(periods[0])
+    return _stretched(periods, costs, link, make_plan, make_plan(periods[0]))
+
+
+def _stretched(
+    periods: Sequence[int], costs: Sequence[LayerCost], link: LinkModel, make_plan: Callable[[int], Plan], plan: Plan
+) -> PeriodChoice:
+    """`choose_period` given ``plan``, already made at the first of ``periods``."""
     busy = link_share(costs, link, periods[0], plan)
     chosen = stretch_for(busy, periods)
     if chosen != periods[0]:
@@ -134,11 +140,7 @@ def choose_delta_codec(
         raise ValueError("no candidate codecs")
     for i, (name, ratio) in enumerate(candidates):
         lk = replace(link, codec_ratio=ratio)
-        last = i == len(candidates) - 1
-        if last or link_share(costs, lk, periods[0], make_plan(lk, periods[0])) <= STRETCH_LINK_BUDGET:
-            return name, choose_period(periods, costs, lk, functools.partial(_with_link, make_plan, lk))
+        first = make_plan(lk, periods[0])
+        if i == len(candidates) - 1 or link_share(costs, lk, periods[0], first) <= STRETCH_LINK_BUDGET:
+            return name, _stretched(periods, costs, lk, functools.partial(make_plan, lk), first)
     raise AssertionError("unreachable: the last candidate always returns")
-
-
-def _with_link(make_plan: Callable[[LinkModel, int], Plan], link: LinkModel, H: int) -> Plan:
-    return make_plan(link, H)
