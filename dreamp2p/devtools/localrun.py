@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import site
 import socket
 import subprocess
@@ -42,6 +43,14 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def metrics_port(run_dir: Path, name: str) -> int:
+    """The port node ``name`` serves its metrics on, as its log under ``run_dir`` says (its latest start)."""
+    found = re.findall(r"metrics on \S+ \(port (\d+)\)", (run_dir / f"{name}.log").read_text(errors="replace"))
+    if not found:
+        raise RuntimeError(f"{name} has not logged its metrics port in {run_dir / f'{name}.log'}")
+    return int(found[-1])
 
 
 def _toml(value: Any) -> str:
@@ -92,7 +101,7 @@ def write_configs(
     if not 1 <= nodes <= len(NAMES):
         raise ValueError(f"nodes must be in 1..{len(NAMES)}, got {nodes}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    ports = free_ports(2 * nodes)
+    ports = free_ports(nodes)
     names = NAMES[:nodes]
     ring = [{"node_id": n, "address": f"{(hosts or ['127.0.0.1'] * nodes)[i]}:{ports[i]}"} for i, n in enumerate(names)]
     transport: dict[str, Any] = {"delay_s": delay_s, "probe_interval_s": 2.0, "round_timeout_s": 120.0}
@@ -115,7 +124,9 @@ def write_configs(
             "metrics": {
                 "run_dir": str(run_dir),
                 "log_every": log_every,
-                **({"listen": f"127.0.0.1:{ports[nodes + i]}"} if metrics else {}),
+                # port 0: the daemon binds a free port and logs it (``metrics_port``); a fixed one, picked here
+                # and bound later, can be taken meanwhile (a restart runs minutes after the pick)
+                **({"listen": "127.0.0.1:0"} if metrics else {}),
             },
         }
         path = run_dir / f"{name}.toml"

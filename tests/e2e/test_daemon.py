@@ -13,7 +13,15 @@ import pytest
 from conftest import SYNC_STRATEGIES
 
 from dreamp2p.config import DaemonConfig
-from dreamp2p.devtools.localrun import last_step, read_records, start_node, wait_exits, wait_progress, write_configs
+from dreamp2p.devtools.localrun import (
+    last_step,
+    metrics_port,
+    read_records,
+    start_node,
+    wait_exits,
+    wait_progress,
+    write_configs,
+)
 from dreamp2p.service.checkpoint import list_checkpoints
 
 SYNC = {"strategy": "dreamddp", "period": 4, "warmup_steps": 2, "control_every": 5, "max_delay": 1, "codec": "int8"}
@@ -52,8 +60,9 @@ def test_three_daemons_sigterm_checkpoint_and_resume(tmp_path: Path) -> None:
 
         # metrics endpoint, scraped over HTTP, carries the promised series
         cfg = DaemonConfig.from_toml(configs[0])
-        assert cfg.metrics.listen is not None
-        body = urllib.request.urlopen(f"http://{cfg.metrics.listen}/metrics", timeout=10).read().decode()
+        assert cfg.metrics.listen == "127.0.0.1:0"
+        port = metrics_port(tmp_path, "eu-west")
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         for series in (
             "dreamp2p_step",
             "dreamp2p_loss",
