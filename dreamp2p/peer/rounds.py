@@ -87,6 +87,7 @@ class RoundRegistry:
         waiter = self._waiters.pop(key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(rnd)
+        self._expire_waiters()
 
     def get(self, key: Key) -> RingRound | None:
         return self._open.get(key)
@@ -107,6 +108,7 @@ class RoundRegistry:
             # ids at or below our newest round are refused as stale anyway; keep the set small
             for rid in sorted(closed)[: -MAX_CLOSED_IDS // 2]:
                 closed.discard(rid)
+        self._expire_waiters()
 
     def note_failure(self, key: Key, reason: str, *, deadline: bool) -> None:
         """Record why round ``key`` failed here (see `failures`)."""
@@ -121,16 +123,10 @@ class RoundRegistry:
         rnd = self._open.get(key)
         if rnd is not None:
             return rnd
+        stale = self._stale(key)
+        if stale is not None:
+            raise stale
         newest = self._next.get(frame.group_id, 0)
-        if (
-            frame.round_id == 0
-            or frame.round_id < self._min_round_id
-            or frame.round_id in self._closed.get(frame.group_id, ())
-            or (frame.round_id <= newest)
-        ):
-            raise PeerError(Status.STALE_ROUND, f"round {frame.round_id} of group {frame.group_id} is not open here")
-        if self._never_retried(frame.group_id, frame.round_id):
-            raise PeerError(Status.STALE_ROUND, f"round {frame.round_id} was not retried here: it did not fail here")
         if newest and frame.round_id > newest + MAX_ROUNDS_AHEAD:
             raise PeerError(
                 Status.BAD_FRAME, f"round {frame.round_id} is more than {MAX_ROUNDS_AHEAD} ahead of {newest}"
@@ -180,6 +176,29 @@ class RoundRegistry:
         else:
             del self._sender_rounds[sender]
 
+    def _stale(self, key: Key) -> PeerError | None:
+        """Why round ``key``, not open here, never will be (a frame of it is stale); None if it still may."""
+        group_id, round_id = key
+        if (
+            round_id == 0
+            or round_id < self._min_round_id
+            or round_id in self._closed.get(group_id, ())
+            or round_id <= self._next.get(group_id, 0)
+        ):
+            return PeerError(Status.STALE_ROUND, f"round {round_id} of group {group_id} is not open here")
+        if self._never_retried(group_id, round_id):
+            return PeerError(Status.STALE_ROUND, f"round {round_id} was not retried here: it did not fail here")
+        return None
+
+    def _expire_waiters(self) -> None:
+        """Refuse the frames waiting for rounds that became stale here (a round of their group opened past
+        them, or their first run closed without failing): else each holds its sender's stream, and so the
+        sender's round, until the deadline. After a healed partition a member that trained on alone is past
+        the rounds the others retry with it; 120 s of such waits stalled every member of a chaos run."""
+        for key, fut in self._waiters.items():
+            if not fut.done() and (stale := self._stale(key)) is not None:
+                fut.set_exception(stale)
+
     def _never_retried(self, group_id: int, round_id: int) -> bool:
         """Whether a frame of a retry round is for a round we will never retry: its first run is over here
         and did not fail (we applied or passed it, e.g. while the sender was out of our view and its round
@@ -192,6 +211,7 @@ class RoundRegistry:
     def admit_from(self, round_id: int) -> None:
         """Refuse frames of rounds before ``round_id`` from now on (a joiner holds the state of that step)."""
         self._min_round_id = round_id
+        self._expire_waiters()
 
     def fail_open(self, reason: str, where: Callable[[Key, RingRound], bool] = lambda key, rnd: True) -> None:
         """Fail every open round for which ``where(key, round)`` holds (their tensors stay untouched)."""

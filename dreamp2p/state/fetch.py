@@ -30,6 +30,10 @@ from dreamp2p.transport.client import Link
 
 log = logging.getLogger(__name__)
 
+# Below this much time left, a join does not ask busy donors again (the answer could not arrive in time).
+MIN_ASK_AGAIN_S = 2.0
+ASK_AGAIN_PAUSE_S = 0.5
+
 # Bytes asked for per FetchState call: large enough to amortize a WAN round trip, small enough to retry.
 DEFAULT_RANGE_BYTES = 8 << 20
 # Tensors in flight per donor: a second one hides the round trip between the ranges of the first.
@@ -122,6 +126,13 @@ async def fetch_state(
     deadline = loop.time() + timeout
     failures: dict[str, PeerError] = {}
     donors = await _manifests(links, deadline, rpc_timeout, manifest_hash, failures)
+    while not donors and _all_busy(failures) and deadline - loop.time() > MIN_ASK_AGAIN_S:
+        # every trainer is inside a long step (a round that waits for its deadline, e.g. after a healed
+        # partition): a snapshot comes once it ends, which may take up to a round's deadline
+        log.info("no donor has published a state snapshot yet (their trainers are busy): asking again")
+        failures.clear()
+        await asyncio.sleep(ASK_AGAIN_PAUSE_S)
+        donors = await _manifests(links, deadline, rpc_timeout, manifest_hash, failures)
     if not donors:
         raise StateTransferError(_common_status(failures), "no donor offered its state", failures)
     ref = max(donors, key=lambda d: d.manifest.step)  # the first of the most advanced donors
@@ -383,6 +394,11 @@ def _as_peer_error(exc: BaseException) -> PeerError:
     if isinstance(exc, TimeoutError):
         return PeerError(Status.TIMEOUT, "no answer in time")
     return PeerError(Status.UNSPECIFIED, f"{type(exc).__name__}: {exc}")
+
+
+def _all_busy(failures: dict[str, PeerError]) -> bool:
+    """Whether every donor only ran out of time to answer (its trainer published no snapshot yet)."""
+    return bool(failures) and all(err.status == Status.TIMEOUT for err in failures.values())
 
 
 def _common_status(failures: dict[str, PeerError]) -> Status:

@@ -646,6 +646,32 @@ async def test_corrupt_donor_is_detected_and_replaced() -> None:
     assert err.value.status == Status.CHECKSUM_MISMATCH
 
 
+async def test_a_joiner_asks_again_while_every_donor_trainer_is_busy(caplog: pytest.LogCaptureFixture) -> None:
+    """Trainers stuck in a long round publish no snapshot within a manifest call; the joiner asks again until
+    one does (within its own deadline) instead of giving up on the first pass."""
+    busy = StateDonor()
+    state = {"w": torch.arange(6, dtype=torch.float32)}
+    caplog.set_level(logging.INFO, logger="dreamp2p.state.fetch")
+
+    def trainer_back_after_a_while() -> None:  # checks `wanted` after every step, as Strategy.step does
+        time.sleep(1.5)  # several manifest calls of 0.3 s time out meanwhile
+        while not busy.wanted:
+            time.sleep(0.01)
+        busy.publish(state, 77)
+
+    async with cluster([("d0", busy)]) as (_, joiner):
+        thread = threading.Thread(target=trainer_back_after_a_while)
+        thread.start()
+        fetched = await fetch_state(links(joiner, "d0"), timeout=10.0, rpc_timeout=0.3)
+        thread.join(5.0)
+        assert fetched.step == 77 and same(fetched.state(), state)
+        assert "asking again" in caplog.text
+        # the deadline still holds: a donor that never publishes fails the join with TIMEOUT, precisely
+        with pytest.raises(StateTransferError, match="no donor offered its state") as err:
+            await fetch_state(links(joiner, "d0"), timeout=1.5, rpc_timeout=0.3)
+    assert err.value.status == Status.TIMEOUT
+
+
 async def test_every_donor_failing_gives_a_precise_error() -> None:
     async with cluster([("d0", None), ("d1", StateDonor())]) as (peers, joiner):
         await peers["d1"].close(grace=0)
