@@ -219,6 +219,13 @@ def _lm(p: Parser) -> None:
         default=1,
         help="every strategy this many times, order rotated each round; means and paired 95%% intervals (1)",
     )
+    p.add_argument(
+        "--slow",
+        nargs="+",
+        default=[],
+        metavar="REGION=FACTOR",
+        help="regions (from 0) whose trainers run at FACTOR of their pace, e.g. 1=0.5 (none)",
+    )
 
 
 def _plancheck(p: Parser) -> None:

@@ -104,6 +104,7 @@ def _bench_lm(args: argparse.Namespace) -> dict[str, Any]:
         extra_sync=extra,
         bracket=args.bracket,
         rounds=args.rounds,
+        slow=args.slow,
     )
 
 

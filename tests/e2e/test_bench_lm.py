@@ -107,3 +107,18 @@ def test_bench_lm_through_the_packet_emulator() -> None:
     for emu in (row["emulator"], out["emulator"]):
         assert emu["packets"] > 0 and emu["delivered"] > 0 and emu["cpu_s"] >= 0
     assert out["emulator"]["MB"] >= row["emulator"]["MB"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_lm_slow_region_runs_at_its_factor_in_the_ceiling() -> None:
+    """`--slow 1=0.25`: region 1's trainer idles 3x each step's CPU time, in the ceiling as in the strategies, so
+    compute_utilization is the cluster's throughput against the sum of the regions' solo speeds."""
+    out = bench_lm(strategies=("dreamddp",), netns=False, slow=("1=0.25",), **TINY)  # type: ignore[arg-type]
+    assert out["speeds"] == [1.0, 0.25]
+    fast, slow = out["ceiling"]["steps_per_s_regions"]
+    assert slow < 0.6 * fast, (fast, slow)  # a 4x throttle, with room for a shared host's noise
+    row = out["strategies"]["dreamddp"]
+    assert row["compute_utilization"] > 0 and row["identical_after_flush"] is True
+    with pytest.raises(ValueError, match=r"region must be in 0\.\.1"):
+        bench_lm(strategies=("dreamddp",), netns=False, slow=("2=0.5",), **TINY)  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ OPTIONS: dict[str, set[str]] = {
     },
     "lm": {
         *("--strategies", "--regions", "--rate", "--rtt", "--steps", "--period", "--width", "--depth"),
-        *("--max-delay", "--device", "--bracket", "--rounds", "--loss", "--jitter"),
+        *("--max-delay", "--device", "--bracket", "--rounds", "--loss", "--jitter", "--slow"),
     },
     "plancheck": {"--steps", "--period", "--sizes", "--rates", "--rtts", "--region-counts", "--target-cu", "--out"}
     | {"--reports"},

@@ -87,6 +87,7 @@ from dreamp2p.devtools.bench.lm.report import (
     summarize,
 )
 from dreamp2p.devtools.bench.lm.rounds import round_order
+from dreamp2p.devtools.bench.lm.speeds import parse_slow
 from dreamp2p.devtools.bench.lm.work import JOB, VOCAB, count_params, eval_every, run_ceiling
 from dreamp2p.devtools.launch import run_local
 from dreamp2p.devtools.netns import Namespaces
@@ -142,6 +143,8 @@ def _check_lm(
         raise ValueError(f"width ({width}) must be a multiple of heads ({heads})")
     if rtt_ms < 0:
         raise ValueError(f"rtt_ms must be >= 0, got {rtt_ms}")
+    if workload["device"] != "cpu" and min(workload["speeds"]) < 1.0:
+        raise ValueError("--slow throttles a trainer's CPU time: regions on cpu only")
     if {"strategy", "period"} & set(extra):
         raise ValueError("give strategy and period as arguments, not in extra_sync")
     if not names:
@@ -274,9 +277,11 @@ def _workload(
     lr: float,
     eval_batches: int,
     device: str,
+    speeds: Sequence[float],
 ) -> dict[str, Any]:
     """What every region process (and the ceiling) trains: the ``workload`` of `lm.work`'s jobs."""
     return {
+        "speeds": list(speeds),
         "steps": steps,
         "width": width,
         "layers": layers,
@@ -311,6 +316,7 @@ def bench_lm(
     target_loss: float | None = None,
     bracket: bool = False,
     rounds: int = 1,
+    slow: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run the ceiling, then every strategy, on ``regions`` region processes; a JSON-serialisable report.
 
@@ -320,12 +326,15 @@ def bench_lm(
     ``extra_sync``: SyncConfig overrides for every strategy (not ``strategy`` or ``period``). ``bracket``:
     the ceiling again after every strategy (see the module docstring). ``rounds``: every strategy that many
     times, the order rotated each round; rows are means over the rounds and ``paired`` compares the winner
-    with each other syncing strategy round by round. Invalid settings raise ValueError before anything starts.
+    with each other syncing strategy round by round. ``slow``: ``REGION=FACTOR`` items, regions whose trainers
+    run at that fraction of their pace (`lm.speeds`; the ceiling's too). Invalid settings raise ValueError
+    before anything starts.
     """
     names = list(strategies) if strategies is not None else list(STRATEGIES)
     variants = {name: parse_variant(name) for name in names}
     extra = dict(extra_sync or {})
-    workload = _workload(steps, width, layers, heads, context, batch, lr, eval_batches, device)
+    speeds = parse_slow(slow, regions)
+    workload = _workload(steps, width, layers, heads, context, batch, lr, eval_batches, device, speeds)
     _check_lm(names, variants, extra, period, regions, workload, rtt_ms)
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -356,6 +365,7 @@ def bench_lm(
         "batch": batch,
         "lr": lr,
         "device": device,
+        "speeds": list(speeds),
         "extra_sync": extra,
         "bracket": bracket,
         "rounds": rounds,

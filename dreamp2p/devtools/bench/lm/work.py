@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dreamp2p.devtools.bench.lm.speeds import throttle_s
 from dreamp2p.devtools.launch import child_context, expect_message, reap, start_child
 from dreamp2p.devtools.netns import wire_bytes
 from dreamp2p.errors import FlushIncomplete, RoundFailed
@@ -136,6 +137,7 @@ class _Workload:
         self.evals = eval_set(heldout, a["eval_batches"], a["batch"], a["context"], a["device"])
         self.model = make_model(a["width"], a["layers"], a["heads"], a["context"], a["device"])
         self.opt = make_optimizer(self.model, a["lr"])
+        self.speed = float(a.get("speeds", [1.0] * world)[rank])  # `bench lm --slow` (`lm.speeds`)
 
     def loop(
         self, step: Callable[[], Any], zero_grad: Callable[[], Any], wire: Callable[[], int] | None
@@ -153,12 +155,15 @@ class _Workload:
         cpu0, thread0 = time.process_time(), time.thread_time()
         t = time.perf_counter()
         for k in range(steps):
+            busy0 = time.thread_time()
             x, y = train_batch(self.shard, self.rank, k, a["batch"], a["context"], device)
             loss = lm_loss(model, x, y)
             loss.backward()
             step()
             zero_grad()
             losses.append(loss.item())
+            if self.speed < 1.0:
+                time.sleep(throttle_s(time.thread_time() - busy0, self.speed))
             if (k + 1) % every == 0 and k + 1 < steps:
                 _sync_device(device)
                 clock += time.perf_counter() - t
