@@ -2,7 +2,8 @@
 
 Frames may arrive before this peer opened their round (a faster member already started it); they wait
 here, bounded in number and in time, and are handed the round when it opens. Ids of closed rounds are
-remembered so late or replayed frames are refused as stale instead of opening a round again. Runs on the
+remembered so late or replayed frames are refused as stale instead of opening a round again, and frames
+still waiting for a round this peer has gone past are refused as soon as it has. Runs on the
 peer's event loop only.
 """
 
@@ -193,8 +194,8 @@ class RoundRegistry:
     def _expire_waiters(self) -> None:
         """Refuse the frames waiting for rounds that became stale here (a round of their group opened past
         them, or their first run closed without failing): else each holds its sender's stream, and so the
-        sender's round, until the deadline. After a healed partition a member that trained on alone is past
-        the rounds the others retry with it; 120 s of such waits stalled every member of a chaos run."""
+        sender's round, until the deadline. After a healed partition a member that trained on alone can be
+        past the rounds the others retry with it."""
         for key, fut in self._waiters.items():
             if not fut.done() and (stale := self._stale(key)) is not None:
                 fut.set_exception(stale)
