@@ -126,6 +126,11 @@ class RoundSpec:
         return round_block(self.codec, self.allowed_codecs)
 
 
+def _header(f: Frame) -> Frame:
+    """Every field of a frame but its payload (whose checksum is among them)."""
+    return dataclasses.replace(f, payload=b"")
+
+
 def round_block(codec: Codec, allowed_codecs: tuple[int, ...] = ()) -> int:
     """Alignment that suits every accepted codec: the LCM of their blocks (``codec.block`` alone by default).
 
@@ -205,6 +210,9 @@ class RingRound:
         # per (phase, step): sorted chunk starts and their lengths, to refuse overlaps and duplicates
         self._starts: dict[tuple[Phase, int], list[int]] = {}
         self._lengths: dict[tuple[Phase, int, int], int] = {}
+        # per (phase, step, start): the header of the chunk taken there, to know an identical resend
+        self._taken: dict[tuple[Phase, int, int], Frame] = {}
+        self.resent = 0  # identical resends of chunks already taken, ignored
         self._expected = 0
         self._received = 0
         self.bytes_sent = 0
@@ -313,9 +321,15 @@ class RingRound:
         spec = self.spec
         if self.done.done():
             raise PeerError(Status.STALE_ROUND, f"round {spec.round_id} of group {spec.group_id} already ended")
+        if self._is_resend(frame):
+            # a sender that took us for restarted after its connection broke (`transport.outbound`'s
+            # replay) sends again what we hold already: taken once, as at-least-once delivery wants
+            self.resent += 1
+            return
         raw, chunk_start, length, codec = self._validate(frame)
         decoded = self._decode(codec, raw, length)
         self._mark(frame.phase, frame.ring_step, chunk_start, length)
+        self._taken[(frame.phase, frame.ring_step, chunk_start)] = _header(frame)
         self.bytes_received += len(frame.payload)
         try:
             self._apply(frame, decoded, chunk_start, length)
@@ -325,6 +339,12 @@ class RingRound:
             raise PeerError(Status.NON_FINITE, f"reduction became non-finite: {exc}") from None
         self._received += length
         self._maybe_finish()
+
+    def _is_resend(self, frame: Frame) -> bool:
+        """Whether ``frame`` is, header and bytes, the chunk already taken at its place (any other frame
+        there is refused as DUPLICATE_CHUNK by `_validate`)."""
+        taken = self._taken.get((frame.phase, frame.ring_step, frame.chunk_offset))
+        return taken is not None and taken == _header(frame) and checksum(frame.payload) == frame.checksum
 
     def _apply(self, frame: Frame, decoded: torch.Tensor, chunk_start: int, length: int) -> None:
         spec = self.spec

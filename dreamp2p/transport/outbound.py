@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 # How often one round may be resent to a successor that restarted under it.
 MAX_REPLAYS = 3
-# Transport-level outcomes of a successor process that went away; replaying to a live peer that kept
-# its round state fails on its duplicate checks instead, so a wrong guess costs one refused replay.
+# Transport-level outcomes of a successor process that went away (or of a connection the kernel gave up on, its
+# process alive: a live peer that kept its round state ignores the chunks it already holds, `RingRound`).
 _PEER_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED})
 
 

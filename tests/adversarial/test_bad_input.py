@@ -450,8 +450,13 @@ FP32_CASES = [
         id="sender-never-handshook",
     ),
     pytest.param(
-        BadFrames(lambda f: [f, f], INVALID, Status.DUPLICATE_CHUNK, "chunk at 0 of REDUCE_SCATTER step 0"),
-        id="duplicate-chunk",
+        BadFrames(
+            lambda f: [f, tweak(f, payload=poke_f32(f.payload, 0, 1.5))],
+            INVALID,
+            Status.DUPLICATE_CHUNK,
+            "chunk at 0 of REDUCE_SCATTER step 0",
+        ),
+        id="duplicate-chunk-other-bytes",
     ),
     pytest.param(
         BadFrames(lambda f: [fp32_chunk(f, 0, 32), fp32_chunk(f, 16, 32)], INVALID, Status.BAD_FRAME, "overlaps"),
@@ -541,6 +546,26 @@ async def test_malformed_frame_is_refused_and_round_untouched(
 
     await victim.failed_untouched()
     assert await rejected_count(attacker) == before + 1
+    await assert_still_serves(ring2, attacker)
+
+
+async def test_an_identical_resend_is_taken_once(ring2: list[Peer], attacker: Attacker) -> None:
+    """A sender whose connection broke resends what it had sent (`transport.outbound`'s replay, when it takes
+    the receiver for restarted): a frame identical to the chunk already taken at its place is ignored and
+    fails nothing; other bytes at that place are DUPLICATE_CHUNK, and the round fails untouched."""
+    _, p1 = ring2
+    await attacker.handshake(node_id="p0")
+    victim = await open_victim_round(p1)
+    f = valid_frame()
+    await attacker.push(f)
+    rnd = p1.rounds.get(victim.key)
+    assert rnd is not None
+    received = rnd.progress()
+    await attacker.push(f, f)  # a replay, twice over
+    assert rnd.progress() == received and rnd.resent == 2 and not rnd.done.done()
+    changed = tweak(f, payload=poke_f32(f.payload, 0, 1.5))
+    await refused(attacker.push(changed), INVALID, Status.DUPLICATE_CHUNK, "already received")
+    await victim.failed_untouched()
     await assert_still_serves(ring2, attacker)
 
 
@@ -1075,7 +1100,12 @@ async def test_equivalent_push_body_is_accepted(
 
     ack = await attacker.push_raw(body)
     assert (ack.frames, ack.payload_bytes) == (1, 4 * 64)
-    await refused(attacker.push(valid_frame()), INVALID, Status.DUPLICATE_CHUNK)
+    rnd = ring2[1].rounds.get(victim.key)
+    assert rnd is not None
+    received = rnd.progress()
+    await attacker.push(valid_frame())  # the same frame again: ignored, as an identical resend
+    assert rnd.progress() == received and rnd.resent == 1
+    await refused(attacker.push(tweak(valid_frame(), payload=poke_f32(valid_frame().payload, 0, 2.5))), INVALID)
 
     await victim.failed_untouched()
     await assert_still_serves(ring2, attacker)
