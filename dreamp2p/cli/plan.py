@@ -42,6 +42,8 @@ def _plan_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
             run = SyncConfig()
             args.period = run.period if args.period is None else args.period
+            # not given: the run's pseudo-gradient codec, or the fallback its planner takes on this link
+            args.codec_chain = run.delta_chain if args.codec is None else ()
             args.codec = (run.delta_codec or (run.plan_codecs or (run.codec,))[0]) if args.codec is None else args.codec
             args.max_delay = args.period - 1 if args.max_delay is None else args.max_delay
     if args.period is not None:
@@ -199,30 +201,31 @@ def _plan(args: argparse.Namespace) -> int:
     from dreamp2p.compression import get_codec
     from dreamp2p.config import parse_duration, parse_rate
     from dreamp2p.config.sync import SyncConfig
-    from dreamp2p.schedule.whatif import what_if
+    from dreamp2p.schedule.whatif import run_delta_codec, what_if
 
-    codec = get_codec(args.codec)
-    ratio = codec.wire_ratio()
     run = SyncConfig()
-    result = what_if(
-        params=args.params,
-        layers=args.layers,
-        step_time_s=args.step_time,
-        peers=args.peers,
-        bandwidth_Bps=parse_rate(args.link),
-        rtt_s=parse_duration(args.rtt),
-        period=args.period,
-        codec_ratio=ratio,
-        max_delay=args.max_delay,
-        margin=run.link_margin,
-        round_cost_s=run.round_cost_s if args.round_cost is None else args.round_cost,
-    )
+    model = {
+        "params": args.params,
+        "layers": args.layers,
+        "step_time_s": args.step_time,
+        "peers": args.peers,
+        "bandwidth_Bps": parse_rate(args.link),
+        "rtt_s": parse_duration(args.rtt),
+        "period": args.period,
+        "max_delay": args.max_delay,
+        "margin": run.link_margin,
+        "round_cost_s": run.round_cost_s if args.round_cost is None else args.round_cost,
+    }
+    chain = getattr(args, "codec_chain", ())
+    name = run_delta_codec([(c, get_codec(c).wire_ratio()) for c in chain], **model) if chain else args.codec
+    result = {**what_if(codec_ratio=get_codec(name).wire_ratio(), **model), "codec": get_codec(name).name}
     if not args.json:
         print(f"{'strategy':<10} {'step s':>9} {'utilization':>11} {'MB/step':>10}")
         for name, p in result["predictions"].items():
             print(
                 f"{name:<10} {p['step_time_s']:9.3f} {p['compute_utilization']:11.3f} {p['bytes_per_step'] / 1e6:10.2f}"
             )
+        print(f"DreamDDP's layer syncs priced in {result['codec']}")
     print(json.dumps(result))
     return 0
 
@@ -267,8 +270,9 @@ def add_plan_parser(sub: Any) -> None:
         type=str.lower,
         choices=CODEC_NAMES,
         default=None,
-        help="codec DreamDDP's layer syncs are priced at: a run's int4 pseudo-gradients (--target-cu too, unless "
-        "given: 4-bit and sparse codecs carry pseudo-gradients, fp32/fp16/bf16/int8 the parameters themselves)",
+        help="codec DreamDDP's layer syncs are priced at: the one a run gives its pseudo-gradients on --link, int4 "
+        "or int2 where the link cannot carry int4 (--target-cu searches them, unless given: 4-bit, 2-bit and "
+        "sparse codecs carry pseudo-gradients, fp32/fp16/bf16/int8 the parameters themselves)",
     )
     pl.add_argument(
         "--max-delay",

@@ -9,10 +9,13 @@ round cost, so it predicts the plan a run with defaults adopts).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import PLANNED_SCHEDULES, plan_dreamddp, predict
+from dreamp2p.schedule.stretch import STRETCH_LINK_BUDGET, link_share
 
 
 def uniform_costs(params: float, layers: int, step_time_s: float) -> list[LayerCost]:
@@ -57,3 +60,31 @@ def what_if(
         for s in plan.syncs
     ]
     return {"predictions": out, "dreamddp_schedule": schedule, "period": period, "peers": peers}
+
+
+def run_delta_codec(
+    chain: Sequence[tuple[str, float]],
+    params: float,
+    layers: int,
+    step_time_s: float,
+    peers: int,
+    bandwidth_Bps: float,
+    rtt_s: float,
+    period: int,
+    max_delay: int,
+    margin: float = 1.0,
+    round_cost_s: float = 0.0,
+) -> str:
+    """The codec of ``chain`` (name, wire bytes per fp32 byte; least compressive first) a run's planner
+    gives its pseudo-gradients on this link at ``period``: the first whose plan keeps the link busy within
+    `STRETCH_LINK_BUDGET` of the period, else the last (as `stretch.choose_delta_codec` at run time)."""
+    if not chain:
+        raise ValueError("no candidate codecs")
+    costs = uniform_costs(params, layers, step_time_s)
+    link = LinkModel(bandwidth_Bps=bandwidth_Bps, rtt_s=rtt_s, world=peers, margin=margin)
+    for name, ratio in chain[:-1]:
+        lk = replace(link, codec_ratio=ratio)
+        plan = plan_dreamddp(costs, lk, period, max_delay=max_delay, bubble_fill=False, round_cost_s=round_cost_s)
+        if link_share(costs, lk, period, plan) <= STRETCH_LINK_BUDGET:
+            return name
+    return chain[-1][0]

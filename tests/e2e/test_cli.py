@@ -36,6 +36,15 @@ def test_plan_prefers_dreamddp(capsys: pytest.CaptureFixture[str]) -> None:
     assert preds["ssgd"]["bytes_per_step"] > preds["dreamddp"]["bytes_per_step"]
 
 
+def test_plan_prices_the_codec_a_run_takes_on_the_link(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--params", "3.32e6", "--layers", "4", "--step-time", "0.28", "--json"]
+    for link, codec in (("1gbit", "int4"), ("1mbit", "int2")):
+        assert main([*args, "--link", link]) == 0
+        assert last_json(capsys.readouterr().out)["codec"] == codec, link
+    assert main([*args, "--link", "1mbit", "--codec", "int4"]) == 0  # pinned: priced as given
+    assert last_json(capsys.readouterr().out)["codec"] == "int4"
+
+
 def test_bench_codec_small(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "codec", "--json", "--mbytes", "1", "--repeats", "1", "--codecs", "int8", "int4"]) == 0
     result = last_json(capsys.readouterr().out)
