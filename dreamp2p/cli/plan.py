@@ -216,7 +216,7 @@ def _plan(args: argparse.Namespace) -> int:
         "margin": run.link_margin,
         "round_cost_s": run.round_cost_s if args.round_cost is None else args.round_cost,
     }
-    chain = getattr(args, "codec_chain", ())
+    chain = args.codec_chain  # set by _plan_check in this mode
     name = run_delta_codec([(c, get_codec(c).wire_ratio()) for c in chain], **model) if chain else args.codec
     result = {**what_if(codec_ratio=get_codec(name).wire_ratio(), **model), "codec": get_codec(name).name}
     if not args.json:

@@ -207,10 +207,9 @@ class RingRound:
             self._codecs[c.wire_id] = c
         self.segments: list[Segment] = split_segments(buffer.numel(), spec.world, self._block)
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        # per (phase, step): sorted chunk starts and their lengths, to refuse overlaps and duplicates
+        # per (phase, step): sorted chunk starts, and per (phase, step, start) the header of the chunk taken
+        # there (its length among them): to refuse overlaps and duplicates, and to know an identical resend
         self._starts: dict[tuple[Phase, int], list[int]] = {}
-        self._lengths: dict[tuple[Phase, int, int], int] = {}
-        # per (phase, step, start): the header of the chunk taken there, to know an identical resend
         self._taken: dict[tuple[Phase, int, int], Frame] = {}
         self.resent = 0  # identical resends of chunks already taken, ignored
         self._expected = 0
@@ -328,8 +327,7 @@ class RingRound:
             return
         raw, chunk_start, length, codec = self._validate(frame)
         decoded = self._decode(codec, raw, length)
-        self._mark(frame.phase, frame.ring_step, chunk_start, length)
-        self._taken[(frame.phase, frame.ring_step, chunk_start)] = _header(frame)
+        self._mark(frame)
         self.bytes_received += len(frame.payload)
         try:
             self._apply(frame, decoded, chunk_start, length)
@@ -453,14 +451,15 @@ class RingRound:
         i = bisect.bisect_left(starts, start)
         if i < len(starts) and starts[i] == start:
             raise PeerError(Status.DUPLICATE_CHUNK, f"chunk at {start} of {phase.name} step {step} already received")
-        if i > 0 and starts[i - 1] + self._lengths[(phase, step, starts[i - 1])] > start:
+        if i > 0 and starts[i - 1] + self._taken[(phase, step, starts[i - 1])].chunk_length > start:
             raise PeerError(Status.BAD_FRAME, f"chunk at {start} overlaps one already received")
         if i < len(starts) and start + length > starts[i]:
             raise PeerError(Status.BAD_FRAME, f"chunk at {start} overlaps one already received")
 
-    def _mark(self, phase: Phase, step: int, start: int, length: int) -> None:
-        bisect.insort(self._starts.setdefault((phase, step), []), start)
-        self._lengths[(phase, step, start)] = length
+    def _mark(self, frame: Frame) -> None:
+        """Record ``frame``'s chunk as taken (after `_validate`)."""
+        bisect.insort(self._starts.setdefault((frame.phase, frame.ring_step), []), frame.chunk_offset)
+        self._taken[(frame.phase, frame.ring_step, frame.chunk_offset)] = _header(frame)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -471,7 +470,8 @@ class RingRound:
     def progress(self) -> RoundProgress:
         """What has arrived so far, as sorted tuples: comparable across calls, e.g. around refused input."""
         starts = tuple(sorted((k, tuple(v)) for k, v in self._starts.items()))
-        return RoundProgress(self._received, starts, tuple(sorted(self._lengths.items())))
+        lengths = tuple(sorted((key, f.chunk_length) for key, f in self._taken.items()))
+        return RoundProgress(self._received, starts, lengths)
 
     def fail(self, reason: str) -> None:
         if not self.done.done():

@@ -10,12 +10,12 @@ round cost, so it predicts the plan a run with defaults adopts).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import PLANNED_SCHEDULES, plan_dreamddp, predict
-from dreamp2p.schedule.stretch import STRETCH_LINK_BUDGET, link_share
+from dreamp2p.schedule.plan import Plan
+from dreamp2p.schedule.stretch import choose_delta_codec
 
 
 def uniform_costs(params: float, layers: int, step_time_s: float) -> list[LayerCost]:
@@ -76,15 +76,12 @@ def run_delta_codec(
     round_cost_s: float = 0.0,
 ) -> str:
     """The codec of ``chain`` (name, wire bytes per fp32 byte; least compressive first) a run's planner
-    gives its pseudo-gradients on this link at ``period``: the first whose plan keeps the link busy within
-    `STRETCH_LINK_BUDGET` of the period, else the last (as `stretch.choose_delta_codec` at run time)."""
-    if not chain:
-        raise ValueError("no candidate codecs")
+    gives its pseudo-gradients on this link at ``period``: `stretch.choose_delta_codec`, the run's own rule,
+    on the uniform model."""
     costs = uniform_costs(params, layers, step_time_s)
     link = LinkModel(bandwidth_Bps=bandwidth_Bps, rtt_s=rtt_s, world=peers, margin=margin)
-    for name, ratio in chain[:-1]:
-        lk = replace(link, codec_ratio=ratio)
-        plan = plan_dreamddp(costs, lk, period, max_delay=max_delay, bubble_fill=False, round_cost_s=round_cost_s)
-        if link_share(costs, lk, period, plan) <= STRETCH_LINK_BUDGET:
-            return name
-    return chain[-1][0]
+
+    def make_plan(lk: LinkModel, H: int) -> Plan:
+        return plan_dreamddp(costs, lk, H, max_delay=max_delay, bubble_fill=False, round_cost_s=round_cost_s)
+
+    return choose_delta_codec(chain, costs, link, (period,), make_plan)[0]
