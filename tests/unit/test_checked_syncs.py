@@ -12,7 +12,7 @@ import torch
 from dreamp2p.sync.comm.inprocess import InProcessHub, RoundRecord
 from dreamp2p.sync.model.groups import GROUP_PLAN_BASE, MAX_PLAN_SYNCS, SYNCS_PER_PLAN
 from dreamp2p.sync.strategies.dreamddp import DreamDDP, plan_summary
-from dreamp2p.sync.strategies.inflight import InFlight
+from dreamp2p.sync.strategies.layersync import InFlight
 from tests.unit.test_strategy_logic import config, digest, each, make_model, members, train
 
 KINDS = ("pseudo-gradient", "anchor", "check")

@@ -30,10 +30,9 @@ from dreamp2p.sync.model.groups import (
     GROUP_PARAMS,
     GROUP_PLAN_BASE,
 )
-from dreamp2p.sync.strategies import base
+from dreamp2p.sync.strategies import base, layersync
 from dreamp2p.sync.strategies import control as control_sync
 from dreamp2p.sync.strategies import dreamddp as dreamddp_sync
-from dreamp2p.sync.strategies import inflight as inflight_sync
 from dreamp2p.sync.strategies.base import Strategy
 from dreamp2p.sync.strategies.registry import STRATEGY_CLASSES, strategy_class
 
@@ -379,7 +378,7 @@ def test_a_state_request_while_a_round_is_held_waits_for_a_later_step(
             concurrent.futures.wait([fut])
         return base.settled(fut, 0.0)
 
-    monkeypatch.setattr(inflight_sync, "settled", settled)
+    monkeypatch.setattr(layersync, "settled", settled)
     monkeypatch.setattr(control_sync, "settled", settled)
     hub = InProcessHub(2)
     a, b = members(hub, config("dreamddp"))

@@ -64,8 +64,7 @@ from dreamp2p.sync.strategies.control import (
     unpack_control,
 )
 from dreamp2p.sync.strategies.deltaflush import DeltaFlush
-from dreamp2p.sync.strategies.inflight import InFlight
-from dreamp2p.sync.strategies.layersync import LayerSyncs
+from dreamp2p.sync.strategies.layersync import InFlight, LayerSyncs
 from dreamp2p.sync.strategies.outer import OuterWeights
 from dreamp2p.sync.strategies.plans import PlanBook
 
