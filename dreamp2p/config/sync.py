@@ -37,6 +37,12 @@ PLAIN_OUTER = (1.0, 0.0)
 # step) suits its 500-step periods, not syncs every few steps. Over SGD, plain averaging (PLAIN_OUTER):
 # on bench digits (SGD momentum 0.9) 0.9806 against 0.9778 with 1/0.5.
 GROUP_OUTER_ADAPTIVE = (1.0, 0.5)
+# What a period counts (``sync.periods``): "steps", in lockstep, every member after the same count of
+# local steps (the slowest sets everyone's pace); "time", a period is the span the fastest member takes for
+# ``period`` steps: every member follows the cluster's step clock (`dreamp2p.sync.strategies.pacing`), takes
+# as many local steps as it manages meanwhile, and the merge weights each pseudo-gradient by those steps
+PERIOD_KINDS = ("steps", "time")
+TIMED_STRATEGIES = ("diloco", "streaming")  # the strategies "time" applies to so far
 REMOVED_KEYS = {
     "round_timeout_s": "sync rounds are governed by [node.transport] round_timeout_s; set it there",
 }
@@ -134,10 +140,12 @@ class SyncConfig:
     # least lossy first, where bytes are cheap.
     plan_codecs: tuple[str, ...] = ("int8",)
     codec_link_budget: float = 0.25
+    periods: str = "steps"  # see PERIOD_KINDS
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(one_of_message("sync.strategy", self.strategy, STRATEGIES))
+        self._check_periods()
         for name in ("codec", "stream_codec"):  # case-insensitive, as the codec registry reads them
             try:
                 canonical_codec(getattr(self, name))
@@ -300,6 +308,20 @@ class SyncConfig:
             group_outer_lr=self.group_outer_lr if self.group_outer_lr is not None else group_lr,
             group_outer_momentum=self.group_outer_momentum if self.group_outer_momentum is not None else group_momentum,
         )
+
+    def _check_periods(self) -> None:
+        if self.periods not in PERIOD_KINDS:
+            raise ValueError(one_of_message("sync.periods", self.periods, PERIOD_KINDS))
+        if self.periods == "time" and self.strategy not in (*TIMED_STRATEGIES, "none"):
+            raise ValueError(
+                f"sync.periods = 'time' applies to {' and '.join(TIMED_STRATEGIES)}, not {self.strategy!r}: ssgd "
+                "averages every step, and the others run their periods in steps (periods = 'steps') for now"
+            )
+
+    @property
+    def timed_periods(self) -> bool:
+        """Whether members follow the cluster's step clock instead of meeting after equal step counts."""
+        return self.periods == "time" and self.strategy in TIMED_STRATEGIES
 
     def shared_settings(self) -> dict[str, str]:
         """Every setting, as strings: all of them must be equal on every member (see `dreamp2p.settings`)."""

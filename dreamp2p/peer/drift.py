@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from dreamp2p.messages import MemberProgress, TrainingInfo
 
@@ -98,6 +98,34 @@ def diverged_from(
     # members ahead may differ among themselves (three sides): take the newest, the others yield to it too
     newest = max(ahead.values())
     return tuple(sorted(node for node, plan in ahead.items() if plan == newest))
+
+
+class LeadingStep:
+    """The highest step a live member is known to be at: the cluster's step clock for time-paced periods
+    (`dreamp2p.sync.strategies.pacing`). Two sources: the members' heartbeat answers, and sooner, a frame
+    waiting here for a round we have not launched yet (strategies number a round launched at step s as
+    s + 1, so its sender is past s). ``step`` is an int replaced whole, read by the trainer's thread."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self._launched = 0  # the highest step a waiting frame showed a member past
+        self.on_change: Callable[[int], None] | None = None  # told the new step when it changes
+
+    def launched(self, step: int) -> None:
+        """A member launched a round at ``step`` before we did."""
+        if step > self.step:
+            self._launched = step
+            self._set(step)
+
+    def heard(self, others: Mapping[str, MemberProgress | None]) -> None:
+        """The live members' last heartbeat answers (and what their frames showed)."""
+        self._set(max(max((p.step for p in others.values() if p is not None), default=0), self._launched))
+
+    def _set(self, step: int) -> None:
+        if step != self.step:
+            self.step = step
+            if self.on_change is not None:
+                self.on_change(step)
 
 
 class DriftWatch:

@@ -49,7 +49,7 @@ from dreamp2p.messages import (
 )
 from dreamp2p.peer.admission import Admission, address_of, hello_of
 from dreamp2p.peer.commit import CommitVotes
-from dreamp2p.peer.drift import DriftWatch
+from dreamp2p.peer.drift import DriftWatch, LeadingStep
 from dreamp2p.peer.health import NodeHealth
 from dreamp2p.peer.inbound import JOINING, Inbound, gate
 from dreamp2p.peer.links import RingLinks
@@ -125,6 +125,9 @@ class Peer(PeerCounters):
         self._admission = Admission()
         self._links = RingLinks(config, self._admission)
         self.rounds = RoundRegistry(config.transport.round_timeout_s)
+        # the highest step a live member is at: the cluster's step clock for time-paced periods
+        self.lead = LeadingStep()
+        self.rounds.on_early = lambda round_id: self.lead.launched(round_id - 1)
         # a view change fails at once the rounds that need a member that is gone
         self._live = Liveness(
             config.node_id,
@@ -159,6 +162,8 @@ class Peer(PeerCounters):
         # trainer took their state and admits us again; replaced whole, so other threads may read it
         self.diverged: tuple[str, ...] = ()
         self.on_diverged: Callable[[tuple[str, ...]], None] | None = None  # told when it is set
+        # the highest step a live member's heartbeat answer reported: the cluster's step clock for time-paced
+        # periods (`dreamp2p.sync.strategies.pacing`); an int replaced whole, read by the trainer's thread
         self._drift = DriftWatch(config.transport.heartbeat_s)
 
     # ------------------------------------------------------------------ lifecycle
@@ -301,9 +306,11 @@ class Peer(PeerCounters):
         Our open rounds fail and the frames waiting here are refused, so neither side waits for a round that
         cannot complete; the trainer then takes the state of the members ahead (`Node.resync`) and admits us
         again."""
+        others = self._links.progress_of(self.view)
+        self.lead.heard(others)
         if not self.ready or self.diverged or self._closing:
             return
-        ahead = self._drift.ahead(self.training, self._links.progress_of(self.view))
+        ahead = self._drift.ahead(self.training, others)
         if not ahead:
             return
         self.diverged = ahead

@@ -70,6 +70,9 @@ class RoundRegistry:
         self._closed: dict[int, set[int]] = {}
         # why our recent rounds failed, oldest first: a member that left, a failed vote, or the deadline
         self.failures: deque[RoundFailure] = deque(maxlen=MAX_FAILURE_RECORDS)
+        # told the round id of each frame that waits for a round not open here yet: a member launched it
+        # before us (time-paced periods follow it, see `dreamp2p.peer.drift.LeadingStep`)
+        self.on_early: Callable[[int], None] | None = None
 
     def claim(self, group_id: int, round_id: int | None) -> int:
         """The id of our next round of ``group_id`` (``round_id`` when given, which must be newer)."""
@@ -134,6 +137,9 @@ class RoundRegistry:
             )
         if check is not None:
             check(frame)
+        if self.on_early is not None and newest:
+            # only for a group we ran rounds of: those number rounds by step (a first flush's ids do not)
+            self.on_early(frame.round_id)
         mine = (frame.sender, key)
         if mine not in self._sender_refs and self._sender_rounds.get(frame.sender, 0) >= MAX_PENDING_ROUNDS_PER_SENDER:
             raise PeerError(

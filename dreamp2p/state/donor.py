@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from dreamp2p.errors import PeerError, Status
+from dreamp2p.errors import PeerError, RoundFailed, Status
 from dreamp2p.state.snapshot import Snapshot, capture_snapshot
 from dreamp2p.statemeta import MAX_RANGE_BYTES
 
@@ -89,6 +89,22 @@ class StateDonor:
     def wanted(self) -> bool:
         """True while a request waits for a snapshot: the trainer should :meth:`publish` after this step."""
         return self._wanted
+
+    def offer(self, state: Callable[[], Any], step: int) -> None:
+        """Publish ``state()`` of ``step`` if a request waits for one, called between two training steps.
+
+        A state the transfer cannot encode must not stop training: logged, and the joiner's request times
+        out. A state with a round whose outcome is not known yet (held by a member that left it behind)
+        cannot be captured now: the request stays wanted and a later step offers it.
+        """
+        if not self.wanted:
+            return
+        try:
+            self.publish(state(), step)
+        except (TypeError, ValueError):
+            log.exception("cannot offer the training state of step %d to a joining member", step)
+        except RoundFailed as exc:
+            log.warning("cannot offer the training state of step %d yet: %s", step, exc)
 
     def publish(self, state: Any, step: int) -> Snapshot:
         """Capture ``state`` (copied, flattened, hashed here) as the newest snapshot and wake waiting requests.

@@ -122,3 +122,25 @@ def test_bench_lm_slow_region_runs_at_its_factor_in_the_ceiling() -> None:
     assert row["compute_utilization"] > 0 and row["identical_after_flush"] is True
     with pytest.raises(ValueError, match=r"region must be in 0\.\.1"):
         bench_lm(strategies=("dreamddp",), netns=False, slow=("2=0.5",), **TINY)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "variant", ["diloco:periods=time", "streaming:periods=time", "streaming:periods=time,comm=process"]
+)
+def test_bench_lm_time_periods_let_a_slow_region_follow_the_clock(variant: str) -> None:
+    """`periods = "time"` with region 1 at a quarter of region 0's pace: it follows the cluster's step clock
+    (peers' frames and heartbeats, across processes; with comm = "process", through the comm child), so
+    it takes fewer local steps than the clock's, and the regions still end bit-identical after the flush.
+    Both regions are slowed (to ~40 and ~10 steps/s) so that a step outlasts the in-process link's delay,
+    as a real model's step outlasts a WAN's."""
+    tiny = {**TINY, "steps": 60, "period": 6}
+    slow = ("0=0.05", "1=0.0125")
+    out = bench_lm(strategies=(variant,), netns=False, slow=slow, **tiny)  # type: ignore[arg-type]
+    row = out["strategies"][variant]
+    fast, slow = row["local_steps_regions"]
+    assert fast == 60 and slow < fast, (fast, slow)
+    assert row["identical_after_flush"] is True and row["flush_errors"] == []
+    assert math.isfinite(row["heldout_loss_flushed"])
+    assert row["curve"][-1][0] == 60 and len({len(row["curve"])}) == 1

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from dreamp2p.messages import MemberProgress, TrainingInfo
-from dreamp2p.peer.drift import LagHold, diverged_from, far_ahead
+from dreamp2p.peer.drift import LagHold, LeadingStep, diverged_from, far_ahead
 from dreamp2p.schedule.cost import LayerCost
 from dreamp2p.schedule.dreamddp import even_plan
 from dreamp2p.transport import serde
@@ -208,3 +208,18 @@ def test_a_lead_not_held_yet_yields_only_to_a_missed_plan() -> None:
     assert diverged_from(mine, {"b": others["b"]}, 14, far=frozenset({"b"})) == ("b",)
     with pytest.raises(ValueError, match="hold_s must be >= 0"):
         LagHold(-1.0)
+
+
+def test_the_leading_step_is_the_highest_heard_or_shown_by_a_frame() -> None:
+    lead = LeadingStep()
+    told: list[int] = []
+    lead.on_change = told.append
+    lead.heard({"a": MemberProgress(7), "b": None, "c": MemberProgress(3)})
+    assert lead.step == 7
+    lead.launched(12)  # a frame showed a member past step 12, before its heartbeat says so
+    lead.launched(9)  # older news changes nothing
+    assert lead.step == 12
+    lead.heard({"a": MemberProgress(10)})  # a heartbeat older than the frame keeps the frame's step
+    assert lead.step == 12
+    lead.heard({"a": MemberProgress(15)})
+    assert (lead.step, told) == (15, [7, 12, 15])

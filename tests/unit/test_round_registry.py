@@ -110,3 +110,18 @@ async def test_admitting_from_a_later_round_refuses_earlier_waiting_frames() -> 
     early = await waiting(reg, G, 10)
     reg.admit_from(12)  # a joiner holds the state of a later step
     await refused_now(early, "round 10 of group 7 is not open here")
+
+
+async def test_a_waiting_frame_tells_who_is_ahead_only_for_groups_run_here() -> None:
+    """Time-paced periods read a frame of round r that waits here as its sender being past step r - 1; a
+    group this peer never ran (a first flush, whose ids are not steps) tells nothing."""
+    reg = RoundRegistry(round_timeout_s=60.0)
+    early: list[int] = []
+    reg.on_early = early.append
+    first = await waiting(reg, G, 40)  # no round of G ran here yet
+    assert early == []
+    open_round(reg, G, 2)
+    ahead = await waiting(reg, G, 5)
+    assert early == [5]
+    for fut in (first, ahead):
+        fut.cancel()

@@ -42,6 +42,7 @@ from dreamp2p.sync.comm.wire import (
     Failure,
     ForgetBuffer,
     Init,
+    Leading,
     Reply,
     SetTrainingInfo,
     ShareBuffer,
@@ -61,6 +62,7 @@ class _Child:
         self.peer = peer
         self.loop = loop
         peer.on_diverged = lambda members: self.send(Diverged(members))
+        peer.lead.on_change = lambda step: self.send(Leading(step))
         self.buffers: dict[int, torch.Tensor] = {}
         self.donor: StateDonor | None = None
         self._send_lock = threading.Lock()

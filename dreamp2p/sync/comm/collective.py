@@ -70,3 +70,9 @@ class Collective(Protocol):
     def diverged_from(self) -> tuple[str, ...]:
         """Live members training with a plan we missed (see `dreamp2p.peer.drift`); empty normally."""
         ...
+
+    @property
+    def leading_step(self) -> int:
+        """The highest step a live member last reported (0 before any did): the cluster's step clock for
+        time-paced periods (`dreamp2p.sync.strategies.pacing`)."""
+        ...

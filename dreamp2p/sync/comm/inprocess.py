@@ -218,3 +218,7 @@ class InProcessCollective:
     @property
     def diverged_from(self) -> tuple[str, ...]:
         return ()  # one process, no partitions: every member always holds the same plan
+
+    @property
+    def leading_step(self) -> int:
+        return max((s for s in self._hub.training_steps() if s is not None), default=0)

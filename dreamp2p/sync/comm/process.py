@@ -41,6 +41,7 @@ from dreamp2p.sync.comm.wire import (
     DonorWanted,
     ForgetBuffer,
     Init,
+    Leading,
     SetTrainingInfo,
     ShareBuffer,
     check_shareable,
@@ -65,6 +66,7 @@ class CommProcess:
         self._closing = False
         self._buffers = BufferRegistry()
         self._diverged: tuple[str, ...] = ()  # set by the child's Diverged, cleared by admit_from
+        self._leading = 0  # set by the child's Leading
         started = self._pipe.start(Init(config, ready, logging.getLogger().getEffectiveLevel(), root_format()))
         self.port = started.port
         self.pid = started.pid
@@ -79,6 +81,8 @@ class CommProcess:
             self.donor._remote_wanted = msg.wanted
         elif isinstance(msg, Diverged):
             self._diverged = msg.members
+        elif isinstance(msg, Leading):
+            self._leading = msg.step
 
     def _call(self, op: str, *args: Any, timeout: float | None = CALL_TIMEOUT_S) -> Any:
         return self._pipe.request(lambda rid: Call(rid, op, args)).result(timeout)
@@ -223,6 +227,11 @@ class CommProcess:
     def diverged_from(self) -> tuple[str, ...]:
         """Live members training with a plan we missed (see Peer.diverged), as the child last said."""
         return self._diverged
+
+    @property
+    def leading_step(self) -> int:
+        """The highest step a live member reported (see `dreamp2p.peer.drift.LeadingStep`), as the child last said."""
+        return self._leading
 
     def begin_drain(self) -> None:
         self._call("begin_drain")

@@ -130,6 +130,10 @@ class ShardedCollective:
     def diverged_from(self) -> tuple[str, ...]:
         return self.wan.diverged_from
 
+    @property
+    def leading_step(self) -> int:
+        return self.wan.leading_step
+
     def allreduce_group(
         self,
         group: FlatGroup,

@@ -147,6 +147,11 @@ class CommThread:
         return self.peer.diverged
 
     @property
+    def leading_step(self) -> int:
+        """The highest step a live member reported (`dreamp2p.peer.drift.LeadingStep`); read without a loop call."""
+        return self.peer.lead.step
+
+    @property
     def view_changes(self) -> int:
         """How often the live view changed (see Peer.view_changes)."""
         return int(self.on_loop(lambda: self.peer.view_changes))

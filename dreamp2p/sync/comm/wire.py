@@ -179,6 +179,13 @@ class DonorWanted:
 
 
 @dataclass(frozen=True)
+class Leading:
+    """The highest step a live member reported to the child's peer changed (`dreamp2p.peer.drift.LeadingStep`)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
 class Diverged:
     """The child's peer stands aside: these live members train with a plan it missed (see Peer.diverged)."""
 

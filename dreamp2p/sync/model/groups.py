@@ -14,6 +14,7 @@ GROUP_PARAMS = 3  # whole-model averages (local SGD, DiLoCo, CO2)
 GROUP_BUFFERS = 4  # BatchNorm statistics and other buffers
 GROUP_FLUSH = 5  # Strategy.flush()
 GROUP_CO2_GAP = 6  # CO2's staleness gap, beside its parameters
+GROUP_TOKENS = 7  # time-paced periods: each member's share of the period's steps, beside its pseudo-gradients
 GROUP_AGREE = 8  # whether every member already holds the same state at attach: 64 digest bits
 GROUP_FLUSH_CHECK = 10  # the same check within flush(), before a part of the state is averaged in fp32
 GROUP_FLUSH_DELTA = 11  # DreamDDP's flush: every layer's pseudo-gradient at once, in its delta codec

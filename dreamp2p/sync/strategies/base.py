@@ -34,6 +34,7 @@ from dreamp2p.sync.model.layers import Layer, discover_layers
 from dreamp2p.sync.model.optim import OptimizerFacade
 from dreamp2p.sync.strategies.buffers import BufferSync, model_buffers
 from dreamp2p.sync.strategies.flush import ReplicaFlush
+from dreamp2p.sync.strategies.pacing import StepWindow
 
 log = logging.getLogger(__name__)
 
@@ -137,18 +138,17 @@ class Strategy(OptimizerFacade, abc.ABC):
         self.buffers = model_buffers(model) if self.syncs_buffers else []
         self._bufsync = BufferSync(comm, self.buffers, cfg.buffers, self.pin) if self.buffers else None
         self._resync: Callable[[tuple[str, ...]], None] | None = None
+        # time-paced periods: which of the cluster's last steps we trained at (None: lockstep)
+        self._clock = StepWindow(self.cfg.period) if self.cfg.timed_periods else None
         self.adopted: list[tuple[str, str, str]] = []  # settings the last load took from our config instead
         self._setup()
 
     # ------------------------------------------------------------------ user API
 
     def step(self, closure: Callable[[], Any] | None = None) -> StepStats:  # type: ignore[override]
-        """Apply this step's local update and whatever synchronization the strategy schedules now.
-
-        Called once per optimizer step, after every backward pass of the step (gradient accumulation:
-        several ``backward()`` calls, then one ``step()``). ``closure`` (as for any optimizer) is called
-        once first, with gradients enabled. Returns the step's statistics, not a loss.
-        """
+        """Apply this step's local update and whatever synchronization the strategy schedules now. Called once
+        per optimizer step, after every backward pass of the step (gradient accumulation: several
+        ``backward()``, then one ``step()``); ``closure`` first, with gradients enabled. Returns statistics."""
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -156,37 +156,53 @@ class Strategy(OptimizerFacade, abc.ABC):
         self._take_amp()  # unscale the gradients when GradScaler.step called us; note an overflow
         self._stats = StepStats(self.step_count, compute_s=t0 - self._last_end)
         self._land_buffers()  # launched at the end of an earlier period (not inline)
-        due = self._bufsync is not None and (self.buffers_every_step or (self.step_count + 1) % self.cfg.period == 0)
-        if due and self._bufsync is not None:
-            # launched before the strategy's own round so that both travel at once
-            self._bufsync.launch(self._round())
-        self._step()
-        if due and self.buffers_inline:
-            self._land_buffers()
+        if self._clock is not None:
+            self._clock.record(trained=True)
+        self._with_buffers(self._step)
+        self.step_count += 1
+        if self._clock is not None:
+            self._follow()
         end = time.perf_counter()
         stats = self._stats
         # time inside step() that was not waiting on the network is local work (optimizer, merges)
         stats.compute_s += max(0.0, (end - t0) - stats.exposed_s)
         self.totals.add(stats)
-        self.step_count += 1
         self._last_end = end
         self.publish_progress()
-        donor = self.donor
-        if donor is not None and donor.wanted:
-            # a joining member waits for our state: between two steps it is consistent, so capture it now
-            try:
-                donor.publish(self.state_dict(), self.step_count)
-            except (TypeError, ValueError):
-                # a state the transfer cannot encode must not stop training; the joiner's request times out
-                log.exception("cannot offer the training state of step %d to a joining member", self.step_count)
-            except RoundFailed as exc:
-                # a round the state must record has no outcome yet (held by a member that left it behind);
-                # the request stays wanted and a later step offers the state
-                log.warning("cannot offer the training state of step %d yet: %s", self.step_count, exc)
-        ahead = self.comm.diverged_from
-        if ahead:
-            self._take_state_of(ahead)
+        if self.donor is not None:
+            # a joining member may wait for our state: between two steps it is consistent
+            self.donor.offer(self.state_dict, self.step_count)
+        if ahead := self.comm.diverged_from:
+            if self._resync is None:
+                raise RuntimeError(
+                    f"{', '.join(ahead)} train with a plan this node missed (after a partition?) and its peer "
+                    "stands aside; a strategy attached through Node.attach takes their state by itself, this one cannot"
+                )
+            self._resync(ahead)
         return stats
+
+    def _with_buffers(self, run: Callable[[], None]) -> None:
+        """``run`` (this step's own schedule) with the buffers' round where one is due at this step."""
+        due = self._bufsync is not None and (self.buffers_every_step or (self.step_count + 1) % self.cfg.period == 0)
+        if due and self._bufsync is not None:
+            # launched before the strategy's own round so that both travel at once
+            self._bufsync.launch(self._round())
+        run()
+        if due and self.buffers_inline:
+            self._land_buffers()
+
+    def _follow(self) -> None:
+        """Time-paced periods: move our step clock up to the step the cluster's leading member reported,
+        running what is due at each step passed without a local update (`dreamp2p.sync.strategies.pacing`).
+
+        At most one period per call: a member further ahead is a partition's other side or a joiner's
+        donors, which the peer's drift rules handle, not a pace to follow.
+        """
+        lead = min(self.comm.leading_step, self.step_count + self.cfg.period)
+        while self.step_count < lead and self._clock is not None:
+            self._clock.record(trained=False)
+            self._with_buffers(self._tick)
+            self.step_count += 1
 
     def publish_progress(self) -> None:
         """Tell the peer our step and plan (its Status and heartbeat answers carry them)."""
@@ -198,14 +214,6 @@ class Strategy(OptimizerFacade, abc.ABC):
         ``Node.attach`` sets it: the handler takes those members' state, as a joining node does.
         """
         self._resync = handler
-
-    def _take_state_of(self, ahead: tuple[str, ...]) -> None:
-        if self._resync is None:
-            raise RuntimeError(
-                f"{', '.join(ahead)} train with a plan this node missed (after a partition?) and its peer stands "
-                "aside; a strategy attached through Node.attach takes their state by itself, this one cannot"
-            )
-        self._resync(ahead)
 
     def _training_info(self) -> TrainingInfo:
         return TrainingInfo(self.name, self.step_count)
@@ -236,18 +244,16 @@ class Strategy(OptimizerFacade, abc.ABC):
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "extra": self._extra_state(),
+            # time-paced periods: the steps of the clock's window we trained at (our parameters hold them)
+            "clock": self._clock.marks() if self._clock is not None else None,
             # what the state was made under: a resume compares them with its config (see load_state_dict)
             "settings": self.cfg.shared_settings(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (a checkpoint, or the members' state for a joiner).
-
-        Settings changed since it was saved (`dreamp2p.settings`): a change of one in ``resume_fixed`` (the
-        strategy) raises PeerError(CONFIG_MISMATCH) naming it and both values, before anything is loaded;
-        every other change is logged ("resume: sync.period 5 -> 10 ...") and our config's value holds from
-        this step on (:meth:`_adopt_settings`; ``adopted`` lists them). A joiner's state never differs: the
-        handshake compared the members' settings with ours.
+        """Continue from ``state`` (a checkpoint, or the members' state for a joiner). Settings changed since
+        it was saved (`dreamp2p.settings`): one of ``resume_fixed`` raises PeerError(CONFIG_MISMATCH) before
+        anything loads; any other is logged and ours holds from here (:meth:`_adopt_settings`, ``adopted``).
         """
         # the strategy is the one this object runs (a strategy made by hand may hold a config naming another)
         changes = resume_changes(saved_settings(state), {**self.cfg.shared_settings(), "sync.strategy": self.name})
@@ -258,6 +264,8 @@ class Strategy(OptimizerFacade, abc.ABC):
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step"])
         self._load_extra_state(state.get("extra", {}))
+        if self._clock is not None:
+            self._clock = StepWindow(self.cfg.period, state.get("clock") or ())
         for name, old, new in changes:
             log.info("resume: %s %s -> %s (config changed since the checkpoint)", name, old, new)
         self.adopted = changes
@@ -280,28 +288,19 @@ class Strategy(OptimizerFacade, abc.ABC):
             self._bufsync.take()
 
     def flush(self) -> None:
-        """Average every parameter (trainable or frozen) and every buffer once now, blocking.
-
-        Whatever changed them (the optimizer, in-place updates of frozen parameters, running statistics),
-        every member of the flush ends bit-identical. Two parts, each checked first with a round of 64
-        digest bits: the trainable parameters (unless the strategy already made them identical through its
-        compressed path, `_flush_params`), then frozen parameters and buffers; a part every member already
-        holds alike sends nothing more, the others are averaged in fp32 (`dreamp2p.sync.strategies.flush`).
-        A failed average is tried again (up to FLUSH_ATTEMPTS in all); RoundFailed if none completes.
-        FlushIncomplete when the flush completed among fewer members than our newest round or the view at
-        its start held: those members kept their own state (they closed without this flush, died or were
-        cut off).
+        """Average every parameter (trainable or frozen) and every buffer once now, blocking: every member of
+        the flush ends bit-identical. Checked first, through the strategy's compressed path where it has one
+        (`_flush_params`), else in fp32; the rounds, retries (RoundFailed when none completes) and
+        FlushIncomplete (fewer members than our newest round or the view held) are `dreamp2p.sync.strategies.flush`'s.
         """
         self.close()
         expected = set(self._last_members) | set(self.comm.members)
         self._flusher.run(self.step_count, self.cfg.codec, expected, self._flush_params)
 
     def held(self) -> list[Held]:
-        """The memory this strategy keeps between steps beyond the model, its gradients and the user's
-        optimizer: one entry per buffer that grows with the model, with why it is needed (`bench memory`
-        accounts them). Entries may share memory (a view, one buffer under two names): count each storage
-        once. Not here: a step's temporaries, the copy a round makes while it runs (the collective's), and
-        rounds of a fixed few elements (checks, control rounds)."""
+        """The memory kept between steps beyond the model, its gradients and the user's optimizer: one entry
+        per buffer that grows with the model, with why (`bench memory`; count each storage once). Not here:
+        a step's temporaries, a round's own copy, and rounds of a fixed few elements."""
         held = self._held()
         if self._bufsync is not None:
             why = "the model buffers (BatchNorm statistics) as sent, and their mean, for the buffers' own round"
@@ -330,6 +329,11 @@ class Strategy(OptimizerFacade, abc.ABC):
 
     @abc.abstractmethod
     def _step(self) -> None: ...
+
+    def _tick(self) -> None:
+        """What is due at step ``step_count`` besides the local update (launches, landings), for a step of
+        the cluster's clock this member passes without training (time-paced periods only)."""
+        raise NotImplementedError(f"{self.name} does not follow the cluster's step clock (sync.periods = 'steps')")
 
     def _rearm(self) -> None:  # strategies without per-step schedule state need nothing
         """Prepare the schedule of ``step_count`` again after it changed from outside."""

@@ -8,7 +8,8 @@ update everywhere, the others skip that average or outer step and carry on local
 - ``localsgd``: local SGD, whole model averaged every H steps (blocking).
 - ``diloco``: DiLoCo (Douillard et al., arXiv 2311.08455): H inner steps, then the mean pseudo-gradient
   (global - local) drives an outer Nesterov SGD step (lr 0.7, momentum 0.9 over an adaptive inner
-  optimizer as in the paper; plain averaging, lr 1 and momentum 0, over SGD: see `config.sync`).
+  optimizer as in the paper; plain averaging, lr 1 and momentum 0, over SGD: see `config.sync`). Paced by
+  time, H steps of the cluster's clock and a token-weighted mean (`dreamp2p.sync.strategies.pacing`).
 - ``streaming``: Streaming DiLoCo (arXiv 2501.18512), in `dreamp2p.sync.strategies.streaming`, over the
   outer optimizer defined here.
 - ``co2``: CO2 (Sun et al., arXiv 2401.16265): every tau steps an asynchronous all-reduce of the
@@ -32,6 +33,7 @@ from dreamp2p.sync.model.groups import GROUP_CO2_GAP, GROUP_GRADS, GROUP_OUTER_C
 from dreamp2p.sync.model.layers import FlatGroup
 from dreamp2p.sync.strategies.base import Held, Strategy, landed
 from dreamp2p.sync.strategies.outercheck import CheckRound, OuterCheck
+from dreamp2p.sync.strategies.pacing import TokenShares, unweigh
 from dreamp2p.sync.strategies.replicas import tensors_digest
 
 
@@ -48,15 +50,24 @@ def global_parameter(glob: torch.Tensor) -> nn.Parameter:
 
 
 def launch_pseudo_gradient(
-    comm: Collective, group: FlatGroup, glob: torch.Tensor, group_id: int, codec: str, round_id: int
+    comm: Collective,
+    group: FlatGroup,
+    glob: torch.Tensor,
+    group_id: int,
+    codec: str,
+    round_id: int,
+    weight: float | None = None,
 ) -> concurrent.futures.Future[RoundResult]:
     """Average ``glob - params`` over the one-buffer ``group``: the parameters are snapshotted into it, and
-    the difference is taken there in place once the snapshot has landed (no temporary of the model's size)."""
+    the difference is taken there in place once the snapshot has landed (no temporary of the model's size).
+    ``weight``: scale it by this member's share first (time-paced periods, `dreamp2p.sync.strategies.pacing`)."""
     group.snapshot()
     work = group.work
 
     def pseudo_gradient() -> None:
         torch.sub(glob, work, out=work)
+        if weight is not None and weight != 1.0:
+            work.mul_(weight)
 
     return comm.allreduce_group(group, group_id, codec, round_id=round_id, prepare=pseudo_gradient)
 
@@ -187,15 +198,27 @@ class DiLoCo(Strategy):
         self._shadow = global_parameter(self._global)
         self._outer = outer_sgd(self._shadow, self.cfg)
         self._check = _whole_model_check(self)
+        self._tokens = TokenShares(self.comm, 1)
 
     def _step(self) -> None:
         self._inner_step()
+        self._tick()
+
+    def _tick(self) -> None:
         if (self.step_count + 1) % self.cfg.period:
             return
-        # pseudo-gradient: how far this replica moved away from the global parameters
-        fut = launch_pseudo_gradient(self.comm, self._group, self._global, GROUP_PARAMS, self.cfg.codec, self._round())
+        # pseudo-gradient: how far this replica moved away from the global parameters (paced by time: weighed
+        # by the share of the period we trained, with the shares' round beside it)
+        share = self._clock.share() if self._clock is not None else None
+        fut = launch_pseudo_gradient(
+            self.comm, self._group, self._global, GROUP_PARAMS, self.cfg.codec, self._round(), share
+        )
+        tokens = self._tokens.launch(0, share, self._round()) if share is not None else None
         check = self._check.launch(0, self.outer_state(), self._round()) if self._check.due(self.step_count) else None
         res = self._wait(fut)  # None: no outer step anywhere; the next period's pseudo-gradient covers both
+        if res is not None and tokens is not None:
+            weighed = self._wait(tokens) is not None and unweigh(self._group.work, self._tokens.mean(0))
+            res = res if weighed else None
         self._check.judge(0, check)
         if res is not None:
             outer_step(self._outer, self._shadow, self._group.work)

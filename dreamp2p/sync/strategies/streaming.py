@@ -5,13 +5,15 @@ Each fragment keeps a global copy and an outer Nesterov momentum as DiLoCo does 
 (`dreamp2p.sync.strategies.baselines`); its 4-bit outer gradient lands tau steps after launch, and then
 theta <- alpha * local + (1 - alpha) * outer. A round that fails is skipped by every member (see
 `dreamp2p.sync.strategies.base`): that fragment's outer step is skipped everywhere and training goes on.
+Paced by time, the offsets are steps of the cluster's clock and each fragment's outer gradient is the
+token-weighted mean (`dreamp2p.sync.strategies.pacing`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,10 +36,25 @@ from dreamp2p.sync.strategies.baselines import (
     outer_step,
 )
 from dreamp2p.sync.strategies.outercheck import CheckRound, OuterCheck
+from dreamp2p.sync.strategies.pacing import TokenShares, unweigh
 from dreamp2p.sync.strategies.replicas import tensors_digest
 
-# a Streaming DiLoCo fragment sync in flight: (landing step, its round, the check beside it or None)
-_FragmentSync = tuple[int, concurrent.futures.Future[RoundResult], CheckRound | None]
+# the shares' round beside a launch (time-paced periods) and the slot whose buffer holds its mean
+_Shares = tuple[concurrent.futures.Future[RoundResult], int]
+
+
+class _FragmentSync(NamedTuple):
+    """A fragment's sync in flight."""
+
+    land: int  # the step it lands at (paced by time: at the first step from there at which it has arrived)
+    round_id: int  # the round id it was launched with: its heal round, where one follows, takes the same
+    fut: concurrent.futures.Future[RoundResult]
+    check: CheckRound | None  # the check of the fragment's outer state beside it
+    shares: _Shares | None  # the shares' round beside it (time-paced periods)
+
+    def arrived(self) -> bool:
+        """Whether its rounds completed (or failed): landing it now waits for nothing."""
+        return self.fut.done() and (self.shares is None or self.shares[0].done())
 
 
 def failed_round(key: int) -> concurrent.futures.Future[RoundResult]:
@@ -80,47 +97,56 @@ class StreamingDiLoCo(Strategy):
             self._global.append(glob)
             self._shadow.append(shadow)
             self._outer.append(outer_sgd(shadow, self.cfg))
-        # per fragment in flight: (landing step, its round, the check of its outer state beside it or None)
         self._inflight: dict[int, _FragmentSync] = {}
+        self._tokens = TokenShares(self.comm, nfrag)
         self._check = OuterCheck(
             self.comm, self.cfg.period, self.cfg.anchor_every, fragment_check_group, fragment_heal_group, self._wait
         )
 
     def _step(self) -> None:
         self._inner_step()
-        t = self.step_count
-        for p, (land, fut, check) in sorted(self._inflight.items()):
-            if land <= t:  # earlier only for a joiner, which starts a few steps after its state's step
-                del self._inflight[p]
-                self._land(p, fut, check)
-        # fragments become due only after a full period of local steps
-        if t + 1 >= self.cfg.period:
-            for p in fragments_due(t + 1, self.offsets, self.cfg.period):
-                if p in self._inflight:
-                    self._land(p, *self._inflight.pop(p)[1:])  # its previous sync had not landed: finish it first
-                g, codec = self._groups[p], self.cfg.stream_codec
-                fut = launch_pseudo_gradient(self.comm, g, self._global[p], fragment_group(p), codec, self._round())
-                check = self._check.launch(p, self.outer_state(p), self._round()) if self._check.due(t) else None
-                if self.cfg.stream_delay == 0:
-                    self._land(p, fut, check)
-                else:
-                    self._inflight[p] = (t + self.cfg.stream_delay, fut, check)
+        self._tick()
 
-    def _land(
-        self,
-        p: int,
-        fut: concurrent.futures.Future[RoundResult],
-        check: CheckRound | None,
-        timeout: float | None = None,
-    ) -> None:
+    def _tick(self) -> None:
+        t = self.step_count
+        for p, sync in sorted(self._inflight.items()):
+            # earlier only for a joiner, which starts a few steps after its state's step. Paced by time, not
+            # before it arrived: a slower member launches it later, and waiting would tie us to its pace
+            # (where it lands changes only our own mix; the outer steps are the same on every member)
+            if sync.land <= t and (self._clock is None or sync.arrived()):
+                self._land(p, self._inflight.pop(p))
+        # fragments become due only after a full period of local steps
+        if t + 1 < self.cfg.period:
+            return
+        launched: _Shares | None = None
+        for p in fragments_due(t + 1, self.offsets, self.cfg.period):
+            if p in self._inflight:
+                self._land(p, self._inflight.pop(p))  # its previous sync had not landed: finish it first
+            # paced by time: weighed by the share of the period we trained; one shares' round per step
+            share = self._clock.share() if self._clock is not None else None
+            if share is not None and launched is None:
+                launched = (self._tokens.launch(p, share, self._round()), p)
+            g, codec = self._groups[p], self.cfg.stream_codec
+            fut = launch_pseudo_gradient(self.comm, g, self._global[p], fragment_group(p), codec, self._round(), share)
+            check = self._check.launch(p, self.outer_state(p), self._round()) if self._check.due(t) else None
+            sync = _FragmentSync(t + self.cfg.stream_delay, self._round(), fut, check, launched)
+            if self.cfg.stream_delay == 0:
+                self._land(p, sync)
+            else:
+                self._inflight[p] = sync
+
+    def _land(self, p: int, sync: _FragmentSync, timeout: float | None = None) -> None:
         """Fragment ``p``'s sync lands: its outer step, then (where a check found the members' copies of the
         fragment apart) their mean on every member, then the mix into the parameters."""
-        applied = self._wait(fut, timeout) is not None  # a failed round failed everywhere: no outer step
-        self._check.judge(p, check, timeout)
+        applied = self._wait(sync.fut, timeout) is not None  # a failed round failed everywhere: no outer step
+        if applied and sync.shares is not None:
+            done, slot = sync.shares
+            applied = self._wait(done, timeout) is not None and unweigh(self._groups[p].work, self._tokens.mean(slot))
+        self._check.judge(p, sync.check, timeout)
         if applied:
             outer_step(self._outer[p], self._shadow[p], self._groups[p].work)
         # in place: the outer optimizer's parameter (the same memory) holds the mean too
-        self._check.heal(p, self.outer_state(p), self._round(), timeout)
+        self._check.heal(p, self.outer_state(p), sync.round_id, timeout)
         if applied:
             g = self._groups[p]
             local = torch.empty_like(self._global[p])
@@ -150,7 +176,7 @@ class StreamingDiLoCo(Strategy):
 
     def _finish(self, timeout: float | None) -> None:
         for p in sorted(self._inflight):
-            self._land(p, *self._inflight.pop(p)[1:], timeout=timeout)
+            self._land(p, self._inflight.pop(p), timeout=timeout)
 
     def _drop(self) -> None:
         self._inflight.clear()
@@ -160,15 +186,19 @@ class StreamingDiLoCo(Strategy):
         # same outer trajectory; fragments in flight land later on every member that took part, so their
         # results (and their checks' verdicts) travel too and land at the same step here
         inflight = {}
-        for p, (land, fut, check) in self._inflight.items():
+        for p, sync in self._inflight.items():
             try:
-                fut.result(self.comm.round_timeout_s)
+                sync.fut.result(self.comm.round_timeout_s)
                 avg: torch.Tensor | None = self._groups[p].work.clone()
+                if sync.shares is not None:  # saved as the weighed mean it lands as
+                    sync.shares[0].result(self.comm.round_timeout_s)
+                    if avg is not None and not unweigh(avg, self._tokens.mean(sync.shares[1])):
+                        avg = None
             except RoundFailed:
                 avg = None  # failed everywhere (all-or-none): nobody applies it
-            verdict = check.record(self.comm.round_timeout_s) if check is not None else None
+            verdict = sync.check.record(self.comm.round_timeout_s) if sync.check is not None else None
             if avg is not None or verdict is not None:
-                inflight[p] = (land, avg, verdict)
+                inflight[p] = (sync.land, avg, verdict)
         return {
             "global": [g.clone() for g in self._global],
             "outer": [o.state_dict() for o in self._outer],
@@ -195,4 +225,7 @@ class StreamingDiLoCo(Strategy):
             else:
                 self._groups[p].work.copy_(avg)
                 fut = landed(self._groups[p].numel)
-            self._inflight[int(p)] = (int(land), fut, CheckRound.restore(verdict) if verdict is not None else None)
+            check = CheckRound.restore(verdict) if verdict is not None else None
+            # launched the delay before its landing (the same on every member: the same state and settings)
+            launch_round = int(land) - self.cfg.stream_delay + 1
+            self._inflight[int(p)] = _FragmentSync(int(land), launch_round, fut, check, None)

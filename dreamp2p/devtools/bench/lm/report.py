@@ -40,7 +40,8 @@ def time_to(curve: list[list[float]], target: float) -> float | None:
 
 def summarize(res: list[dict[str, Any]], steps: int, wire_run: list[int] | None) -> dict[str, Any]:
     """One strategy's row from its regions' results (``wire_run``: each region's bytes over the whole run)."""
-    sps = [steps / r["wall_s"] for r in res]
+    # local steps: with time-paced periods a slow region takes fewer than the clock's ``steps``
+    sps = [r.get("local_steps", steps) / r["wall_s"] for r in res]
     comm, exposed = sum(r["comm_s"] for r in res), sum(r["exposed_s"] for r in res)
     wire = [r["wire_bytes"] if r["wire_bytes"] is not None else r["bytes_sent"] for r in res]
     mb = sum(wire) / 1e6
@@ -48,8 +49,10 @@ def summarize(res: list[dict[str, Any]], steps: int, wire_run: list[int] | None)
     row: dict[str, Any] = {
         "steps_per_s": rounded(mean(sps)),
         "steps_per_s_regions": [rounded(x) for x in sps],
+        "local_steps_regions": [r.get("local_steps", steps) for r in res],
         "hidden_fraction": rounded(max(0.0, 1.0 - exposed / comm) if comm > 0 else 1.0, 3),
         "exposed_s": rounded(exposed / len(res), 3),
+        "exposed_s_regions": [rounded(r["exposed_s"], 3) for r in res],
         "comm_s": rounded(comm / len(res), 3),
         "heldout_loss": rounded(mean([r["heldout_loss"] for r in res])),
         "heldout_loss_regions": [rounded(r["heldout_loss"]) for r in res],

@@ -140,21 +140,28 @@ class _Workload:
         self.speed = float(a.get("speeds", [1.0] * world)[rank])  # `bench lm --slow` (`lm.speeds`)
 
     def loop(
-        self, step: Callable[[], Any], zero_grad: Callable[[], Any], wire: Callable[[], int] | None
+        self,
+        step: Callable[[], Any],
+        zero_grad: Callable[[], Any],
+        wire: Callable[[], int] | None,
+        clock: Callable[[], int] | None = None,
     ) -> dict[str, Any]:
         """The timed training loop; parameter copies every ``eval_every`` steps (clock paused meanwhile).
 
         ``wire``: the region's link counter (bytes it has put on the wire so far), read at loop start and end.
+        ``clock``: the strategy's step counter, run until it reaches ``steps`` (time-paced periods: a slow
+        region follows the cluster's clock and takes fewer local steps, ``local_steps``); None: ``steps`` steps.
         """
         a, model = self.a, self.model
         steps, device, every = a["steps"], a["device"], eval_every(a["steps"])
         snaps: list[tuple[int, float, list[torch.Tensor]]] = []
         losses: list[float] = []
-        clock = copies = 0.0
+        wall = copies = 0.0
         wire0 = wire() if wire else 0
         cpu0, thread0 = time.process_time(), time.thread_time()
         t = time.perf_counter()
-        for k in range(steps):
+        k = 0
+        while (clock() if clock is not None else k) < steps:
             busy0 = time.thread_time()
             x, y = train_batch(self.shard, self.rank, k, a["batch"], a["context"], device)
             loss = lm_loss(model, x, y)
@@ -164,23 +171,30 @@ class _Workload:
             losses.append(loss.item())
             if self.speed < 1.0:
                 time.sleep(throttle_s(time.thread_time() - busy0, self.speed))
-            if (k + 1) % every == 0 and k + 1 < steps:
+            k += 1
+            now = clock() if clock is not None else k
+            # one copy per ``every`` steps of the clock, so that every region's curve has the same steps (a
+            # region that follows the clock may pass several at once: the same copy for each)
+            marks = [m for m in range(every * (len(snaps) + 1), min(now, steps - 1) + 1, every)]
+            if marks:
                 _sync_device(device)
-                clock += time.perf_counter() - t
+                wall += time.perf_counter() - t
                 copy0 = time.thread_time()
-                snaps.append((k + 1, clock, [p.detach().clone() for p in model.parameters()]))
+                values = [p.detach().clone() for p in model.parameters()]
+                snaps.extend((m, wall, values) for m in marks)
                 copies += time.thread_time() - copy0  # not training: off the trainer's CPU as off its clock
                 t = time.perf_counter()
         _sync_device(device)
-        clock += time.perf_counter() - t
+        wall += time.perf_counter() - t
         thread = time.thread_time() - thread0
         comm_cpu = (time.process_time() - cpu0) - thread
         train_cpu = thread - copies
         sent = wire() - wire0 if wire else None
-        snaps.append((steps, clock, [p.detach().clone() for p in model.parameters()]))
+        snaps.append((steps, wall, [p.detach().clone() for p in model.parameters()]))
         tail = losses[-10:]
         return {
-            "wall_s": clock,
+            "wall_s": wall,
+            "local_steps": k,
             "comm_cpu_s": max(0.0, comm_cpu),
             "train_cpu_s": train_cpu,
             "wire_bytes": sent,
@@ -226,7 +240,7 @@ def lm_job(
     attach_wire = wire() - wire0 if wire else None
     child_cpu = node.comm.cpu_seconds if isinstance(node.comm, CommProcess) else lambda: 0.0
     cpu0 = child_cpu()
-    out = w.loop(sync.step, sync.zero_grad, wire)
+    out = w.loop(sync.step, sync.zero_grad, wire, lambda: sync.step_count)
     out["comm_cpu_s"] += child_cpu() - cpu0  # the comm process's CPU, with [node] comm = "process"
     out["comm"] = node.config.comm
     tot = sync.totals

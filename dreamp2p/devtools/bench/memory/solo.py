@@ -24,6 +24,7 @@ class SoloCollective:
     rank = 0
     round_timeout_s = 60.0
     diverged_from: tuple[str, ...] = ()
+    leading_step = 0
 
     def __init__(self) -> None:
         self.largest = 0  # elements of the largest round run
