@@ -46,6 +46,11 @@ def test_bench_lm_tiny_report() -> None:
         assert isinstance(row["identical_replicas"], bool), name
         assert row["curve"][-1][0] == 6 and row["curve"][-1][2] == row["heldout_loss"], name
         assert "time_to_target_s" in row, name
+        # tokens: every step trains batch x context of them, and the cluster's is every region's over the run
+        assert [row["local_steps_regions"], len(row["tokens_per_s_regions"])] == [[6, 6], 2], name
+        assert row["tokens_per_s"] == pytest.approx(sum(row["tokens_per_s_regions"]), rel=0.5), name
+        t_eq, loss_eq = row["heldout_loss_at_equal_wall"]
+        assert t_eq <= row["curve"][-1][1] and (loss_eq is None or math.isfinite(loss_eq)), name
         # the run ends as a user's does: one flush, after which every region holds the same model
         assert row["identical_after_flush"] is True and row["flush_errors"] == [], name
         assert math.isfinite(row["heldout_loss_flushed"]) and row["flush_s"] >= 0, name

@@ -50,6 +50,10 @@ def summarize(res: list[dict[str, Any]], steps: int, wire_run: list[int] | None)
         "steps_per_s": rounded(mean(sps)),
         "steps_per_s_regions": [rounded(x) for x in sps],
         "local_steps_regions": [r.get("local_steps", steps) for r in res],
+        # the whole cluster's training throughput: every region's tokens over the run's wall time (the slowest
+        # region's), each region's own beside it
+        "tokens_per_s": rounded(sum(r["tokens"] for r in res) / max(r["wall_s"] for r in res), 1),
+        "tokens_per_s_regions": [rounded(r["tokens"] / r["wall_s"], 1) for r in res],
         "hidden_fraction": rounded(max(0.0, 1.0 - exposed / comm) if comm > 0 else 1.0, 3),
         "exposed_s": rounded(exposed / len(res), 3),
         "exposed_s_regions": [rounded(r["exposed_s"], 3) for r in res],
@@ -165,6 +169,15 @@ def choose_target(
     return target, target_from
 
 
+def at_equal_wall(rows: dict[str, dict[str, Any]], curves: dict[str, list[list[float]]], names: list[str]) -> None:
+    """Each row's ``heldout_loss_at_equal_wall``: [t, loss], its held-out loss at the latest point of its curve
+    no later than t, the loop time the quickest of ``names`` took to the end (None where no point is that early)."""
+    t = min(curves[n][-1][1] for n in names)
+    for name, curve in curves.items():
+        loss = next((p[2] for p in reversed(curve) if p[1] <= t), None)
+        rows[name]["heldout_loss_at_equal_wall"] = [rounded(t, 3), rounded(loss) if loss is not None else None]
+
+
 def results(
     rows: dict[str, dict[str, Any]],
     curves: dict[str, list[list[float]]],
@@ -183,6 +196,7 @@ def results(
     for name, curve in curves.items():
         rows[name]["time_to_target_s"] = rounded(time_to(curve, target), 3)
     syncing = [n for n in rows if n != "none"] or list(rows)
+    at_equal_wall(rows, curves, syncing)
     winner = max(syncing, key=lambda n: rows[n]["steps_per_s"])
     ceiling = ceiling_summary(ceiling_res, ceiling_curve, ceiling_sps, steps, target, rows)
     ceiling["steps_per_s_runs"] = [rounded(c) for c in ceilings]

@@ -195,6 +195,7 @@ class _Workload:
         return {
             "wall_s": wall,
             "local_steps": k,
+            "tokens": k * a["batch"] * a["context"],  # the tokens this region trained on
             "comm_cpu_s": max(0.0, comm_cpu),
             "train_cpu_s": train_cpu,
             "wire_bytes": sent,
