@@ -49,8 +49,9 @@ def test_bench_lm_tiny_report() -> None:
         # tokens: every step trains batch x context of them, and the cluster's is every region's over the run
         assert [row["local_steps_regions"], len(row["tokens_per_s_regions"])] == [[6, 6], 2], name
         assert row["tokens_per_s"] == pytest.approx(sum(row["tokens_per_s_regions"]), rel=0.5), name
+        # read at the quickest syncing strategy's end: no later than a syncing strategy's own
         t_eq, loss_eq = row["heldout_loss_at_equal_wall"]
-        assert t_eq <= row["curve"][-1][1] and (loss_eq is None or math.isfinite(loss_eq)), name
+        assert (t_eq <= row["curve"][-1][1] or name == "none") and (loss_eq is None or math.isfinite(loss_eq)), name
         # the run ends as a user's does: one flush, after which every region holds the same model
         assert row["identical_after_flush"] is True and row["flush_errors"] == [], name
         assert math.isfinite(row["heldout_loss_flushed"]) and row["flush_s"] >= 0, name
@@ -131,21 +132,19 @@ def test_bench_lm_slow_region_runs_at_its_factor_in_the_ceiling() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "variant", ["diloco:periods=time", "streaming:periods=time", "streaming:periods=time,comm=process"]
-)
-def test_bench_lm_time_periods_let_a_slow_region_follow_the_clock(variant: str) -> None:
+def test_bench_lm_time_periods_let_a_slow_region_follow_the_clock() -> None:
     """`periods = "time"` with region 1 at a quarter of region 0's pace: it follows the cluster's step clock
     (peers' frames and heartbeats, across processes; with comm = "process", through the comm child), so
     it takes fewer local steps than the clock's, and the regions still end bit-identical after the flush.
     Both regions are slowed (to ~40 and ~10 steps/s) so that a step outlasts the in-process link's delay,
-    as a real model's step outlasts a WAN's."""
-    tiny = {**TINY, "steps": 60, "period": 6}
-    slow = ("0=0.05", "1=0.0125")
-    out = bench_lm(strategies=(variant,), netns=False, slow=slow, **tiny)  # type: ignore[arg-type]
-    row = out["strategies"][variant]
-    fast, slow = row["local_steps_regions"]
-    assert fast == 60 and slow < fast, (fast, slow)
-    assert row["identical_after_flush"] is True and row["flush_errors"] == []
-    assert math.isfinite(row["heldout_loss_flushed"])
-    assert row["curve"][-1][0] == 60 and len({len(row["curve"])}) == 1
+    as a real model's step outlasts a WAN's. One run of the bench for the three variants: one ceiling."""
+    variants = ("diloco:periods=time", "streaming:periods=time", "streaming:periods=time,comm=process")
+    tiny = {**TINY, "steps": 36, "period": 6}
+    out = bench_lm(strategies=variants, netns=False, slow=("0=0.05", "1=0.0125"), **tiny)  # type: ignore[arg-type]
+    for variant in variants:
+        row = out["strategies"][variant]
+        fast, slow = row["local_steps_regions"]
+        assert fast == 36 and slow < fast, (variant, fast, slow)
+        assert row["identical_after_flush"] is True and row["flush_errors"] == [], variant
+        assert math.isfinite(row["heldout_loss_flushed"]), variant
+        assert row["curve"][-1][0] == 36, variant

@@ -146,6 +146,7 @@ def figures(row: dict[str, Any]) -> list[float]:
     return nums + [b["Bpp"] for b in row["buffers"]]
 
 
+@pytest.mark.slow  # seconds, not milliseconds: started with the long tests, not last
 def test_a_tiny_run_names_every_strategy_with_finite_figures_and_diloco_holds_12_bytes() -> None:
     result = run_bench("--params", "20000")
     rows = result["strategies"]
@@ -170,6 +171,7 @@ def test_a_tiny_run_names_every_strategy_with_finite_figures_and_diloco_holds_12
     assert "FSDP2" in result["fsdp_regions"]
 
 
+@pytest.mark.slow  # seconds, not milliseconds: started with the long tests, not last
 def test_one_strategy_asked_runs_with_the_compute_only_reference() -> None:
     result = run_bench("--params", "5000", "--strategies", "ssgd", "--period", "2")
     assert list(result["strategies"]) == ["none", "ssgd"]

@@ -131,3 +131,23 @@ def test_steps_periods_keep_lockstep_and_send_no_shares() -> None:
     strategies = members(hub, config("diloco"))
     each(strategies, lambda rank, s: [local_step(s, rank) for _ in range(8)])
     assert not [r for r in hub.rounds if r.group_id == GROUP_TOKENS]
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "streaming"])
+def test_the_clocks_window_travels_with_the_state(strategy: str) -> None:
+    """A joiner or a resumed member takes the donor's parameters, and with them the steps they hold: the
+    window of trained steps travels in the state, so its next pseudo-gradient is weighed alike."""
+    cfg = config(strategy, period=4, periods="time", fragments=2, stream_delay=1)
+    (donor,) = members(InProcessHub(1), cfg)
+    for _ in range(6):
+        local_step(donor, 0)
+    donor.close()
+    state = donor.state_dict()
+    assert state["clock"] == [True] * 4
+    (taker,) = members(InProcessHub(1), cfg)
+    taker.load_state_dict({**state, "clock": [True, False, False, True]})
+    assert taker.step_count == 6
+    local_step(taker, 0)  # step 6: the window's oldest mark gives way
+    assert taker.state_dict()["clock"] == [False, False, True, True]
+    lockstep = members(InProcessHub(1), config(strategy))[0]
+    assert lockstep.state_dict()["clock"] is None
