@@ -148,6 +148,11 @@ class Node:
         ``join=True``: take the state from the live members instead (see the module docstring).
         """
         cfg = self._outer_defaults(self.sync_config(strategy, sync, **overrides), optimizer)
+        if self.region is not None and cfg.timed_periods:
+            raise ValueError(
+                "sync.periods = 'time' runs with one rank per region for now: the ranks of a region would each "
+                "follow the cluster's clock on their own and take different numbers of DDP steps"
+            )
         if self.region is not None and not isinstance(model, DistributedDataParallel):
             raise ValueError(
                 "in a region of many ranks, wrap the model in torch.nn.parallel.DistributedDataParallel before "

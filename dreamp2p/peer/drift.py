@@ -103,8 +103,9 @@ def diverged_from(
 class LeadingStep:
     """The highest step a live member is known to be at: the cluster's step clock for time-paced periods
     (`dreamp2p.sync.strategies.pacing`). Two sources: the members' heartbeat answers, and sooner, a frame
-    waiting here for a round we have not launched yet (strategies number a round launched at step s as
-    s + 1, so its sender is past s). ``step`` is an int replaced whole, read by the trainer's thread."""
+    waiting here for a round we have not launched yet, of a group we ran before (strategies number a round
+    launched at step s as s + 1, so its sender is past s; `RoundRegistry.on_early`). ``step`` is an int
+    replaced whole, read by the trainer's thread."""
 
     def __init__(self) -> None:
         self.step = 0

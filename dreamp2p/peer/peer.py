@@ -162,8 +162,6 @@ class Peer(PeerCounters):
         # trainer took their state and admits us again; replaced whole, so other threads may read it
         self.diverged: tuple[str, ...] = ()
         self.on_diverged: Callable[[tuple[str, ...]], None] | None = None  # told when it is set
-        # the highest step a live member's heartbeat answer reported: the cluster's step clock for time-paced
-        # periods (`dreamp2p.sync.strategies.pacing`); an int replaced whole, read by the trainer's thread
         self._drift = DriftWatch(config.transport.heartbeat_s)
 
     # ------------------------------------------------------------------ lifecycle

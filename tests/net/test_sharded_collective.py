@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dreamp2p.config import PeerConfig
 from dreamp2p.errors import RoundFailed
+from dreamp2p.node import Node
 from dreamp2p.sync.comm.inprocess import InProcessHub
 from dreamp2p.sync.comm.sharded import ShardedCollective, region_group
 from dreamp2p.sync.model.layers import FlatGroup
@@ -87,3 +89,20 @@ def test_a_failed_wan_round_fails_on_every_member(hub: InProcessHub, members: li
     for f in bad:
         with pytest.raises(RoundFailed):
             f.result(30)
+
+
+def test_time_periods_are_refused_in_a_region_of_ranks(tmp_path: Path) -> None:
+    """Each rank would follow the cluster's clock on its own and take other DDP steps than its neighbours:
+    refused at attach with the reason, before anything is sent."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 2)
+        node = Node(PeerConfig(node_id="r0"), model, region=dist.group.WORLD)
+        try:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with pytest.raises(ValueError, match="one rank per region"):
+                node.attach(model, opt, strategy="streaming", periods="time")
+        finally:
+            node.close()
+    finally:
+        dist.destroy_process_group()
