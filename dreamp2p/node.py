@@ -77,6 +77,13 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+# why a region of many ranks refuses sync.periods = "time" (for now)
+TIMED_IN_REGION = (
+    "sync.periods = 'time' runs with one rank per region for now: the ranks of a region would each follow the "
+    "cluster's clock on their own and take different numbers of DDP steps"
+)
+
+
 class Node:
     """``comm``: run the peer on a thread of this process ("thread") or in a child process ("process",
     off the trainer's GIL); None takes ``config.comm``. ``region``: this process is one local rank of a
@@ -149,10 +156,7 @@ class Node:
         """
         cfg = self._outer_defaults(self.sync_config(strategy, sync, **overrides), optimizer)
         if self.region is not None and cfg.timed_periods:
-            raise ValueError(
-                "sync.periods = 'time' runs with one rank per region for now: the ranks of a region would each "
-                "follow the cluster's clock on their own and take different numbers of DDP steps"
-            )
+            raise ValueError(TIMED_IN_REGION)
         if self.region is not None and not isinstance(model, DistributedDataParallel):
             raise ValueError(
                 "in a region of many ranks, wrap the model in torch.nn.parallel.DistributedDataParallel before "
