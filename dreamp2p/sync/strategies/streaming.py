@@ -118,12 +118,13 @@ class StreamingDiLoCo(Strategy):
         # fragments become due only after a full period of local steps
         if t + 1 < self.cfg.period:
             return
+        # paced by time: every fragment due now is weighed by the share of the period we trained (the same
+        # window for each), with one shares' round per step
+        share = self._clock.share() if self._clock is not None else None
         launched: _Shares | None = None
         for p in fragments_due(t + 1, self.offsets, self.cfg.period):
             if p in self._inflight:
                 self._land(p, self._inflight.pop(p))  # its previous sync had not landed: finish it first
-            # paced by time: weighed by the share of the period we trained; one shares' round per step
-            share = self._clock.share() if self._clock is not None else None
             if share is not None and launched is None:
                 launched = (self._tokens.launch(p, share, self._round()), p)
             g, codec = self._groups[p], self.cfg.stream_codec
