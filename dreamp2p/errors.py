@@ -32,6 +32,7 @@ class Status(enum.IntEnum):
     JOINING = 19
     CONFIG_MISMATCH = 20
     IDENTITY_MISMATCH = 21
+    ROUND_COMPLETED = 22
 
 
 class Connection(enum.Enum):
@@ -69,11 +70,12 @@ class PeerError(Exception):
 class RoundFailed(RuntimeError):
     """An averaging round did not complete; the caller's tensors were left untouched."""
 
-    def __init__(self, key: tuple[int, int] | None, reason: str) -> None:
+    def __init__(self, key: tuple[int, int] | None, reason: str, status: Status | None = None) -> None:
         where = f"round (group={key[0]}, round={key[1]})" if key is not None else "a round"
         super().__init__(f"{where} failed: {reason}")
         self.key = key  # (group id, round id); None where the caller does not know them
         self.reason = reason
+        self.status = status  # a member's refusal that failed it, when one did
 
 
 class FlushIncomplete(RuntimeError):

@@ -2,7 +2,10 @@
 
 A member that finished its part of a round sends a commit vote to every other member and applies the
 result only once every member's commit (for the same view) is in; a member whose round failed votes
-"failed" and the others give up at once. So a round either completes everywhere or is applied nowhere.
+"failed" and the others give up at once. So a round either completes everywhere or is applied nowhere,
+but for one case no vote can settle: a member that voted commit and then gave up waiting (a late commit,
+a member wrongly thought gone) while a member that held every commit applied it. The round's retry
+settles that one (`dreamp2p.peer.roundrun.Undecided`).
 Votes may arrive before our own part of the round is done, so they are kept per round (bounded).
 Runs on the peer's event loop only.
 """

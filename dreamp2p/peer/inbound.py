@@ -67,13 +67,7 @@ class Inbound:
         refused = self._gate()
         if refused is not None:
             raise refused
-        if not self._admission.is_admitted(frame.sender):
-            if any(p.node_id == frame.sender for p in self._links.ring):
-                # a member that handshook with this node's previous process: it must introduce itself again
-                raise PeerError(
-                    Status.NEEDS_HANDSHAKE, f"ring member {frame.sender!r} has not handshaken with this process"
-                )
-            raise PeerError(Status.UNKNOWN_PEER, f"sender {frame.sender!r} has not completed a handshake")
+        self._require_admitted(frame.sender)
         self._live.heard(frame.sender)
         # a frame that would wait for its round is checked as far as it can be without the round's layout
         rnd = await self._rounds.round_for(frame, self._check_early)
@@ -81,6 +75,17 @@ class Inbound:
         # round fails there and that sender's "failed" vote ends ours (a forged frame cannot)
         rnd.deliver(frame)
         self._links.note_received(frame.sender, len(frame.payload))
+
+    def _require_admitted(self, sender: str) -> None:
+        """Refuse a frame or vote from a sender whose handshake this process has not accepted."""
+        if self._admission.is_admitted(sender):
+            return
+        if any(p.node_id == sender for p in self._links.ring):
+            # a member that handshook with this node's previous process, or not yet with this one: it must
+            # introduce itself again (it does so and resends, for frames and votes alike; a vote refused as
+            # an unknown sender was lost, and its round waited for it until the deadline)
+            raise PeerError(Status.NEEDS_HANDSHAKE, f"ring member {sender!r} has not handshaken with this process")
+        raise PeerError(Status.UNKNOWN_PEER, f"sender {sender!r} has not completed a handshake")
 
     def _check_early(self, frame: Frame) -> None:
         check_early_frame(frame, len(self._links.ring or self.config.ring), self._max_payload)
@@ -93,8 +98,7 @@ class Inbound:
 
     def vote(self, v: Vote) -> None:
         """A member's outcome of a round: recorded, and a failure ends ours (see `peer.commit`)."""
-        if not self._admission.is_admitted(v.sender):
-            raise PeerError(Status.UNKNOWN_PEER, f"sender {v.sender!r} has not completed a handshake")
+        self._require_admitted(v.sender)
         key = (v.group_id, v.round_id)
         self._live.heard(v.sender)
         if not v.commit:

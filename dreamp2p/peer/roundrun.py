@@ -4,7 +4,10 @@ A round runs among the members alive when it starts (its view, whose id every fr
 tensors are flattened, checked by the contribution guard (`peer.guard`), sent around the ring of
 `collective.ring` in chunks sized to the successor link's goodput (`collective.chunking`), and the
 result is written back only once every member voted commit (`peer.commit`). A failed round leaves every
-tensor as it was and is retried once, among the members alive then, under a retry group id.
+tensor as it was and is retried once, among the members alive then, under a retry group id. A member
+that gave a round up after voting commit (a member's commit late, or a member wrongly thought gone) may
+be the only one that did: a member that refuses its retry as completed there tells it so, and it applies
+its own result of the round then (`Undecided`), so the replicas stay identical.
 
 The engine asks the peer's parts through their methods: the ring and a link from `RingLinks`, who is
 alive and the next heartbeat tick from `Liveness`, from callables whether the peer stands aside (no round
@@ -40,6 +43,21 @@ from dreamp2p.peer.rounds import RETRY_GROUP_BIT, RoundRegistry
 from dreamp2p.transport.outbound import OutboundStream
 
 log = logging.getLogger(__name__)
+
+
+class Undecided(RoundFailed):
+    """We voted commit on a round, then gave it up waiting for a member's commit (it timed out, or seemed
+    to leave): a member that received every commit, ours among them, applied it (a commit cannot be taken
+    back once sent). Our retry of it learns so from that member's ROUND_COMPLETED refusal and then calls
+    :attr:`land`, which applies our own result of the round: identical to theirs (`collective.ring`)."""
+
+    def __init__(self, key: tuple[int, int], reason: str) -> None:
+        super().__init__(key, reason)
+        self.land: Callable[[], RoundResult] = _unset
+
+
+def _unset() -> RoundResult:
+    raise AssertionError("Undecided.land was not set")
 
 
 class RoundRunner:
@@ -122,6 +140,7 @@ class RoundRunner:
         if not 0 <= group_id < RETRY_GROUP_BIT:
             raise ValueError(f"group_id must be in [0, 2**31), got {group_id}")
         retries = self.config.transport.round_retries
+        undecided: Undecided | None = None
         for attempt in range(retries + 1):
             gid = group_id if attempt == 0 else group_id | RETRY_GROUP_BIT
             self._live.refresh()  # a straggler whose probation ended takes part from this round on
@@ -131,6 +150,12 @@ class RoundRunner:
                     tensors, gid, codec, plan_version, timeout, out, round_id, guard_norm, error_feedback
                 )
             except RoundFailed as exc:
+                if undecided is not None and exc.status == Status.ROUND_COMPLETED:
+                    # a member applied the round we gave up: every member had voted commit, so ours is final
+                    log.info("round %s: %s; applying our result of it too", undecided.key, exc.reason)
+                    return undecided.land()
+                if isinstance(exc, Undecided) and attempt == 0:
+                    undecided = exc
                 if attempt == retries or self._no_retry() or round_id is None:
                     raise
                 self.retried += 1
@@ -210,24 +235,23 @@ class RoundRunner:
             rnd.fail(f"{early} reports the round failed there")
         self._rounds.open(key, rnd, (p.node_id for p in members))
         limit = timeout or self.config.transport.round_timeout_s
-        await self._settle(rnd, stream, vid, others, limit, t0)
-        if feedback is not None:
-            feedback.commit()
-        _unflatten(flat[:numel], out if out is not None else tensors)
-        self.completed += 1
-        return RoundResult(
-            group_id=group_id,
-            round_id=round_id,
-            seconds=time.perf_counter() - t0,
-            bytes_sent=rnd.bytes_sent,
-            bytes_received=rnd.bytes_received,
-            elements=numel,
-            codec=codec_obj.name,
-            chunk_bytes=chunk_bytes,
-            contributors=rnd.contributors,
-            contributed=refusal is None,
-            members=tuple(p.node_id for p in members),
-        )
+
+        def land() -> RoundResult:
+            """Apply the round's result: every member voted commit."""
+            if feedback is not None:
+                feedback.commit()
+            _unflatten(flat[:numel], out if out is not None else tensors)
+            self.completed += 1
+            if not group_id & RETRY_GROUP_BIT:  # a retry may run among fewer members: it tells nothing
+                self._rounds.note_completion(key)
+            return _result(rnd, numel, chunk_bytes, members, t0)
+
+        try:
+            await self._settle(rnd, stream, vid, others, limit, t0)
+        except Undecided as exc:
+            exc.land = land
+            raise
+        return land()
 
     def _feedback_for(self, spec: RoundSpec, numel: int) -> RoundFeedback:
         """This round's draft of its group's error-feedback residuals (see `dreamp2p.collective.feedback`).
@@ -283,15 +307,20 @@ class RoundRunner:
         drop the round too. The round is closed either way.
         """
         key = rnd.spec.key
+        voted = False
         try:
             await _run(rnd, stream, limit)
             self._commits.attach(key, self._evidence(rnd, others, t0))
+            voted = True
             await self._commits.agree(key, vid, others, limit - (time.perf_counter() - t0))
             votes = self._commits.votes(key)
             evidence = {n: votes[n].evidence for n in others if n in votes}
             evidence[self.config.node_id] = self._commits.evidence(key)
         except (PeerError, TimeoutError, RoundAborted) as exc:
-            raise self._failed(rnd, vid, others, exc) from None
+            failed = self._failed(rnd, vid, others, exc)
+            if voted:  # a member may hold every commit, ours among them, and have applied the round
+                raise Undecided(key, failed.reason) from None
+            raise failed from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is None or task.cancelling():
@@ -320,7 +349,7 @@ class RoundRunner:
         self._commits.announce(key, vid, others, commit=False)
         if isinstance(exc, PeerError) and exc.status == Status.VIEW_MISMATCH:
             log.info("round %s: members disagree about who is alive (%s); skipped", key, exc.detail)
-        return RoundFailed(key, str(exc) or type(exc).__name__)
+        return RoundFailed(key, str(exc) or type(exc).__name__, exc.status if isinstance(exc, PeerError) else None)
 
     def _evidence(self, rnd: RingRound, others: Sequence[str], t0: float) -> RoundEvidence:
         """What we measured of our part of ``rnd``: bytes sent, our link's rate to our successor, seconds."""
@@ -329,6 +358,24 @@ class RoundRunner:
             stats = self._links.link(others[rnd.spec.rank % len(others)]).stats
             rate = stats.goodput_Bps if stats.samples and math.isfinite(stats.goodput_Bps) else 0.0
         return RoundEvidence(rnd.bytes_sent, rate, time.perf_counter() - t0)
+
+
+def _result(rnd: RingRound, numel: int, chunk_bytes: int, members: Sequence[PeerInfo], t0: float) -> RoundResult:
+    """What a completed round reports: its ids, time since ``t0`` (perf_counter), bytes, codec, members."""
+    spec = rnd.spec
+    return RoundResult(
+        group_id=spec.group_id,
+        round_id=spec.round_id,
+        seconds=time.perf_counter() - t0,
+        bytes_sent=rnd.bytes_sent,
+        bytes_received=rnd.bytes_received,
+        elements=numel,
+        codec=spec.codec.name,
+        chunk_bytes=chunk_bytes,
+        contributors=rnd.contributors,
+        contributed=spec.contributes,
+        members=tuple(p.node_id for p in members),
+    )
 
 
 async def _run(rnd: RingRound, out: OutboundStream | None, timeout: float) -> None:

@@ -31,6 +31,9 @@ MAX_PENDING_ROUNDS_PER_SENDER = 32
 MAX_CLOSED_IDS = 1024
 # Failed rounds whose reasons are kept for status and tests (the newest; older ones are dropped).
 MAX_FAILURE_RECORDS = 64
+# Rounds that completed here, remembered so a member that gave one up after voting commit learns on its
+# retry that the round completed (the newest; a retry comes within a heartbeat or two).
+MAX_COMPLETED_RECORDS = 1024
 # A failed round is retried under its group id with this bit set (same round id), see RoundRunner.allreduce.
 RETRY_GROUP_BIT = 1 << 31
 
@@ -70,6 +73,7 @@ class RoundRegistry:
         self._closed: dict[int, set[int]] = {}
         # why our recent rounds failed, oldest first: a member that left, a failed vote, or the deadline
         self.failures: deque[RoundFailure] = deque(maxlen=MAX_FAILURE_RECORDS)
+        self._completed: deque[Key] = deque(maxlen=MAX_COMPLETED_RECORDS)
         # told the round id of each frame that waits for a round not open here yet: a member launched it
         # before us (time-paced periods follow it, see `dreamp2p.peer.drift.LeadingStep`)
         self.on_early: Callable[[int], None] | None = None
@@ -117,6 +121,12 @@ class RoundRegistry:
     def note_failure(self, key: Key, reason: str, *, deadline: bool) -> None:
         """Record why round ``key`` failed here (see `failures`)."""
         self.failures.append(RoundFailure(key, reason, deadline))
+
+    def note_completion(self, key: Key) -> None:
+        """Record that round ``key`` (a first run, never a retry: that may run among fewer members)
+        completed here: a retry of it is refused with ROUND_COMPLETED, which tells a member that gave the
+        round up after voting commit to apply it too."""
+        self._completed.append(key)
 
     async def round_for(self, frame: Frame, check: Callable[[Frame], None] | None = None) -> RingRound:
         """The open round ``frame`` belongs to, waiting (bounded) for it to open; PeerError when it cannot.
@@ -186,6 +196,11 @@ class RoundRegistry:
     def _stale(self, key: Key) -> PeerError | None:
         """Why round ``key``, not open here, never will be (a frame of it is stale); None if it still may."""
         group_id, round_id = key
+        base = (group_id & ~RETRY_GROUP_BIT, round_id)
+        if group_id & RETRY_GROUP_BIT and base in self._completed:
+            return PeerError(
+                Status.ROUND_COMPLETED, f"round {round_id} of group {base[0]} completed here: it is not retried"
+            )
         if (
             round_id == 0
             or round_id < self._min_round_id

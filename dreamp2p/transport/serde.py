@@ -64,6 +64,7 @@ GRPC_CODE: dict[Status, grpc.StatusCode] = {
     Status.JOINING: grpc.StatusCode.UNAVAILABLE,
     Status.CONFIG_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
     Status.IDENTITY_MISMATCH: grpc.StatusCode.PERMISSION_DENIED,
+    Status.ROUND_COMPLETED: grpc.StatusCode.ABORTED,
 }
 
 # Prefix of every error detail string, so clients can recover the application status from it.

@@ -31,6 +31,7 @@ class StatusCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATUS_JOINING: _ClassVar[StatusCode]
     STATUS_CONFIG_MISMATCH: _ClassVar[StatusCode]
     STATUS_IDENTITY_MISMATCH: _ClassVar[StatusCode]
+    STATUS_ROUND_COMPLETED: _ClassVar[StatusCode]
 
 class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -78,6 +79,7 @@ STATUS_NOT_FOUND: StatusCode
 STATUS_JOINING: StatusCode
 STATUS_CONFIG_MISMATCH: StatusCode
 STATUS_IDENTITY_MISMATCH: StatusCode
+STATUS_ROUND_COMPLETED: StatusCode
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_FP16: Codec

@@ -96,6 +96,24 @@ async def test_a_retry_waits_only_while_its_first_run_may_still_fail_here(failed
     assert (await asyncio.wait_for(retry, 1.0)).spec.group_id == RETRY
 
 
+@pytest.mark.parametrize("waited", [False, True])
+async def test_a_retry_of_a_round_completed_here_is_refused_as_completed(waited: bool) -> None:
+    """A member that gave the round up after voting commit learns from this refusal that it completed here
+    (it then applies its own result, see `roundrun.Undecided`); a frame of another round is not told so."""
+    reg = RoundRegistry(round_timeout_s=60.0)
+    open_round(reg, G, 9)
+    retry = await waiting(reg, RETRY, 9) if waited else None
+    reg.note_completion((G, 9))
+    reg.close((G, 9))
+    with pytest.raises(PeerError, match="round 9 of group 7 completed here") as err:
+        await asyncio.wait_for(retry if retry is not None else reg.round_for(frame(RETRY, 9)), 1.0)
+    assert err.value.status == Status.ROUND_COMPLETED
+    # a late frame of the first run itself is stale, not "completed": only a retry is told
+    with pytest.raises(PeerError) as stale:
+        await reg.round_for(frame(G, 9))
+    assert stale.value.status == Status.STALE_ROUND
+
+
 async def test_a_retry_of_a_round_this_peer_skipped_is_refused_once_it_went_past() -> None:
     reg = RoundRegistry(round_timeout_s=60.0)
     open_round(reg, G, 3)
