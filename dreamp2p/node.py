@@ -22,9 +22,10 @@ rank does so at once: local rank 0 fetches, the region shares it (`dreamp2p.sync
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from dreamp2p.state.donor import StateDonor
 from dreamp2p.state.snapshot import unflatten_state
 from dreamp2p.sync.comm.collective import Collective
 from dreamp2p.sync.comm.process import CommProcess, RemoteDonor
-from dreamp2p.sync.comm.regionjoin import join_region
+from dreamp2p.sync.comm.regionjoin import join_region, resync_region
 from dreamp2p.sync.comm.sharded import ShardedCollective, region_group
 from dreamp2p.sync.comm.shards import rank_config
 from dreamp2p.sync.comm.thread import CommThread
@@ -235,10 +236,6 @@ class Node:
         else:
             # every rank joins its shard ring; local rank 0 fetches and hands the state to the others
 
-            def load(state: Any, step: int) -> None:
-                strategy.load_state_dict(state)
-                strategy.jump_to(step)
-
             def admitted() -> None:
                 self._ask_in()
                 self._await_admission(others, timeout)
@@ -247,7 +244,7 @@ class Node:
                 self.region,
                 admitted,
                 lambda: self._fetch_state(strategy, others, timeout),
-                load,
+                _loader(strategy),
                 timeout * (JOIN_ATTEMPTS + 2),  # the other ranks wait while rank 0 fetches
             )
         self.comm.admit_from(start + 1)  # rounds are numbered step + 1 (Strategy._round)
@@ -260,23 +257,27 @@ class Node:
         already stands aside, so the members' rounds that include us fail at once meanwhile, as while a
         new member joins; the rest is :meth:`join`'s transfer, from those members only (the members on
         our side of the partition hold the same stale plan). If none of them can serve it, we train on
-        with our own state and the peer checks again.
+        with our own state and the peer checks again. A region of many ranks does it as one replica: every
+        rank at the step local rank 0's verdict reaches them, with the state local rank 0 fetches
+        (`dreamp2p.sync.comm.regionjoin.resync_region`).
         """
-        if self.region is not None:
-            raise RuntimeError(
-                f"{', '.join(ahead)} train with a plan this region missed (after a partition?): a region of many "
-                "ranks cannot take their state in process yet; restart its ranks with --join"
-            )
         timeout = self.config.transport.round_timeout_s
         log.warning("taking the training state of %s, whose plan this node missed", ", ".join(ahead))
         self.resyncs += 1
         strategy.abandon()  # the peer failed our rounds in flight: nobody applies them
         ours = strategy.step_count
-        try:
-            start = self._fetch_state(strategy, list(ahead), timeout)[0]
-        except (PeerError, RuntimeError, TimeoutError) as exc:
-            log.error("could not take the state of %s (%s): training on with our own", ", ".join(ahead), exc)
-            start = strategy.step_count
+        if self.region is not None:
+            # every rank is here at this step (local rank 0's verdict, see ShardedCollective.diverged_from);
+            # the other ranks wait while rank 0 fetches
+            fetch = functools.partial(self._fetch_state, strategy, list(ahead), timeout)
+            taken = resync_region(self.region, fetch, _loader(strategy), timeout * (JOIN_ATTEMPTS + 2))
+            start = taken if taken is not None else ours
+        else:
+            try:
+                start = self._fetch_state(strategy, list(ahead), timeout)[0]
+            except (PeerError, RuntimeError, TimeoutError) as exc:
+                log.error("could not take the state of %s (%s): training on with our own", ", ".join(ahead), exc)
+                start = strategy.step_count
         if start <= ours:
             # the members with the newer plan may be behind us in steps: round ids never go back (our peer
             # has run rounds up to ours), so we go on from our step; their rounds up to it fail as stale
@@ -394,3 +395,13 @@ def _join_deadline(timeout: float, heartbeat_s: float) -> tuple[float, float]:
 def _join_pause(heartbeat_s: float) -> None:
     """The pause between two looks while joining: a quarter heartbeat, so a change is seen soon after."""
     time.sleep(max(0.05, heartbeat_s / 4))
+
+
+def _loader(strategy: Strategy) -> Callable[[Any, int], None]:
+    """How a rank other than local rank 0 loads the state local rank 0 fetched, and starts at its step."""
+
+    def load(state: Any, step: int) -> None:
+        strategy.load_state_dict(state)
+        strategy.jump_to(step)
+
+    return load

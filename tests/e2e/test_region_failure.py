@@ -5,7 +5,8 @@ is killed mid-training; torchrun stops b's other rank and restarts both (or, wit
 ends and is started again with ``--resume``, which finds the other region training); they rejoin by state transfer
 (local rank 0 fetches, the region shares it) and after a quiet stretch all four ranks hold the same
 parameters (issue 11, deliver 4). Meanwhile `dreamp2p status` at region a's rank 0 shows both of its ranks,
-each one's shard ring and link (deliver 5).
+each one's shard ring and link (deliver 5). With DreamDDP, region b is then frozen (SIGSTOP) while a trains
+on far past it; thawed, b takes the members' state in process as one replica, with no restart (issue 38).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ RANKS = ("a", "a.1", "b", "b.1")
 # a floor on each step: four daemons of a tiny model would otherwise each spin a core stepping ~75 times a
 # second while region b restarts, and starve what else runs on the machine
 MIN_STEP_S = 0.04
+# how far region a trains on alone while region b is frozen: far past DreamDDP's lag bound (2 x (period + delay))
+FREEZE_LEAD = 60
+RESYNC = "taking the training state of"
 
 
 def rank_pid(torchrun: int, local_rank: int) -> int | None:
@@ -82,6 +86,25 @@ def launch(tmp_path: Path, region: str, restarts: int, *flags: str) -> subproces
     cmd += ["--stop-at-file", str(tmp_path / "stop_at"), "--quiet-steps", str(QUIET), *flags]
     with (tmp_path / f"{region}.log").open("ab") as log:
         return subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+
+
+def freeze_and_thaw(procs: dict[str, subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    """Freeze both ranks of region b (SIGSTOP) until region a, which counts b dead, has trained on alone
+    far past it, then thaw them: b finds the members train with a plan it missed and takes their state in
+    process, as one replica (every rank at the same step, local rank 0's transfer), without a restart."""
+    frozen = [wait_for(f"b's rank {k}", lambda k=k: rank_pid(procs["b"].pid, k), procs, tmp_path) for k in (0, 1)]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        b_at = max(steps(tmp_path, "b"))
+        wait_for("a to train on far past b", lambda: max(steps(tmp_path, "a")) > b_at + FREEZE_LEAD, procs, tmp_path)
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    log = tmp_path / "b.log"
+    # both ranks take the state: local rank 0 from a, local rank 1 from it
+    wait_for("b to take the members' state", lambda: log.read_text().count(RESYNC) >= 2, procs, tmp_path)
+    wait_for("b to train on", lambda: max(steps(tmp_path, "b.1")) > b_at + FREEZE_LEAD, procs, tmp_path)
 
 
 @pytest.mark.slow
@@ -163,6 +186,8 @@ def test_a_killed_local_rank_takes_its_region_out_and_the_region_comes_back(
         assert "b" in [link["peer"] for link in status["links"]]
         assert "b.1" in [link["peer"] for link in rank1["links"]]
         assert status["training"]["strategy"] == rank1["training"]["strategy"] == SYNCS[strategy]["strategy"]
+        if strategy == "dreamddp":
+            freeze_and_thaw(procs, tmp_path)
         last = max(max(steps(tmp_path, n)) for n in RANKS)
         stop_at.write_text(str(last + 20))  # both regions stop after the same step, the last ones quiet
         wait_exits(procs, tmp_path, None)  # no limit of its own: pytest's timeout is the hang guard

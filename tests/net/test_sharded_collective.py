@@ -17,6 +17,7 @@ from dreamp2p.config import PeerConfig
 from dreamp2p.errors import RoundFailed
 from dreamp2p.node import Node
 from dreamp2p.sync.comm.inprocess import InProcessHub
+from dreamp2p.sync.comm.regiondrift import DriftVerdict
 from dreamp2p.sync.comm.sharded import ShardedCollective, region_group
 from dreamp2p.sync.model.layers import FlatGroup
 
@@ -106,3 +107,19 @@ def test_time_periods_are_refused_in_a_region_of_ranks(tmp_path: Path) -> None:
             node.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_drift_verdict_reaches_the_region_one_step_later(members: list[ShardedCollective]) -> None:
+    """Local rank 0's verdict, posted at one step, is what every rank reads at the next (here: one rank)."""
+    verdict = DriftVerdict(members[0].group, 0, 0)
+    assert verdict.exchange(("b",)) == ()  # nothing posted before the first step
+    assert verdict.exchange(()) == ("b",)
+    assert verdict.exchange(("b", "c")) == ()
+    verdict.discard()  # the region just took the state: the verdict in flight is dropped
+    assert verdict.exchange(()) == ()
+    verdict.close(5.0)
+    # a rank other than local rank 0 reports that rank 0's members are ahead, never names of its own ring
+    other = DriftVerdict(members[0].group, 0, 1)
+    other.exchange(("b.1",))
+    assert other.exchange(()) == ()  # its own verdict is not the region's
+    other.close(5.0)

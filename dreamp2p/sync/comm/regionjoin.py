@@ -1,4 +1,4 @@
-"""A region of many local ranks joining a running cluster: one transfer, the same state on every rank.
+"""A region of many local ranks taking the members' state: one transfer, the same state on every rank.
 
 Each local rank's peer joins its own shard ring (it must be counted alive there, so every ring's rounds
 include it and fail while it still refuses frames); once every rank of the region is, local rank 0 alone
@@ -7,6 +7,8 @@ step to start at to the other ranks over the region's process group (the transfe
 the raw tensor bytes, each tensor's SHA-256 checked on arrival; nothing is unpickled). Every rank then
 loads the same state, starts at the same step and is admitted from the same round, so the region comes
 back as one replica. A rank that fails any stage fails the others' too instead of leaving them waiting.
+A running region that missed the members' plan (after a partition or a freeze) takes their state the same
+way (`resync_region`), at the step every rank learns of it (`dreamp2p.sync.comm.regiondrift`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dreamp2p.errors import PeerError
 from dreamp2p.state.snapshot import TensorMeta, tensor_from_bytes, tensor_to_bytes, unflatten_state
 from dreamp2p.sync.comm.sharded import ShardedCollective
 
@@ -91,4 +94,27 @@ def join_region(
     if region.local_rank != 0:
         load(unflatten_state(skeleton, tensors), start)
     log.warning("region rank %d joined at step %d with local rank 0's transfer", region.local_rank, start)
+    return start
+
+
+def resync_region(
+    region: ShardedCollective, fetch: Callable[[], Fetched], load: Callable[[Any, int], None], timeout: float
+) -> int | None:
+    """Every rank of a running ``region`` takes the state local rank 0 fetches (``fetch``, which loads it
+    there); the step to start at, the same on every rank, or None when local rank 0 could not fetch it
+    (every rank then trains on with its own state). Called by every rank at the same step."""
+    region.forget_verdict()  # posted before this transfer: out of date after it
+    payload: bytes | None = None
+    if region.local_rank == 0:
+        try:
+            payload = encode_fetched(*fetch())
+        except (PeerError, RuntimeError, TimeoutError) as exc:
+            log.error("could not take the members' state (%s): the region trains on with its own", exc)
+            payload = b""  # tells the other ranks to train on too
+    buf = region.broadcast_bytes(payload, timeout)
+    if not buf:
+        return None
+    start, skeleton, tensors = decode_fetched(buf)
+    if region.local_rank != 0:
+        load(unflatten_state(skeleton, tensors), start)
     return start

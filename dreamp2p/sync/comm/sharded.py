@@ -14,7 +14,8 @@ each rank's own ring saw, while a region leaves or joins and the rings' views di
 round counts as failed on every rank of every region when any shard failed (every ring's
 rounds are all-or-none across regions, so each region sees the same set of failed shards). The gathers
 run on one thread of their own over a gloo group of their own (host buffers; DDP keeps the default group),
-in the order the rounds were launched, which is the same on every rank.
+in the order the rounds were launched, which is the same on every rank. The region takes the members'
+state as one replica when local rank 0's peer finds it missed their plan (`regiondrift`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import LinkSnapshot, RingCodecPlan, RoundResult, TrainingInfo
 from dreamp2p.sync.comm.collective import Collective
+from dreamp2p.sync.comm.regiondrift import DriftVerdict
 from dreamp2p.sync.comm.shards import shard_bounds, shard_length
 from dreamp2p.sync.model.layers import FlatGroup
 
@@ -90,6 +92,10 @@ class ShardedCollective:
         self.local_rank = dist.get_rank(group)
         self.ranks = dist.get_world_size(group)
         self._root = ranks[0]  # the global rank of local rank 0 (broadcasts come from it)
+        verdicts = dist.new_group(ranks=ranks, backend="gloo")  # posted from the training thread, every step
+        if verdicts is None:
+            raise RuntimeError("torch.distributed gave no process group for the region's drift verdicts")
+        self._verdict = DriftVerdict(verdicts, self._root, self.local_rank)
         self._shards: weakref.WeakKeyDictionary[FlatGroup, _Shard] = weakref.WeakKeyDictionary()
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = (
             queue.SimpleQueue()
@@ -128,7 +134,14 @@ class ShardedCollective:
 
     @property
     def diverged_from(self) -> tuple[str, ...]:
-        return self.wan.diverged_from
+        """The members whose state the region takes: local rank 0's verdict of the step before, alike on every
+        rank (`dreamp2p.sync.comm.regiondrift`). A collective of the region: read once per step, by the
+        strategy."""
+        return self._verdict.exchange(self.wan.diverged_from if self.local_rank == 0 else ())
+
+    def forget_verdict(self) -> None:
+        """Drop the drift verdict in flight (every rank, at the same step): the region just took the state."""
+        self._verdict.discard()
 
     @property
     def leading_step(self) -> int:
@@ -215,6 +228,7 @@ class ShardedCollective:
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the gather thread after the rounds already queued."""
+        self._verdict.close(timeout)
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join(timeout)
