@@ -36,6 +36,11 @@ def positive_float(text: str) -> float:
     return value
 
 
+def step_times(text: str) -> tuple[float, ...]:
+    """An argparse type: one number > 0, or several comma-separated (one per region: ``0.3,0.6``)."""
+    return tuple(positive_float(part.strip()) for part in text.split(","))
+
+
 def nonneg_float(text: str) -> float:
     """An argparse type: a finite number >= 0."""
     try:

@@ -16,6 +16,7 @@ from dreamp2p.cli.args import (
     nonneg_float,
     open_fraction,
     positive_float,
+    step_times,
 )
 from dreamp2p.config.codecs import CODEC_NAMES
 
@@ -37,6 +38,13 @@ def _plan_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         if missing:
             parser.error(f"the following arguments are required: {', '.join(missing)} (or use --table)")
         args.rtt = "80ms" if args.rtt is None else args.rtt
+        # regions of different speeds: every strategy runs in lockstep by default, at the slowest one's pace,
+        # and DreamDDP's planner makes its plan for the slowest member's profile (`control.unpack_control`)
+        args.region_step_times, args.step_time = args.step_time, max(args.step_time)
+        regions = len(args.region_step_times)
+        if regions > 1 and args.peers not in (None, regions):
+            parser.error(f"--step-time gives {regions} regions' step times but --peers says {args.peers}")
+        args.peers = regions if regions > 1 else args.peers
         if args.target_cu is None:  # what a DreamDDP run with defaults uses
             from dreamp2p.config.sync import SyncConfig
 
@@ -46,6 +54,7 @@ def _plan_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             args.codec_chain = run.delta_chain if args.codec is None else ()
             args.codec = (run.delta_codec or (run.plan_codecs or (run.codec,))[0]) if args.codec is None else args.codec
             args.max_delay = args.period - 1 if args.max_delay is None else args.max_delay
+    args.peers = 2 if args.peers is None else args.peers
     if args.period is not None:
         check_delay(parser, args)
 
@@ -219,6 +228,7 @@ def _plan(args: argparse.Namespace) -> int:
     chain = args.codec_chain  # set by _plan_check in this mode
     name = run_delta_codec([(c, get_codec(c).wire_ratio()) for c in chain], **model) if chain else args.codec
     result = {**what_if(codec_ratio=get_codec(name).wire_ratio(), **model), "codec": get_codec(name).name}
+    result["lockstep"] = lockstep_report(args.region_step_times)
     if not args.json:
         print(f"{'strategy':<10} {'step s':>9} {'utilization':>11} {'MB/step':>10}")
         for name, p in result["predictions"].items():
@@ -226,8 +236,28 @@ def _plan(args: argparse.Namespace) -> int:
                 f"{name:<10} {p['step_time_s']:9.3f} {p['compute_utilization']:11.3f} {p['bytes_per_step'] / 1e6:10.2f}"
             )
         print(f"DreamDDP's layer syncs priced in {result['codec']}")
+        if len(args.region_step_times) > 1:
+            idle = ", ".join(f"{x:.0%}" for x in result["lockstep"]["idle_fraction"])
+            print(
+                f"regions of different speeds: in lockstep every region steps at the slowest's "
+                f"{args.step_time:g} s (idle per region: {idle}; the plan is made for it); "
+                f'[sync] periods = "time" (diloco, streaming) lets each region take the steps it manages'
+            )
     print(json.dumps(result))
     return 0
+
+
+def lockstep_report(step_times: tuple[float, ...]) -> dict[str, Any]:
+    """What lockstep costs regions of these compute times per step: each steps at the slowest's pace, so
+    region i idles ``1 - t_i / max t`` of the time, and the cluster reaches ``sum t_i / (n max t)`` of the
+    steps the regions manage alone (every step the same tokens)."""
+    slowest = max(step_times)
+    return {
+        "region_step_times_s": list(step_times),
+        "step_time_s": slowest,
+        "idle_fraction": [round(1 - t / slowest, 6) for t in step_times],
+        "of_solo_sum": round(sum(1 / slowest for _ in step_times) / sum(1 / t for t in step_times), 6),
+    }
 
 
 def add_plan_parser(sub: Any) -> None:
@@ -252,11 +282,14 @@ def add_plan_parser(sub: Any) -> None:
     )
     pl.add_argument(
         "--step-time",
-        type=positive_float,
+        type=step_times,
         default=None,
-        help="forward+backward seconds per step (required unless --table)",
+        help="forward+backward seconds per step (required unless --table); regions of different speeds: one per "
+        "region, comma-separated (0.3,0.6): lockstep runs at the slowest, and sets --peers to their count",
     )
-    pl.add_argument("--peers", type=int_at_least(1), default=2)
+    pl.add_argument(
+        "--peers", type=int_at_least(1), default=None, help="members (2; several --step-time values: their count)"
+    )
     pl.add_argument("--link", type=link_rate, default="1gbit", help="slowest link rate (1gbit, 20Mbit/s, 2.5MB/s)")
     pl.add_argument("--rtt", type=duration, default=None, help="largest RTT (80ms; --table: 0ms)")
     pl.add_argument(

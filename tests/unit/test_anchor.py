@@ -72,8 +72,11 @@ def test_group_outer_defaults_by_inner_optimizer(adaptive: bool, expected: tuple
     ("goodputs", "rates", "slowest"),
     [
         ((5e6, 4e6), (math.nan, math.nan), 4e6),  # no sync measured yet: the links' goodput
-        ((5e6, 4.7e6), (2.4e6, 2.5e6), 2.4e6),  # goodput inflated by buffers: the syncs' pace wins
+        ((5e6, 4.7e6), (2.4e6, 2.5e6), 2.5e6),  # goodput inflated by buffers: the syncs' pace wins
         ((1e6, 9e6), (3e6, 3e6), 1e6),  # a link slower than the syncs saw so far
+        # member 0 steps twice as fast and times each round from its early launch: the pace is member 1's
+        ((5e6, 5e6), (0.3e6, 2.4e6), 2.4e6),
+        ((5e6, 5e6), (math.nan, 2.4e6), 2.4e6),  # a member with no sync measured yet tells nothing
         ((math.nan, math.nan), (math.nan, math.nan), math.inf),  # nothing measured
     ],
 )
@@ -112,6 +115,24 @@ def test_a_floor_below_the_pace_does_not_set_the_plans_bandwidth() -> None:
     bws = [link_bandwidth(0.25e6, True, 0.6e6), link_bandwidth(0.7e6, False, 0.62e6)]
     vec = sum(pack_control(r, 2, bws[r], 0.01, costs, (0.6e6, 0.62e6)[r]) for r in range(2)) / 2
     assert unpack_control(vec, 2, costs).bandwidth_Bps == pytest.approx(0.6e6, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("bwds", "want"),
+    [
+        ((0.02, 0.05), 0.05),  # a region at 0.4x: the plan is made for its step, the one lockstep runs at
+        ((0.05, 0.02), 0.05),
+        ((0.0, 0.03), 0.03),  # a member not profiled yet (zeros) tells nothing
+        ((0.03, 0.03), 0.03),  # a tie: the first, on every member alike
+    ],
+)
+def test_the_plan_takes_the_slowest_members_layer_profile(bwds: tuple[float, float], want: float) -> None:
+    template = [LayerCost("a", 0.0, 0.0, 1000), LayerCost("b", 0.0, 0.0, 1000)]
+    per_member = [[LayerCost(c.name, b / 4, b, c.nbytes) for c in template] for b in bwds]
+    vec = sum(pack_control(r, 2, 1e6, 0.01, per_member[r]) for r in range(2)) / 2
+    costs = unpack_control(vec, 2, template).costs
+    assert [c.bwd_s for c in costs] == pytest.approx([want, want], rel=1e-6)
+    assert [c.fwd_s for c in costs] == pytest.approx([want / 4, want / 4], rel=1e-6)
 
 
 def test_in_background_hands_over_the_result_or_the_exception() -> None:

@@ -407,3 +407,24 @@ def test_cli_plan_without_a_model_asks_for_one_or_the_table() -> None:
     proc = _cli("--link", "1gbit")
     assert proc.returncode == 2
     assert "the following arguments are required: --params, --layers, --step-time (or use --table)" in proc.stderr
+
+
+def test_cli_takes_each_regions_step_time_and_plans_for_the_slowest() -> None:
+    model = ["--params", "1e8", "--layers", "8", "--link", "1gbit"]
+    one = json.loads(_cli(*model, "--step-time", "0.6", "--json").stdout.strip().splitlines()[-1])
+    proc = _cli(*model, "--step-time", "0.3,0.6,0.2")
+    assert proc.returncode == 0, proc.stderr
+    assert "in lockstep every region steps at the slowest's 0.6 s (idle per region: 50%, 0%, 67%" in proc.stdout
+    mixed = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the plan is the one for three regions at the slowest's pace
+    three = json.loads(_cli(*model, "--step-time", "0.6", "--peers", "3", "--json").stdout.strip().splitlines()[-1])
+    assert mixed["predictions"] == three["predictions"] != one["predictions"]
+    lock = mixed["lockstep"]
+    assert lock["region_step_times_s"] == [0.3, 0.6, 0.2] and lock["step_time_s"] == 0.6
+    assert lock["idle_fraction"] == pytest.approx([0.5, 0.0, 2 / 3], abs=1e-6)
+    # 3 regions at 1/0.6 steps/s each, against 1/0.3 + 1/0.6 + 1/0.2 alone
+    assert lock["of_solo_sum"] == pytest.approx((3 / 0.6) / (1 / 0.3 + 1 / 0.6 + 1 / 0.2), abs=1e-6)
+    refused = _cli(*model, "--step-time", "0.3,0.6", "--peers", "4")
+    assert refused.returncode == 2 and "--step-time gives 2 regions' step times but --peers says 4" in refused.stderr
+    bad = _cli(*model, "--step-time", "0.3,-1")
+    assert bad.returncode == 2 and "must be a finite number > 0, got -1" in bad.stderr

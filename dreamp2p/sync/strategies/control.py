@@ -48,7 +48,7 @@ SEEN_KEPT = 64  # control rounds a Replanner remembers for the run report
 
 @dataclass(frozen=True)
 class Gathered:
-    """What one control round told every peer: per-rank link stats and the mean layer profile."""
+    """What one control round told every peer: per-rank link stats and the slowest member's layer profile."""
 
     bandwidth_Bps: float  # slowest measured link (inf if none measured yet)
     rtt_s: float  # largest measured RTT
@@ -77,22 +77,28 @@ def pack_control(
 def unpack_control(mean: torch.Tensor, world: int, template: list[LayerCost]) -> Gathered:
     """Turn the averaged control vector (each rank filled only its slot) back into the gathered view.
 
-    The planner's bandwidth is the slowest of every link's goodput and every member's sync pace (a ring
-    runs at its slowest link, and the syncs see through buffers that inflate goodput); per-link codecs
-    choose from the goodputs alone, since a ring round's pace is the same on every link.
+    The planner's bandwidth is the slowest of every link's goodput and the syncs' pace (a ring runs at its
+    slowest link, and the syncs see through buffers that inflate goodput). A ring round has one pace on
+    every member, but each member times it from its own launch, so a member that launched early (a fast
+    one, waiting for a slow member's backward) reads it diluted by that wait: the syncs' pace is the
+    highest member's. Per-link codecs choose from the goodputs alone. The layer profile
+    is the slowest member's (the largest forward + backward): in lockstep every member steps at its pace,
+    and its backward is the window a sync overlaps with; a member not profiled yet (zeros) is not counted.
     """
     n = len(template)
     slots = (mean.double() * world).view(world, 3 + 2 * n)
     bws = [float(b) for b in slots[:, 0] if float(b) > 0]
     rtts = [float(r) for r in slots[:, 1] if float(r) > 0]
     rates = [float(r) for r in slots[:, 2] if float(r) > 0]
-    fwd = slots[:, 3 : 3 + n].mean(0)
-    bwd = slots[:, 3 + n :].mean(0)
+    slowest_member = int(slots[:, 3:].sum(1).argmax())
+    fwd = slots[slowest_member, 3 : 3 + n]
+    bwd = slots[slowest_member, 3 + n :]
     costs = tuple(
         LayerCost(c.name, max(0.0, float(fwd[i])), max(0.0, float(bwd[i])), c.nbytes) for i, c in enumerate(template)
     )
     links = tuple(float(b) if float(b) > 0 else math.nan for b in slots[:, 0])
-    slowest = min(bws + rates) if bws or rates else math.inf
+    paces = [max(rates)] if rates else []
+    slowest = min(bws + paces) if bws or paces else math.inf
     return Gathered(slowest, max(rtts) if rtts else 0.0, costs, links)
 
 
