@@ -249,8 +249,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 def lockstep_report(step_times: tuple[float, ...]) -> dict[str, Any]:
     """What lockstep costs regions of these compute times per step: each steps at the slowest's pace, so
-    region i idles ``1 - t_i / max t`` of the time, and the cluster reaches ``sum t_i / (n max t)`` of the
-    steps the regions manage alone (every step the same tokens)."""
+    region i idles ``1 - t_i / max t`` of the time, and the cluster's ``n / max t`` steps per second are
+    that share of the ``sum 1 / t_i`` the regions manage alone (every step the same tokens)."""
     slowest = max(step_times)
     return {
         "region_step_times_s": list(step_times),
