@@ -211,7 +211,9 @@ class RoundResult:
     chunk_bytes: int
     contributors: int = 0  # fewest peers whose values entered a segment's mean (refused ones excluded)
     contributed: bool = True
-    members: tuple[str, ...] = ()  # the node ids the round ran among, in ring order (empty: not known)
+    # the node ids the round ran among, in ring order (empty: not known); a retry of a first run this member
+    # gave up after voting commit adds that run's members, who may have applied it (`peer.commit.Undecided`)
+    members: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ result only once every member's commit (for the same view) is in; a member whose
 "failed" and the others give up at once. So a round either completes everywhere or is applied nowhere,
 but for one case no vote can settle: a member that voted commit and then gave up waiting (a late commit,
 a member wrongly thought gone) while a member that held every commit applied it. The round's retry
-settles that one (`dreamp2p.peer.roundrun.Undecided`).
+settles that one (`Undecided`).
 Votes may arrive before our own part of the round is done, so they are kept per round (bounded).
 Runs on the peer's event loop only.
 """
@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from dreamp2p.collective.ring import RoundAborted
-from dreamp2p.messages import RoundEvidence, Vote
+from dreamp2p.errors import RoundFailed
+from dreamp2p.messages import RoundEvidence, RoundResult, Vote
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +118,25 @@ def _quiet(task: asyncio.Future[None]) -> None:
     """Votes are fire-and-forget: a lost one shows up as a missing commit or a dead member."""
     if not task.cancelled() and task.exception() is not None:
         log.debug("vote not delivered: %s", task.exception())
+
+
+class Undecided(RoundFailed):
+    """We voted commit on a round, then gave it up waiting for a member's commit (it timed out, or seemed
+    to leave): a member that received every commit, ours among them, applied it (a commit cannot be taken
+    back once sent). Our retry of it learns so from that member's ROUND_COMPLETED refusal and then calls
+    :attr:`land`, which applies our own result of the round: identical to theirs (`collective.ring`)."""
+
+    def __init__(self, key: tuple[int, int], reason: str) -> None:
+        super().__init__(key, reason)
+        self.land: Callable[[], RoundResult] = _unset
+        self.members: tuple[str, ...] = ()  # the first run's, in ring order
+
+    def widen(self, retry: RoundResult) -> RoundResult:
+        """A retry that completed after this first run: its result, naming the first run's members too (they
+        may have applied the first run, so a flush must not count itself whole without them)."""
+        extra = tuple(m for m in self.members if m not in retry.members)
+        return dataclasses.replace(retry, members=retry.members + extra) if extra else retry
+
+
+def _unset() -> RoundResult:
+    raise AssertionError("Undecided.land was not set")

@@ -34,7 +34,7 @@ from dreamp2p.compression import Codec, ZstdStage, get_codec
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.errors import PeerError, RoundFailed, Status
 from dreamp2p.messages import DType, RingCodecPlan, RoundEvidence, RoundResult
-from dreamp2p.peer.commit import CommitVotes
+from dreamp2p.peer.commit import CommitVotes, Undecided
 from dreamp2p.peer.guard import ContributionGuard
 from dreamp2p.peer.links import RingLinks
 from dreamp2p.peer.liveness import Liveness
@@ -43,21 +43,6 @@ from dreamp2p.peer.rounds import RETRY_GROUP_BIT, RoundRegistry
 from dreamp2p.transport.outbound import OutboundStream
 
 log = logging.getLogger(__name__)
-
-
-class Undecided(RoundFailed):
-    """We voted commit on a round, then gave it up waiting for a member's commit (it timed out, or seemed
-    to leave): a member that received every commit, ours among them, applied it (a commit cannot be taken
-    back once sent). Our retry of it learns so from that member's ROUND_COMPLETED refusal and then calls
-    :attr:`land`, which applies our own result of the round: identical to theirs (`collective.ring`)."""
-
-    def __init__(self, key: tuple[int, int], reason: str) -> None:
-        super().__init__(key, reason)
-        self.land: Callable[[], RoundResult] = _unset
-
-
-def _unset() -> RoundResult:
-    raise AssertionError("Undecided.land was not set")
 
 
 class RoundRunner:
@@ -146,7 +131,7 @@ class RoundRunner:
             self._live.refresh()  # a straggler whose probation ended takes part from this round on
             view = self._live.view
             try:
-                return await self._allreduce_once(
+                result = await self._allreduce_once(
                     tensors, gid, codec, plan_version, timeout, out, round_id, guard_norm, error_feedback
                 )
             except RoundFailed as exc:
@@ -166,6 +151,8 @@ class RoundRunner:
                     if self._no_retry():  # it may have begun while we waited
                         raise
                 log.info("round %s failed (%s); retrying among %s", exc.key, exc.reason, ", ".join(self._live.view))
+            else:
+                return result if undecided is None else undecided.widen(result)
         raise AssertionError("unreachable")
 
     def _no_retry(self) -> bool:
@@ -195,7 +182,7 @@ class RoundRunner:
         rank = [p.node_id for p in members].index(self.config.node_id)
         round_id = self._rounds.claim(group_id, round_id)
         key = (group_id, round_id)
-        links, codec_obj = self._resolve_codec(codec)
+        links, codec_obj = _resolve_codec(codec, self.config.codec)
         flat, numel = _flatten(tensors, world)
         refusal = self._guard.check(group_id, flat, guard_norm)
         if refusal is not None:
@@ -250,6 +237,7 @@ class RoundRunner:
             await self._settle(rnd, stream, vid, others, limit, t0)
         except Undecided as exc:
             exc.land = land
+            exc.members = tuple(p.node_id for p in members)
             raise
         return land()
 
@@ -266,12 +254,6 @@ class RoundRunner:
         group = self._feedback[gid][1] if gid in self._feedback else GroupFeedback()
         self._feedback[gid] = (spec.plan_version, group)
         return group.begin((spec.view_id, spec.rank, spec.rs_codec.name, spec.ag_codec.name), numel)
-
-    def _resolve_codec(self, codec: str | RingCodecPlan | None) -> tuple[RingCodecPlan | None, Codec]:
-        """A round's per-link codec plan (None for one codec on every link) and its base codec."""
-        if isinstance(codec, RingCodecPlan):
-            return codec, get_codec(codec.allowed[0])
-        return None, get_codec(codec or self.config.codec)
 
     def _stream_to(
         self, succ: str, numel: int, world: int, codec: Codec, link_fields: dict[str, Any], timeout: float | None
@@ -358,6 +340,13 @@ class RoundRunner:
             stats = self._links.link(others[rnd.spec.rank % len(others)]).stats
             rate = stats.goodput_Bps if stats.samples and math.isfinite(stats.goodput_Bps) else 0.0
         return RoundEvidence(rnd.bytes_sent, rate, time.perf_counter() - t0)
+
+
+def _resolve_codec(codec: str | RingCodecPlan | None, default: str) -> tuple[RingCodecPlan | None, Codec]:
+    """A round's per-link codec plan (None for one codec on every link) and its base codec."""
+    if isinstance(codec, RingCodecPlan):
+        return codec, get_codec(codec.allowed[0])
+    return None, get_codec(codec or default)
 
 
 def _result(rnd: RingRound, numel: int, chunk_bytes: int, members: Sequence[PeerInfo], t0: float) -> RoundResult:

@@ -11,7 +11,8 @@ import torch
 from dreamp2p.collective.ring import RingRound, RoundSpec
 from dreamp2p.compression import get_codec
 from dreamp2p.errors import PeerError, Status
-from dreamp2p.messages import DType, Frame, Phase
+from dreamp2p.messages import DType, Frame, Phase, RoundResult
+from dreamp2p.peer.commit import Undecided
 from dreamp2p.peer.rounds import RETRY_GROUP_BIT, RoundRegistry
 
 G = 7
@@ -143,3 +144,21 @@ async def test_a_waiting_frame_tells_who_is_ahead_only_for_groups_run_here() -> 
     assert early == [5]
     for fut in (first, ahead):
         fut.cancel()
+
+
+@pytest.mark.parametrize(
+    ("first", "retry", "named"),
+    [
+        (("p0", "p1", "p2"), ("p2",), ("p2", "p0", "p1")),  # the others left: they may have applied the first run
+        (("p0", "p1"), ("p0", "p1"), ("p0", "p1")),  # the same members: nothing to add
+        (("p0", "p1"), ("p0", "p1", "p2"), ("p0", "p1", "p2")),  # a member joined meanwhile
+    ],
+)
+def test_a_retry_after_a_first_run_given_up_names_that_runs_members(
+    first: tuple[str, ...], retry: tuple[str, ...], named: tuple[str, ...]
+) -> None:
+    """So a flush does not count itself whole among the retry's members alone (`Strategy.flush`)."""
+    undecided = Undecided((G, 4), "no commit from p0 in time")
+    undecided.members = first
+    result = RoundResult(RETRY, 4, 0.1, 0, 0, 8, "fp32", 0, members=retry)
+    assert undecided.widen(result).members == named
