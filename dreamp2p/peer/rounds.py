@@ -73,7 +73,7 @@ class RoundRegistry:
         self._closed: dict[int, set[int]] = {}
         # why our recent rounds failed, oldest first: a member that left, a failed vote, or the deadline
         self.failures: deque[RoundFailure] = deque(maxlen=MAX_FAILURE_RECORDS)
-        self._completed: deque[Key] = deque(maxlen=MAX_COMPLETED_RECORDS)
+        self._completed: dict[Key, None] = {}  # an ordered set, oldest first: looked up per retry frame
         # told the round id of each frame that waits for a round not open here yet: a member launched it
         # before us (time-paced periods follow it, see `dreamp2p.peer.drift.LeadingStep`)
         self.on_early: Callable[[int], None] | None = None
@@ -126,7 +126,9 @@ class RoundRegistry:
         """Record that round ``key`` (a first run, never a retry: that may run among fewer members)
         completed here: a retry of it is refused with ROUND_COMPLETED, which tells a member that gave the
         round up after voting commit to apply it too."""
-        self._completed.append(key)
+        self._completed[key] = None
+        if len(self._completed) > MAX_COMPLETED_RECORDS:
+            del self._completed[next(iter(self._completed))]
 
     async def round_for(self, frame: Frame, check: Callable[[Frame], None] | None = None) -> RingRound:
         """The open round ``frame`` belongs to, waiting (bounded) for it to open; PeerError when it cannot.

@@ -78,21 +78,11 @@ def join_region(
         error = exc
     if not region.all_ok(error is None, timeout):
         raise error or RuntimeError("another rank of the region was not admitted to its shard ring")
-    payload: bytes | None = None
-    if region.local_rank == 0:
-        try:
-            payload = encode_fetched(*fetch())
-        except Exception as exc:
-            error = exc
-            payload = b""  # an empty buffer tells the other ranks the transfer failed
-    buf = region.broadcast_bytes(payload, timeout)
+    start, error = _hand_over(region, fetch, load, timeout)
     if error is not None:
         raise error
-    if not buf:
+    if start is None:
         raise RuntimeError("local rank 0 of the region could not fetch the members' state")
-    start, skeleton, tensors = decode_fetched(buf)
-    if region.local_rank != 0:
-        load(unflatten_state(skeleton, tensors), start)
     log.warning("region rank %d joined at step %d with local rank 0's transfer", region.local_rank, start)
     return start
 
@@ -104,17 +94,32 @@ def resync_region(
     there); the step to start at, the same on every rank, or None when local rank 0 could not fetch it
     (every rank then trains on with its own state). Called by every rank at the same step."""
     region.forget_verdict()  # posted before this transfer: out of date after it
+    start, error = _hand_over(region, fetch, load, timeout)
+    if error is not None and not isinstance(error, PeerError | RuntimeError | TimeoutError):
+        raise error
+    if error is not None:
+        log.error("could not take the members' state (%s): the region trains on with its own", error)
+    return start
+
+
+def _hand_over(
+    region: ShardedCollective, fetch: Callable[[], Fetched], load: Callable[[Any, int], None], timeout: float
+) -> tuple[int | None, Exception | None]:
+    """Local rank 0 fetches (``fetch`` loads the state there) and hands the state and the step to start at
+    to the other ranks, which ``load`` it: that step on every rank, or None when the fetch failed, and on
+    local rank 0 the fetch's error. An empty buffer tells the other ranks the fetch failed."""
+    error: Exception | None = None
     payload: bytes | None = None
     if region.local_rank == 0:
         try:
             payload = encode_fetched(*fetch())
-        except (PeerError, RuntimeError, TimeoutError) as exc:
-            log.error("could not take the members' state (%s): the region trains on with its own", exc)
-            payload = b""  # tells the other ranks to train on too
+        except Exception as exc:  # the other ranks are told by the empty buffer; the caller decides
+            error = exc
+            payload = b""
     buf = region.broadcast_bytes(payload, timeout)
     if not buf:
-        return None
+        return None, error
     start, skeleton, tensors = decode_fetched(buf)
     if region.local_rank != 0:
         load(unflatten_state(skeleton, tensors), start)
-    return start
+    return start, error
