@@ -11,7 +11,8 @@ In a region of many ranks (a torchrun job: torch.distributed initialized with mo
 process group passed as ``region``), each local rank makes its own Node from the region's config: its
 peer gets its own node id and port and rings with the same local rank of the other regions, and the
 strategy averages one shard of each group per rank (`dreamp2p.sync.comm.sharded`); wrap the model in
-DistributedDataParallel before ``attach``.
+DistributedDataParallel before ``attach``, or shard it with FSDP2 (``fully_shard``): each rank then averages
+its own shards of every parameter with the same local rank of the other regions.
 
 A node joining a running cluster (a new member, or one restarted after a crash) passes ``joining=True``
 and ``attach(..., join=True)``: it takes the training state from the live members (`dreamp2p.state`),
@@ -43,11 +44,12 @@ from dreamp2p.state.donor import StateDonor
 from dreamp2p.state.snapshot import unflatten_state
 from dreamp2p.sync.comm.collective import Collective
 from dreamp2p.sync.comm.process import CommProcess, RemoteDonor
-from dreamp2p.sync.comm.regionjoin import join_region, resync_region
+from dreamp2p.sync.comm.regionjoin import join_owned, join_region, resync_owned, resync_region
 from dreamp2p.sync.comm.sharded import ShardedCollective, region_group
 from dreamp2p.sync.comm.shards import rank_config
 from dreamp2p.sync.comm.thread import CommThread
 from dreamp2p.sync.model.agreement import inner_momentum, is_adaptive, training_settings
+from dreamp2p.sync.model.shardlocal import is_dtensor, is_sharded
 from dreamp2p.sync.strategies.base import Strategy
 from dreamp2p.sync.strategies.registry import strategy_class
 from dreamp2p.sync.strategies.replicas import broadcast_state, state_tensors
@@ -155,14 +157,10 @@ class Node:
         and on the other side. Then rank 0's parameters (frozen ones too) and buffers are broadcast.
         ``join=True``: take the state from the live members instead (see the module docstring).
         """
-        cfg = self._outer_defaults(self.sync_config(strategy, sync, **overrides), optimizer)
+        cfg = _outer_defaults(self.sync_config(strategy, sync, **overrides), optimizer)
         if self.region is not None and cfg.timed_periods:
             raise ValueError(TIMED_IN_REGION)
-        if self.region is not None and not isinstance(model, DistributedDataParallel):
-            raise ValueError(
-                "in a region of many ranks, wrap the model in torch.nn.parallel.DistributedDataParallel before "
-                "attach: the ranks average their gradients with it every step, the WAN rounds only between regions"
-            )
+        sharded = _region_model(self.region, model)
         model = unwrap(model)  # the strategy moves the user's module; DDP's hooks stay on its parameters
         if not self._connected:
             self.connect(require_all=not join)
@@ -171,10 +169,15 @@ class Node:
         if self.region is not None:
             # regions whose rank counts differ would average shards of different sizes: refused at once
             settings["region.ranks"] = str(self.region.ranks)
+            # a replicated region's rank k averages shard k of the whole model, an FSDP2 one its own shards
+            settings["region.model"] = "fsdp2" if sharded else "replicated"
         self.comm.agree(settings, self.config.transport.connect_timeout_s)
         if broadcast and not join:  # a node resuming from its checkpoint keeps its own parameters
             if self.region is not None:
-                self.region.broadcast(state_tensors(model), timeout)
+                # what every rank of the region holds whole (under FSDP2: buffers; each rank's shards come
+                # from the same rank of region 0 over its ring, below)
+                whole = [t for t in state_tensors(model) if not is_dtensor(t)]
+                self.region.broadcast(whole, timeout)
             broadcast_state(self.collective, model, timeout)
         strat = strategy_class(cfg.strategy)(model, optimizer, self.collective, cfg, donor=self.donor)
         self.strategy = strat
@@ -192,31 +195,6 @@ class Node:
             overrides["strategy"] = strategy
         return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
-    @staticmethod
-    def _outer_defaults(cfg: SyncConfig, optimizer: torch.optim.Optimizer) -> SyncConfig:
-        """Resolve the outer optimizer left unset from the inner one, and warn about a known bad pairing."""
-        resolved = cfg.with_outer_defaults(is_adaptive(optimizer))
-        if cfg.strategy in ("diloco", "streaming"):
-            lr, momentum = resolved.outer
-            log.info(
-                "%s outer optimizer: lr %g, momentum %g (%s for a %s inner optimizer)",
-                cfg.strategy,
-                lr,
-                momentum,
-                "set" if cfg.outer_lr is not None else "default",
-                type(optimizer).__name__,
-            )
-            if momentum > 0 and not is_adaptive(optimizer) and inner_momentum(optimizer) > 0:
-                log.warning(
-                    "%s: outer momentum %g over an inner %s with momentum %g compounds two momenta and "
-                    "usually overshoots; outer_lr = 1, outer_momentum = 0 (the default for SGD) suits it",
-                    cfg.strategy,
-                    momentum,
-                    type(optimizer).__name__,
-                    inner_momentum(optimizer),
-                )
-        return resolved
-
     def join(self, strategy: Strategy, timeout: float) -> None:
         """Load the live members' state into ``strategy``, start at their step, then take part in rounds.
 
@@ -229,17 +207,25 @@ class Node:
         newest step any member reports, plus a small lead, is where we start.
         """
         others = self._others_alive(timeout)
-        if self.region is None:
+
+        def admitted() -> None:
             self._ask_in()
             self._await_admission(others, timeout)
+
+        if self.region is None:
+            admitted()
             start = self._fetch_state(strategy, others, timeout)[0]
+        elif self.region.owns_shards:  # FSDP2: each rank fetches its own shards from its ring
+            start = join_owned(
+                self.region,
+                admitted,
+                lambda: self._fetch_state(strategy, others, timeout)[0],
+                timeout * (JOIN_ATTEMPTS + 2),
+            )
+            if start > strategy.step_count:
+                strategy.jump_to(start)
         else:
             # every rank joins its shard ring; local rank 0 fetches and hands the state to the others
-
-            def admitted() -> None:
-                self._ask_in()
-                self._await_admission(others, timeout)
-
             start = join_region(
                 self.region,
                 admitted,
@@ -266,7 +252,18 @@ class Node:
         self.resyncs += 1
         strategy.abandon()  # the peer failed our rounds in flight: nobody applies them
         ours = strategy.step_count
-        if self.region is not None:
+        if self.region is not None and self.region.owns_shards:
+            # every rank is here at this step; each takes its own shards from its ring, all start together
+            taken = resync_owned(
+                self.region,
+                tuple(ahead),
+                lambda names: self._fetch_state(strategy, list(names), timeout)[0],
+                timeout * (JOIN_ATTEMPTS + 2),
+            )
+            start = taken if taken is not None else ours
+            if start > strategy.step_count:
+                strategy.jump_to(start)
+        elif self.region is not None:
             # every rank is here at this step (local rank 0's verdict, see ShardedCollective.diverged_from);
             # the other ranks wait while rank 0 fetches
             fetch = functools.partial(self._fetch_state, strategy, list(ahead), timeout)
@@ -384,6 +381,46 @@ class Node:
                     self.region.close()
             finally:
                 self.comm.close()
+
+
+def _region_model(region: ShardedCollective | None, model: nn.Module) -> bool:
+    """Whether ``model`` is sharded with FSDP2 (`dreamp2p.sync.model.shardlocal`); in a region of many ranks, a
+    model neither DDP nor FSDP2 is refused, and an FSDP2 one makes each rank average its own shards."""
+    sharded = is_sharded(model)
+    if region is not None and not (sharded or isinstance(model, DistributedDataParallel)):
+        raise ValueError(
+            "in a region of many ranks, wrap the model in torch.nn.parallel.DistributedDataParallel or shard it "
+            "with torch.distributed.fsdp.fully_shard before attach: the ranks average their gradients with it "
+            "every step, the WAN rounds only between regions"
+        )
+    if region is not None and sharded:
+        region.own_shards()  # each rank averages its own shards over its ring, nothing gathered
+    return sharded
+
+
+def _outer_defaults(cfg: SyncConfig, optimizer: torch.optim.Optimizer) -> SyncConfig:
+    """Resolve the outer optimizer left unset from the inner one, and warn about a known bad pairing."""
+    resolved = cfg.with_outer_defaults(is_adaptive(optimizer))
+    if cfg.strategy in ("diloco", "streaming"):
+        lr, momentum = resolved.outer
+        log.info(
+            "%s outer optimizer: lr %g, momentum %g (%s for a %s inner optimizer)",
+            cfg.strategy,
+            lr,
+            momentum,
+            "set" if cfg.outer_lr is not None else "default",
+            type(optimizer).__name__,
+        )
+        if momentum > 0 and not is_adaptive(optimizer) and inner_momentum(optimizer) > 0:
+            log.warning(
+                "%s: outer momentum %g over an inner %s with momentum %g compounds two momenta and "
+                "usually overshoots; outer_lr = 1, outer_momentum = 0 (the default for SGD) suits it",
+                cfg.strategy,
+                momentum,
+                type(optimizer).__name__,
+                inner_momentum(optimizer),
+            )
+    return resolved
 
 
 def _join_deadline(timeout: float, heartbeat_s: float) -> tuple[float, float]:

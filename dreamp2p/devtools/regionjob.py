@@ -4,6 +4,11 @@ Trains the student of `dreamp2p.devtools.bench.jobs.training` with DDP inside th
 dreamp2p strategy between regions, then a quiet stretch at learning rate 0, and writes what the tests
 check (losses, parameter digests, WAN bytes) to ``<out>/<region>.<local rank>.json``. Each rank's batches
 depend on its global position (region index x ranks + local rank), so no two ranks see the same data.
+
+``--fsdp``: the student is sharded with FSDP2 (``fully_shard``, AdamW) instead; ``--strategy`` may then name
+several strategies, trained one after another in the same processes (each on a fresh model, its peers on
+ports of their own), each ending with ``flush()``; results go to ``<out>/<strategy>.<region>.<local rank>.json``
+with digests of the whole (gathered) parameters and state.
 """
 
 from __future__ import annotations
@@ -18,13 +23,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.devtools.bench.jobs.training import batch, student
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
+from dreamp2p.sync.comm.shards import shift_port
 
 
 def free_port_block(n: int, start: int = 20000, stop: int = 32768) -> int:
@@ -64,6 +73,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 and flush at the end")
     return p.parse_args(argv)
 
 
@@ -89,6 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     ids = [p.node_id for p in ring]
     me = ring[ids.index(args.region)]
     data_rank = ids.index(args.region) * ranks + local
+    if args.fsdp:
+        for k, strategy in enumerate(args.strategy.split(",")):
+            # every strategy's peers on ports of their own: the previous ones' may still be closing
+            shifted = tuple(PeerInfo(p.node_id, shift_port(p.address, 2 * k * ranks)) for p in ring)
+            result = _train_sharded(args, strategy, shifted, data_rank)
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{strategy}.{args.region}.{local}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+        return 0
     model = DistributedDataParallel(student(seed=data_rank))  # different inits: attach broadcasts region 0's
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     config = PeerConfig(node_id=me.node_id, cluster_id="regions", listen=me.address, ring=ring)
@@ -118,6 +137,51 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{args.region}.{local}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
     return 0
+
+
+def _full_digest(tensors: list[torch.Tensor]) -> str:
+    """xxh3 over the whole tensors (a DTensor gathered from every rank of the region: collective)."""
+    h = xxhash.xxh3_64()
+    for t in tensors:
+        whole = t.full_tensor() if isinstance(t, DTensor) else t
+        h.update(whole.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _train_sharded(
+    args: argparse.Namespace, strategy: str, ring: tuple[PeerInfo, ...], data_rank: int
+) -> dict[str, Any]:
+    """One strategy over an FSDP2 student: train, flush, and report digests of the whole model and state."""
+    model = student(seed=data_rank)  # different inits: attach takes region 0's shards
+    for layer in list(model.children()):  # one FSDP unit per Linear, as users wrap blocks
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    me = next(p for p in ring if p.node_id == args.region)
+    node = Node(PeerConfig(node_id=me.node_id, cluster_id="regions", listen=me.address, ring=ring))
+    try:
+        sync = node.attach(model, opt, strategy=strategy, **json.loads(args.sync))
+        init_digest = _full_digest(list(model.parameters()))
+        losses = _steps(sync, model, data_rank, range(args.steps), args.batch_size)
+        trained_digest = _full_digest(list(model.parameters()))
+        sync.flush()
+        sync.close()
+        state = sync.state_dict()
+        return {
+            "node_id": node.config.node_id,
+            "strategy": strategy,
+            "losses": losses,
+            "init_digest": init_digest,
+            "trained_digest": trained_digest,
+            "digest": _full_digest(list(model.parameters())),
+            "state_digest": _full_digest([*model.parameters(), *model.buffers()]),
+            "local_elements": sum(t.numel() for t in state["model"].values()),
+            "bytes_sent": sync.totals.bytes_sent,
+            "rounds_skipped": sync.rounds_skipped,
+        }
+    finally:
+        node.close()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from conftest import port_range
 
+from dreamp2p.devtools.bench.jobs.training import student
 from dreamp2p.devtools.localrun import child_env
 from dreamp2p.devtools.regionjob import free_port_block
 
@@ -30,9 +31,16 @@ def mean(xs: list[float]) -> float:
 
 
 def launch(
-    out: Path, ranks: tuple[int, ...], strategy: str, sync: dict[str, Any], steps: int, quiet_steps: int
+    out: Path,
+    ranks: tuple[int, ...],
+    strategy: str,
+    sync: dict[str, Any],
+    steps: int,
+    quiet_steps: int,
+    extra: tuple[tuple[str, ...], ...] = (),
 ) -> dict[str, tuple[int, str]]:
-    """One torchrun per region (``ranks[i]`` local ranks in region i); each region's exit code and log."""
+    """One torchrun per region (``ranks[i]`` local ranks in region i, ``extra[i]`` more arguments for its
+    job); each region's exit code and log."""
     out.mkdir(parents=True, exist_ok=True)
     base = free_port_block(sum(ranks), *port_range())
     starts = [base + sum(ranks[:i]) for i in range(len(ranks))]
@@ -40,10 +48,11 @@ def launch(
     env = {**child_env(), "OMP_NUM_THREADS": "1"}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs = {r: out / f"{r}.log" for r in REGIONS}
-    for region, n in zip(REGIONS, ranks, strict=True):
+    for i, (region, n) in enumerate(zip(REGIONS, ranks, strict=True)):
         cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(n), "-m", "dreamp2p.devtools.regionjob"]
         cmd += ["--region", region, "--ring", ring, "--strategy", strategy, "--sync", json.dumps(sync)]
         cmd += ["--steps", str(steps), "--quiet-steps", str(quiet_steps), "--out", str(out)]
+        cmd += extra[i] if extra else ()
         with logs[region].open("wb") as log:
             procs[region] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300  # a hang guard, not a bound on speed
@@ -120,4 +129,48 @@ def test_regions_of_different_rank_counts_are_refused_at_start(tmp_path: Path) -
     # ring 0 (a, the region's rank 0, and b) refuses at attach, on both sides, naming the setting: 2 ranks
     # on one side, none declared on the other
     assert "region.ranks" in exits["a"][1] and "region.ranks" in exits["b"][1]
+    assert not list(tmp_path.glob("*.json"))  # no rank trained
+
+
+STRATEGIES = ("ssgd", "localsgd", "diloco", "streaming", "co2", "dreamddp")
+STUDENT_ELEMENTS = sum(p.numel() for p in student().parameters())  # the regionjob's model, whole
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fsdp2_regions_of_two_ranks_end_bit_identical_after_flush_under_every_strategy(tmp_path: Path) -> None:
+    # issue 36 item 1: the student sharded with fully_shard (one unit per Linear, AdamW) in two regions of two
+    # ranks; every strategy in turn, each on a fresh model with different inits per rank, then flush()
+    sync = {"period": 4, "warmup_steps": 3, "control_every": 4, "max_delay": 1, "max_stretch": 1}
+    fsdp = ("--fsdp", "--lr", "0.003")
+    exits = launch(tmp_path, (2, 2), ",".join(STRATEGIES), sync, steps=30, quiet_steps=0, extra=(fsdp, fsdp))
+    for region, (code, log) in exits.items():
+        assert code == 0, f"region {region} exited {code}:\n{log[-4000:]}"
+    for strategy in STRATEGIES:
+        results = {r["node_id"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob(f"{strategy}.*.json"))}
+        assert sorted(results) == ["a", "a.1", "b", "b.1"], (strategy, sorted(results))
+        for node, r in results.items():
+            assert r["rounds_skipped"] == 0, (strategy, node)
+            assert r["bytes_sent"] > 0, (strategy, node)
+            assert mean(r["losses"][-5:]) < 0.7 * mean(r["losses"][:5]), (strategy, node, r["losses"])
+        # each rank holds and averages its own shards only: the region's ranks together hold the model once
+        for region in REGIONS:
+            mine = [results[region]["local_elements"], results[f"{region}.1"]["local_elements"]]
+            assert sum(mine) == STUDENT_ELEMENTS and max(mine) < STUDENT_ELEMENTS, (strategy, mine)
+        # attach gave every rank of region b region a's shards (the whole model gathered is the same)
+        assert len({r["init_digest"] for r in results.values()}) == 1, strategy
+        if strategy != "ssgd":  # the regions trained apart between syncs, so the flush had work to do
+            assert results["a"]["trained_digest"] != results["b"]["trained_digest"], strategy
+        # flush(): the whole model, gathered from each region's shards, bit-identical in both regions
+        assert len({r["digest"] for r in results.values()}) == 1, strategy
+        assert len({r["state_digest"] for r in results.values()}) == 1, strategy
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_an_fsdp2_region_and_a_ddp_region_are_refused_at_start(tmp_path: Path) -> None:
+    exits = launch(tmp_path, (2, 2), "ssgd", {}, steps=5, quiet_steps=0, extra=(("--fsdp",), ()))
+    for region, (code, log) in exits.items():
+        assert code != 0, f"region {region} trained beside a region of the other kind:\n{log[-4000:]}"
+        assert "region.model" in log, log[-4000:]
     assert not list(tmp_path.glob("*.json"))  # no rank trained

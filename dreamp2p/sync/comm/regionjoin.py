@@ -9,6 +9,9 @@ loads the same state, starts at the same step and is admitted from the same roun
 back as one replica. A rank that fails any stage fails the others' too instead of leaving them waiting.
 A running region that missed the members' plan (after a partition or a freeze) takes their state the same
 way (`resync_region`), at the step every rank learns of it (`dreamp2p.sync.comm.regiondrift`).
+
+A region sharded with FSDP2 has no one state to hand over: each rank takes its own shards' state from its
+own ring (`join_owned`, `resync_owned`), and the region starts at the latest step any rank took.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from dreamp2p.errors import PeerError
 from dreamp2p.state.snapshot import TensorMeta, tensor_from_bytes, tensor_to_bytes, unflatten_state
 from dreamp2p.sync.comm.sharded import ShardedCollective
+from dreamp2p.sync.comm.shards import rank_node_id
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +127,47 @@ def _hand_over(
     if region.local_rank != 0:
         load(unflatten_state(skeleton, tensors), start)
     return start, error
+
+
+def join_owned(region: ShardedCollective, admit: Callable[[], None], fetch: Callable[[], int], timeout: float) -> int:
+    """Join as every local rank of an FSDP2 ``region`` (`ShardedCollective.own_shards`); the step the region
+    starts at. Each rank holds shards no other rank has, so each takes its own from its ring (``fetch``:
+    load them, return the step to start at) once every rank is admitted; the region starts at the latest
+    of those steps, so its ranks stay in step with each other."""
+    error: BaseException | None = None
+    try:
+        admit()
+    except Exception as exc:  # told to the other ranks first, raised below
+        error = exc
+    if not region.all_ok(error is None, timeout):
+        raise error or RuntimeError("another rank of the region was not admitted to its shard ring")
+    start = -1
+    try:
+        start = fetch()
+    except Exception as exc:
+        error = exc
+    if not region.all_ok(error is None, timeout):
+        raise error or RuntimeError("another rank of the region could not fetch its shards' state")
+    return region.max_int(start, timeout)
+
+
+def resync_owned(
+    region: ShardedCollective, ahead: tuple[str, ...], fetch: Callable[[tuple[str, ...]], int], timeout: float
+) -> int | None:
+    """Every rank of a running FSDP2 ``region`` takes its own shards' state from the members ahead on its own
+    ring (``fetch(ahead)``: load it, return the step to start at); local rank 0's verdict names them
+    (``ahead``, given there), each rank asks the same regions' ranks of its own ring. The step to start at,
+    the latest any rank fetched, the same on every rank; None when no rank could fetch. A rank that could not
+    trains on with its own state from there (its peer checks again). Called by every rank at the same step."""
+    region.forget_verdict()
+    names = region.broadcast_bytes(",".join(ahead).encode() if region.local_rank == 0 else None, timeout)
+    regions = tuple(n for n in names.decode().split(",") if n)
+    start = -1
+    error: Exception | None = None
+    try:
+        start = fetch(tuple(rank_node_id(r, region.local_rank) for r in regions))
+    except (PeerError, RuntimeError, TimeoutError) as exc:
+        error = exc
+        log.error("could not take the members' state for this rank's shards (%s): training on with its own", exc)
+    latest = region.max_int(start if error is None else -1, timeout)
+    return latest if latest >= 0 else None

@@ -16,6 +16,10 @@ rounds are all-or-none across regions, so each region sees the same set of faile
 run on one thread of their own over a gloo group of their own (host buffers; DDP keeps the default group),
 in the order the rounds were launched, which is the same on every rank. The region takes the members'
 state as one replica when local rank 0's peer finds it missed their plan (`regiondrift`).
+
+A region that shards its model with FSDP2 instead of replicating it (DDP) has no shard to cut: each rank
+already holds its own shards of every parameter, averages them whole over its ring and gathers nothing
+(:meth:`ShardedCollective.own_shards`).
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ class ShardedCollective:
             raise RuntimeError("torch.distributed gave no process group for the region's drift verdicts")
         self._verdict = DriftVerdict(verdicts, self._root, self.local_rank)
         self._shards: weakref.WeakKeyDictionary[FlatGroup, _Shard] = weakref.WeakKeyDictionary()
+        self._owned = False  # FSDP2: every group holds this rank's own shards, averaged whole (own_shards)
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = (
             queue.SimpleQueue()
         )
@@ -158,7 +163,12 @@ class ShardedCollective:
         prepare: Callable[[], None] | None = None,
         error_feedback: bool = False,
     ) -> concurrent.futures.Future[RoundResult]:
-        """Average shard k of ``group`` over the WAN, then gather every shard into ``group.work``."""
+        """Average shard k of ``group`` over the WAN, then gather every shard into ``group.work``; under
+        FSDP2 (:meth:`own_shards`) the whole group, which holds this rank's shards, and nothing is gathered."""
+        if self._owned:
+            return self.wan.allreduce_group(
+                group, group_id, codec, plan_version, round_id, guard_norm, prepare, error_feedback
+            )
         start, stop = shard_bounds(group.numel, self.ranks, self.local_rank)
         t0 = time.perf_counter()
         shard: _Shard | None = None
@@ -182,6 +192,30 @@ class ShardedCollective:
 
     # ------------------------------------------------------------------ region operations
 
+    def own_shards(self) -> None:
+        """The model is sharded with FSDP2: each rank holds its own shards of every parameter, so each group a
+        strategy makes holds only this rank's elements. Its rounds average them whole over this rank's ring
+        (the same local rank of every region holds the same shards) and nothing is gathered: every element
+        crosses the WAN once per region, and each ring's rounds are all-or-none across the regions on their
+        own. The ranks of a region may then decide plans of their own (each ring's control rounds), which no
+        region-wide agreement per round could follow, and none is needed: no rank reads another's shards."""
+        self._owned = True
+
+    @property
+    def owns_shards(self) -> bool:
+        """Whether this region's ranks average their own FSDP2 shards (:meth:`own_shards`)."""
+        return self._owned
+
+    def max_int(self, value: int, timeout: float) -> int:
+        """The largest ``value`` any rank of the region passed (a barrier: returns once every rank has called it)."""
+        flag = torch.tensor([value], dtype=torch.int64)
+
+        def run() -> None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+
+        self._submit(run).result(timeout)
+        return int(flag.item())
+
     def broadcast(self, tensors: Sequence[torch.Tensor], timeout: float) -> None:
         """Make every rank of the region hold local rank 0's values of ``tensors`` (bit-identical)."""
         if not tensors or self.ranks == 1:
@@ -198,13 +232,7 @@ class ShardedCollective:
 
     def all_ok(self, ok: bool, timeout: float) -> bool:
         """Whether every rank of the region passed ``ok`` (a barrier: returns once every rank has called it)."""
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-
-        def run() -> None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-
-        self._submit(run).result(timeout)
-        return bool(flag.item())
+        return self.max_int(0 if ok else 1, timeout) == 0
 
     def broadcast_bytes(self, data: bytes | None, timeout: float) -> bytes:
         """Local rank 0's ``data`` on every rank (the others pass None): its length, then its bytes."""

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dreamp2p.sync.model.shardlocal import local_view
+
 
 @dataclass(frozen=True)
 class Layer:
@@ -23,7 +25,8 @@ class Layer:
 
     @property
     def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
+        """Elements this rank holds (its shards' under FSDP2, `dreamp2p.sync.model.shardlocal`)."""
+        return sum(local_view(p).numel() for p in self.params)
 
     @property
     def nbytes(self) -> int:
@@ -57,10 +60,12 @@ class FlatGroup:
     ``one_buffer``: ``snap`` is ``work`` itself (4 bytes per element instead of 8), for a strategy that
     never merges (its result is built from the mean alone): the round averages the buffer in place, as
     every collective copies its source before it writes ``work``.
+
+    FSDP2 parameters (DTensors) are taken as this rank's local shards: the group holds what this rank owns.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], pin: bool = False, one_buffer: bool = False) -> None:
-        self.params = list(params)
+        self.params = [local_view(p) for p in params]
         self.numel = sum(p.numel() for p in self.params)
         self.device = self.params[0].device if self.params else torch.device("cpu")
         pin = pin and self.device.type == "cuda"

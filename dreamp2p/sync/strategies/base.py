@@ -32,6 +32,7 @@ from dreamp2p.sync.comm.collective import Collective
 from dreamp2p.sync.model.agreement import is_adaptive
 from dreamp2p.sync.model.layers import Layer, discover_layers
 from dreamp2p.sync.model.optim import OptimizerFacade
+from dreamp2p.sync.model.shardlocal import load_model_state, load_optimizer_state, local_state
 from dreamp2p.sync.strategies.buffers import BufferSync, model_buffers
 from dreamp2p.sync.strategies.flush import ReplicaFlush
 from dreamp2p.sync.strategies.pacing import StepWindow
@@ -241,8 +242,9 @@ class Strategy(OptimizerFacade, abc.ABC):
         return {
             "strategy": self.name,
             "step": self.step_count,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            # under FSDP2, this rank's shards (what it averages with the same rank of the other regions)
+            "model": local_state(self.model.state_dict()),
+            "optimizer": local_state(self.optimizer.state_dict()),
             "extra": self._extra_state(),
             # time-paced periods: the steps of the clock's window we trained at (our parameters hold them)
             "clock": self._clock.marks() if self._clock is not None else None,
@@ -260,8 +262,8 @@ class Strategy(OptimizerFacade, abc.ABC):
         refusal = resume_refusal(changes, self.resume_fixed)
         if refusal is not None:
             raise PeerError(Status.CONFIG_MISMATCH, refusal)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_model_state(self.model, state["model"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.step_count = int(state["step"])
         self._load_extra_state(state.get("extra", {}))
         if self._clock is not None:

@@ -31,6 +31,7 @@ from dreamp2p.messages import RoundResult
 from dreamp2p.sync.comm.collective import Collective
 from dreamp2p.sync.model.groups import GROUP_CO2_GAP, GROUP_GRADS, GROUP_OUTER_CHECK, GROUP_OUTER_HEAL, GROUP_PARAMS
 from dreamp2p.sync.model.layers import FlatGroup
+from dreamp2p.sync.model.shardlocal import local_view, shard_like
 from dreamp2p.sync.strategies.base import Held, Strategy, landed
 from dreamp2p.sync.strategies.outercheck import CheckRound, OuterCheck
 from dreamp2p.sync.strategies.pacing import TokenShares, unweigh
@@ -141,7 +142,8 @@ class SSGD(Strategy):
         self._grads = FlatGroup(self.params, pin=self.pin, one_buffer=True)
 
     def _step(self) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        # this rank's shards of the gradients under FSDP2 (the group holds this rank's shards of the parameters)
+        grads = [local_view(p.grad) if p.grad is not None else torch.zeros_like(local_view(p)) for p in self.params]
         self._grads.snapshot(grads)
         res = self._wait(self.comm.allreduce_group(self._grads, GROUP_GRADS, self.cfg.codec, round_id=self._round()))
         if res is None:
@@ -149,12 +151,13 @@ class SSGD(Strategy):
         with torch.no_grad():
             offset = 0
             for p in self.params:
-                n = p.numel()
-                avg = self._grads.work[offset : offset + n].view(p.shape)
+                shard = local_view(p)
+                n = shard.numel()
+                avg = self._grads.work[offset : offset + n].view(shard.shape)
                 if p.grad is None:
-                    p.grad = avg.to(p.device, p.dtype, copy=True)
+                    p.grad = shard_like(p, avg.to(p.device, p.dtype, copy=True))
                 else:
-                    p.grad.copy_(avg)  # across device and dtype at once: no temporary on the device
+                    local_view(p.grad).copy_(avg)  # across device and dtype at once: no temporary on the device
                 offset += n
         # the mean of every member's gradients, so never skipped on one member's AMP overflow: that member's
         # non-finite gradients were refused by the contribution guard and every member applies the same mean

@@ -22,6 +22,7 @@ import torch
 import xxhash
 
 from dreamp2p.sync.model.layers import Layer
+from dreamp2p.sync.model.shardlocal import local_view
 from dreamp2p.sync.strategies.base import Held
 from dreamp2p.sync.strategies.replicas import bits_agree, digest_bits
 
@@ -79,7 +80,8 @@ class OuterWeights:
         """Layer ``li``'s outer weights, created from the local parameters on first use (then fresh)."""
         state = self._outer.get(li)
         if state is None:
-            theta = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self._layers[li].params])
+            shards = [local_view(p).detach() for p in self._layers[li].params]  # this rank's, under FSDP2
+            theta = torch.cat([t.reshape(-1).to("cpu", torch.float32) for t in shards])
             state = (theta, torch.zeros_like(theta))
             self._outer[li] = state
             self._fresh.add(li)

@@ -18,6 +18,7 @@ from dreamp2p.errors import RoundFailed
 from dreamp2p.sync.comm.collective import Collective
 from dreamp2p.sync.model.groups import GROUP_AGREE, GROUP_INIT
 from dreamp2p.sync.model.layers import FlatGroup
+from dreamp2p.sync.model.shardlocal import local_view
 from dreamp2p.sync.strategies.buffers import frozen_parameters, model_buffers
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,11 @@ def broadcast_state(comm: Collective, model: nn.Module, timeout: float) -> None:
 
 def tensors_digest(tensors: Iterable[torch.Tensor]) -> int:
     """64 bits of xxh3 over the tensors' bytes, in order (equal digests: bit-identical tensors, but for
-    a collision no replica can arrange); a CPU tensor's memory is hashed in place, not copied."""
+    a collision no replica can arrange); a CPU tensor's memory is hashed in place, not copied; a DTensor's
+    local shard only (FSDP2: each rank compares what it owns)."""
     h = xxhash.xxh3_64()
     for t in tensors:
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        h.update(local_view(t).detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return h.intdigest()
 
 

@@ -19,7 +19,7 @@ meanwhile), then 2 measured periods. Two routes:
 
 On CUDA the strategies' buffers are pinned host memory (counted above); ``device_steady_Bpp`` and
 ``device_peak_Bpp`` are CUDA's allocated bytes beyond the baseline (the peak less the compute-only one).
-A member of several ranks (an FSDP2 region) is not measured: dreamp2p has no FSDP2 support yet.
+A member of several ranks (an FSDP2 region) is not measured by this bench yet.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ BATCH = 4
 SETTLE_PERIODS = 3
 MEASURED_PERIODS = 2
 FSDP = (
-    "not measured: a member of several ranks (a 2- or 4-rank FSDP2 region) needs FSDP2 support, which dreamp2p "
-    "has not yet"
+    "not measured: a member of several ranks (a 2- or 4-rank FSDP2 region) needs a torchrun job per region, "
+    "which this bench does not start yet"
 )
 
 
