@@ -376,12 +376,30 @@ def _memory(p: Parser) -> None:
     )
     _training(p, steps=None, period=4, width=None, depth=None)
     _device(p, "the strategies")
+    p.add_argument(
+        "--ranks",
+        type=_rank_counts,
+        default=[1],
+        help="region sizes: 1 is a one-rank member, N > 1 a rank of an FSDP2 region of N ranks (e.g. 1,2,4)",
+    )
+
+
+def _rank_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected region sizes such as 1,2,4, got {text!r}") from None
+    if not counts or any(not 1 <= c <= 64 for c in counts) or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"expected distinct region sizes from 1 to 64, got {text!r}")
+    return counts
 
 
 def _memory_check(parser: Parser, args: argparse.Namespace) -> None:
     unknown = [name for name in args.strategies or () if name not in STRATEGIES]
     if unknown:
         parser.error(f"argument --strategies: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
+    if args.device != "cpu" and any(n > 1 for n in args.ranks):
+        parser.error("argument --ranks: FSDP2 regions are measured on the CPU (gloo) only")
 
 
 Check = Callable[[Parser, argparse.Namespace], None]

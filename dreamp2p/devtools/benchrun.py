@@ -162,7 +162,13 @@ def _bench_digits(args: argparse.Namespace) -> dict[str, Any]:
 def _bench_memory(args: argparse.Namespace) -> dict[str, Any]:
     from dreamp2p.devtools.bench.memory.run import bench_memory
 
-    return bench_memory(strategies=args.strategies, params=args.params, period=args.period, device=args.device)
+    result = bench_memory(strategies=args.strategies, params=args.params, period=args.period, device=args.device)
+    regions = [n for n in args.ranks if n > 1]
+    if regions:
+        from dreamp2p.devtools.bench.memory.fsdp import bench_regions
+
+        result["fsdp_regions"] = bench_regions(list(result["strategies"]), args.params, args.period, regions)
+    return result
 
 
 def chaos_timing(args: argparse.Namespace) -> ChaosTiming:

@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             result = _train_sharded(args, strategy, shifted, data_rank)
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / f"{strategy}.{args.region}.{local}.json").write_text(json.dumps(result))
+        dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()
         return 0
     model = DistributedDataParallel(student(seed=data_rank))  # different inits: attach broadcasts region 0's

@@ -31,7 +31,7 @@ OPTIONS: dict[str, set[str]] = {
     "plancheck": {"--steps", "--period", "--sizes", "--rates", "--rtts", "--region-counts", "--target-cu", "--out"}
     | {"--reports"},
     "digits": {"--strategies", "--peers", "--max-delay"},
-    "memory": {"--strategies", "--params", "--period", "--device"},
+    "memory": {"--strategies", "--params", "--period", "--device", "--ranks"},
     "chaos": {
         *("--minutes", "--peers", "--kill-every", "--down", "--max-down", "--flap-every", "--flap-down", "--no-flaps"),
         *("--rate", "--rtt", "--period", "--width", "--depth", "--max-delay", "--seed", "--run-dir"),
@@ -167,6 +167,10 @@ def test_each_bench_has_its_own_defaults(argv: list[str], expected: dict[str, ob
         (["bench", "memory", "--params", "2500.5"], "argument --params: must be a whole number from 1000 to 1e12"),
         (["bench", "memory", "--params", "big"], "argument --params: expected a count such as 32e6"),
         (["bench", "memory", "--strategies", "diloco", "fsdp"], "argument --strategies: unknown fsdp; choose from"),
+        (["bench", "memory", "--ranks", "0"], "argument --ranks: expected distinct region sizes from 1 to 64"),
+        (["bench", "memory", "--ranks", "2,2"], "argument --ranks: expected distinct region sizes from 1 to 64"),
+        (["bench", "memory", "--ranks", "two"], "argument --ranks: expected region sizes such as 1,2,4"),
+        (["bench", "memory", "--ranks", "2", "--device", "cuda"], "FSDP2 regions are measured on the CPU"),
         (["bench", "nope"], "argument BENCH: invalid choice: 'nope'"),
         (["bench", "lm", "--loss", "abc"], "argument --loss: cannot parse loss 'abc'"),
         (["bench", "lm", "--loss", "100%"], "argument --loss: loss must be a fraction in [0, 1)"),

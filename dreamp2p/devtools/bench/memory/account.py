@@ -67,10 +67,18 @@ def per_param(nbytes: float, params: int) -> float:
     return round(max(0.0, nbytes) / params, 3)
 
 
-def verdict(strategy: str, steady: float, peak: float, largest_round: float) -> dict[str, Any]:
-    """The targets for ``strategy`` and whether they hold, all in bytes per parameter: ``steady`` at most its
-    target (None: it has none), ``peak`` at most steady + the largest round's copy (within PEAK_TOLERANCE_BPP)."""
+def steady_target(strategy: str, ranks: int = 1) -> float | None:
+    """The steady target of ``strategy`` per rank of an FSDP2 region of ``ranks`` (each holds 1/ranks of the
+    state), in bytes per parameter of the whole model; None where the strategy has none."""
     target = STEADY_TARGETS.get(strategy)
+    return None if target is None else round(target / ranks, 3)
+
+
+def verdict(strategy: str, steady: float, peak: float, largest_round: float, ranks: int = 1) -> dict[str, Any]:
+    """The targets for ``strategy`` and whether they hold, all in bytes per parameter: ``steady`` at most its
+    target (None: it has none; divided by ``ranks`` for a rank of an FSDP2 region), ``peak`` at most steady +
+    the largest round's copy (within PEAK_TOLERANCE_BPP)."""
+    target = steady_target(strategy, ranks)
     limit = steady + largest_round
     return {
         "steady_target_Bpp": target,

@@ -19,7 +19,7 @@ meanwhile), then 2 measured periods. Two routes:
 
 On CUDA the strategies' buffers are pinned host memory (counted above); ``device_steady_Bpp`` and
 ``device_peak_Bpp`` are CUDA's allocated bytes beyond the baseline (the peak less the compute-only one).
-A member of several ranks (an FSDP2 region) is not measured by this bench yet.
+A rank of an FSDP2 region of N ranks: ``--ranks N`` (`dreamp2p.devtools.bench.memory.fsdp`).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from torch import nn
 from dreamp2p.config.sync import STRATEGIES, SyncConfig
 from dreamp2p.devtools.bench.memory.account import (
     BYTES_PER_ELEMENT,
-    STEADY_TARGETS,
     account,
     buffer_rows,
     over_target,
     per_param,
+    steady_target,
     verdict,
 )
 from dreamp2p.devtools.bench.memory.process import (
@@ -50,6 +50,7 @@ from dreamp2p.devtools.bench.memory.process import (
     settle,
 )
 from dreamp2p.devtools.bench.memory.solo import SoloCollective
+from dreamp2p.sync.model.shardlocal import local_view
 from dreamp2p.sync.strategies.registry import strategy_class
 
 log = logging.getLogger(__name__)
@@ -58,10 +59,7 @@ MAX_WIDTH = 1024  # wide enough for a few large layers, narrow enough that AdamW
 BATCH = 4
 SETTLE_PERIODS = 3
 MEASURED_PERIODS = 2
-FSDP = (
-    "not measured: a member of several ranks (a 2- or 4-rank FSDP2 region) needs a torchrun job per region, "
-    "which this bench does not start yet"
-)
+FSDP = "not measured: --ranks 2,4 measures a rank of an FSDP2 region of 2 and of 4 ranks (a torchrun job each)"
 
 
 def model_shape(params: int) -> tuple[int, int]:
@@ -81,25 +79,35 @@ def settle_steps(period: int) -> int:
     return SETTLE_PERIODS * control_every(period)
 
 
-def build_model(width: int, depth: int, device: str) -> nn.Module:
+def build_model(width: int, depth: int, device: str, shard: bool = False) -> nn.Module:
+    """The MLP; ``shard``: each Linear an FSDP2 unit, then the whole (torch.distributed must be initialized)."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers).to(device)
+    model = nn.Sequential(*layers).to(device)
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in layers[::2]:
+            fully_shard(layer)
+        fully_shard(model)
+    return model
 
 
 def _model_side(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors that are the model's or the inner optimizer's: never counted as a strategy's."""
+    """The tensors that are the model's or the inner optimizer's: never counted as a strategy's (this rank's
+    shards of them under FSDP2)."""
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    return [*params, *grads, *state, *model.buffers()]
+    return [local_view(t) for t in (*params, *grads, *state, *model.buffers())]
 
 
-def _measure(name: str, width: int, depth: int, period: int, device: str) -> dict[str, Any]:
-    """One strategy's raw figures, in bytes (see the module docstring)."""
-    model = build_model(width, depth, device)
+def measure(name: str, width: int, depth: int, period: int, device: str, shard: bool = False) -> dict[str, Any]:
+    """One strategy's raw figures, in bytes (see the module docstring); ``shard``: as one rank of an FSDP2
+    region (`dreamp2p.devtools.bench.memory.fsdp`)."""
+    model = build_model(width, depth, device, shard)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(BATCH, width, device=device)
 
@@ -147,11 +155,14 @@ def _measure(name: str, width: int, depth: int, period: int, device: str) -> dic
         "largest_round": comm.largest * BYTES_PER_ELEMENT,
         "device_steady": steady_dev,
         "device_peak": dev.peak() - base_dev,
+        "local_params": sum(local_view(p).numel() for p in model.parameters()),  # this rank's, under FSDP2
     }
 
 
-def _row(name: str, raw: dict[str, Any], compute: dict[str, Any], params: int, cuda: bool) -> dict[str, Any]:
-    """One strategy's JSON row, in bytes per parameter, with its targets."""
+def row(
+    name: str, raw: dict[str, Any], compute: dict[str, Any], params: int, cuda: bool, ranks: int = 1
+) -> dict[str, Any]:
+    """One strategy's JSON row, in bytes per parameter, with its targets (a rank's of an FSDP2 region of ``ranks``)."""
     steady = per_param(raw["steady"], params)
     peak = per_param(raw["peak_rss"] - compute["peak_rss"], params)
     row: dict[str, Any] = {
@@ -160,12 +171,12 @@ def _row(name: str, raw: dict[str, Any], compute: dict[str, Any], params: int, c
         "steady_rss_Bpp": per_param(raw["steady_rss"], params),
         "peak_rss_Bpp": per_param(raw["peak_rss"], params),
         "largest_round_Bpp": per_param(raw["largest_round"], params),
-        **verdict(name, steady, peak, per_param(raw["largest_round"], params)),
+        **verdict(name, steady, peak, per_param(raw["largest_round"], params), ranks),
     }
     if cuda:
         row["device_steady_Bpp"] = per_param(raw["device_steady"], params)
         row["device_peak_Bpp"] = per_param(raw["device_peak"] - compute["device_peak"], params)
-    over = over_target(steady, STEADY_TARGETS.get(name), raw["buffers"], params)
+    over = over_target(steady, steady_target(name, ranks), raw["buffers"], params)
     if over is not None:
         row["over_target"] = over
     row["buffers"] = buffer_rows(raw["buffers"], params)
@@ -184,11 +195,11 @@ def bench_memory(
     width, depth = model_shape(params)
     raw: dict[str, dict[str, Any]] = {}
     for name in names:
-        raw[name] = _measure(name, width, depth, period, device)
+        raw[name] = measure(name, width, depth, period, device)
         log.info("%s: %.2f B/param held", name, raw[name]["steady"] / params)
     n = sum(p.numel() for p in build_model(width, depth, "meta").parameters())
     cuda = device == "cuda"
-    rows = {name: _row(name, raw[name], raw["none"], n, cuda) for name in names}
+    rows = {name: row(name, raw[name], raw["none"], n, cuda) for name in names}
     return {
         "strategies": rows,
         "model": {"params": n, "width": width, "depth": depth, "inner": "AdamW", "batch": BATCH, "device": device},
