@@ -14,10 +14,14 @@ with digests of the whole (gathered) parameters and state.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
+import os
 import random
+import signal
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.devtools.bench.jobs.training import batch, student
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
+from dreamp2p.service.region import elastic_restart, start_region
 from dreamp2p.sync.comm.shards import shift_port
 
 
@@ -74,6 +79,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 and flush at the end")
+    p.add_argument("--stop-file", type=Path, help="--fsdp: train until the step this file names, once it exists")
+    p.add_argument("--min-step", type=float, default=0.0, help="--fsdp: the shortest a step may take (s)")
+    p.add_argument("--kill-at", type=int, help="--fsdp: local rank --kill-rank SIGKILLs itself at this step")
+    p.add_argument("--kill-rank", type=int, default=1)
     return p.parse_args(argv)
 
 
@@ -91,8 +100,10 @@ def _steps(sync: Any, model: nn.Module, data_rank: int, steps: range, batch_size
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    faulthandler.register(signal.SIGUSR1)  # a test that sees a rank hang can ask for its threads' stacks
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    start_region("cpu")  # torchrun's process group (a restarted attempt's on a store prefix of its own)
     local, ranks = dist.get_rank(), dist.get_world_size()
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.region}.{local} %(name)s %(message)s")
     ring = tuple(PeerInfo(*entry.split("=", 1)) for entry in args.ring.split(","))
@@ -104,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
             # every strategy's peers on ports of their own: the previous ones' may still be closing
             shifted = tuple(PeerInfo(p.node_id, shift_port(p.address, 2 * k * ranks)) for p in ring)
             result = _train_sharded(args, strategy, shifted, data_rank)
-            args.out.mkdir(parents=True, exist_ok=True)
             (args.out / f"{strategy}.{args.region}.{local}.json").write_text(json.dumps(result))
         dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()
@@ -160,11 +170,16 @@ def _train_sharded(
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     me = next(p for p in ring if p.node_id == args.region)
-    node = Node(PeerConfig(node_id=me.node_id, cluster_id="regions", listen=me.address, ring=ring))
+    # torchrun restarted the region after one of its ranks died: it joins the running cluster
+    joining = elastic_restart(os.environ)
+    node = Node(PeerConfig(node_id=me.node_id, cluster_id="regions", listen=me.address, ring=ring), joining=joining)
     try:
-        sync = node.attach(model, opt, strategy=strategy, **json.loads(args.sync))
+        sync = node.attach(model, opt, strategy=strategy, join=joining, **json.loads(args.sync))
+        joined = sync.step_count if joining else None
+        if joined is not None:
+            (args.out / f"joined.{node.config.node_id}").write_text(str(joined))
         init_digest = _full_digest(list(model.parameters()))
-        losses = _steps(sync, model, data_rank, range(args.steps), args.batch_size)
+        losses = _sharded_steps(args, sync, model, data_rank, killer=not joining)
         trained_digest = _full_digest(list(model.parameters()))
         sync.flush()
         sync.close()
@@ -180,9 +195,38 @@ def _train_sharded(
             "local_elements": sum(t.numel() for t in state["model"].values()),
             "bytes_sent": sync.totals.bytes_sent,
             "rounds_skipped": sync.rounds_skipped,
+            "joined_at": joined,
+            "final_step": sync.step_count,
         }
     finally:
         node.close()
+
+
+def _stop_step(args: argparse.Namespace) -> int:
+    """--steps, or the step --stop-file names once it exists."""
+    if args.stop_file is not None and args.stop_file.exists():
+        text = args.stop_file.read_text().strip()
+        if text:
+            return int(text)
+    return int(args.steps)
+
+
+def _sharded_steps(args: argparse.Namespace, sync: Any, model: nn.Module, data_rank: int, killer: bool) -> list[float]:
+    """Train from the strategy's step to the stop step (--kill-at: the killer rank dies on the way)."""
+    local = dist.get_rank()
+    losses = []
+    while sync.step_count < _stop_step(args):
+        t0 = time.monotonic()
+        if killer and local == args.kill_rank and sync.step_count == args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(data_rank, sync.step_count, args.batch_size)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        sync.step()
+        sync.zero_grad()
+        losses.append(loss.item())
+        time.sleep(max(0.0, args.min_step - (time.monotonic() - t0)))
+    return losses
 
 
 if __name__ == "__main__":

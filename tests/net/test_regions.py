@@ -41,6 +41,23 @@ def launch(
 ) -> dict[str, tuple[int, str]]:
     """One torchrun per region (``ranks[i]`` local ranks in region i, ``extra[i]`` more arguments for its
     job); each region's exit code and log."""
+    return finish(*start(out, ranks, strategy, sync, steps, quiet_steps, extra))
+
+
+Started = tuple[dict[str, subprocess.Popen[bytes]], dict[str, Path]]
+
+
+def start(
+    out: Path,
+    ranks: tuple[int, ...],
+    strategy: str,
+    sync: dict[str, Any],
+    steps: int,
+    quiet_steps: int,
+    extra: tuple[tuple[str, ...], ...] = (),
+    restarts: tuple[int, ...] = (),
+) -> Started:
+    """Start :func:`launch`'s torchruns (``restarts[i]``: torchrun's --max-restarts for region i)."""
     out.mkdir(parents=True, exist_ok=True)
     base = free_port_block(sum(ranks), *port_range())
     starts = [base + sum(ranks[:i]) for i in range(len(ranks))]
@@ -49,12 +66,19 @@ def launch(
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs = {r: out / f"{r}.log" for r in REGIONS}
     for i, (region, n) in enumerate(zip(REGIONS, ranks, strict=True)):
-        cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(n), "-m", "dreamp2p.devtools.regionjob"]
+        cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(n)]
+        cmd += ["--max-restarts", str(restarts[i])] if restarts else []
+        cmd += ["-m", "dreamp2p.devtools.regionjob"]
         cmd += ["--region", region, "--ring", ring, "--strategy", strategy, "--sync", json.dumps(sync)]
         cmd += ["--steps", str(steps), "--quiet-steps", str(quiet_steps), "--out", str(out)]
         cmd += extra[i] if extra else ()
         with logs[region].open("wb") as log:
             procs[region] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return procs, logs
+
+
+def finish(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) -> dict[str, tuple[int, str]]:
+    """Wait for the torchruns :func:`start` started; each region's exit code and log."""
     deadline = time.monotonic() + 300  # a hang guard, not a bound on speed
     try:
         return {
@@ -174,3 +198,43 @@ def test_an_fsdp2_region_and_a_ddp_region_are_refused_at_start(tmp_path: Path) -
         assert code != 0, f"region {region} trained beside a region of the other kind:\n{log[-4000:]}"
         assert "region.model" in log, log[-4000:]
     assert not list(tmp_path.glob("*.json"))  # no rank trained
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_fsdp2_region_whose_rank_was_killed_comes_back_by_itself_and_ends_bit_identical(tmp_path: Path) -> None:
+    # issue 36: local rank 1 of region b SIGKILLs itself at step 20; torchrun (--max-restarts 1) restarts b's
+    # ranks, which join the running cluster, each taking its own shards from its ring; a trains on meanwhile
+    sync = {"period": 4, "warmup_steps": 3, "control_every": 4, "max_delay": 1, "max_stretch": 1}
+    stop = tmp_path / "stop"
+    common = ("--fsdp", "--lr", "0.003", "--stop-file", str(stop), "--min-step", "0.05")
+    extra = (common, (*common, "--kill-at", "20", "--kill-rank", "1"))
+    procs, logs = start(tmp_path, (2, 2), "dreamddp", sync, 100_000, 0, extra, restarts=(0, 1))
+    try:
+        joined = [tmp_path / "joined.b", tmp_path / "joined.b.1"]
+        deadline = time.monotonic() + 240  # a hang guard, not a bound on speed
+        while not all(p.exists() and p.read_text() for p in joined):
+            assert all(p.poll() is None for p in procs.values()), {r: logs[r].read_text()[-3000:] for r in procs}
+            assert time.monotonic() < deadline, "region b never joined again"
+            time.sleep(0.2)
+        starts = {int(p.read_text()) for p in joined}
+        assert len(starts) == 1, starts  # every rank of b starts at the same step
+        # both regions stop and flush at one step, well past where a is now (it waits on b's rounds)
+        stop.write_text(str(starts.pop() + 60))
+        exits = finish(procs, logs)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for region, (code, log) in exits.items():
+        assert code == 0, f"region {region} exited {code}:\n{log[-4000:]}"
+    results = {r["node_id"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("dreamddp.*.json"))}
+    assert sorted(results) == ["a", "a.1", "b", "b.1"]
+    assert results["b"]["joined_at"] == results["b.1"]["joined_at"] > 20  # restarted, joined past the kill
+    assert results["a"]["joined_at"] is None  # a was never restarted
+    assert len({r["final_step"] for r in results.values()}) == 1
+    # a's model learned on through it all; after flush every rank of both regions holds the same model
+    a = results["a"]["losses"]
+    assert mean(a[-10:]) < 0.7 * mean(a[:10]), a
+    assert len({r["digest"] for r in results.values()}) == 1

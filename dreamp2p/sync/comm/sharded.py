@@ -165,6 +165,11 @@ class ShardedCollective:
     ) -> concurrent.futures.Future[RoundResult]:
         """Average shard k of ``group`` over the WAN, then gather every shard into ``group.work``; under
         FSDP2 (:meth:`own_shards`) the whole group, which holds this rank's shards, and nothing is gathered."""
+        if self._owned and group.numel == 0:
+            # FSDP2 gave this rank no rows of the group's layers (a layer of fewer rows than ranks), and the same
+            # rank of every region alike: nothing to average, and a round of nothing would send no frame that
+            # could find a member gone or joining, so it would wait for its deadline
+            return _empty(group_id, round_id, codec)
         if self._owned:
             return self.wan.allreduce_group(
                 group, group_id, codec, plan_version, round_id, guard_norm, prepare, error_feedback
@@ -173,9 +178,7 @@ class ShardedCollective:
         t0 = time.perf_counter()
         shard: _Shard | None = None
         if start == stop:  # a group smaller than the region: this shard is empty, nothing crosses the WAN
-            name = codec.gather if isinstance(codec, RingCodecPlan) else (codec or "fp32")
-            wan: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
-            wan.set_result(RoundResult(group_id, round_id or 0, 0.0, 0, 0, 0, name, 0))
+            wan = _empty(group_id, round_id, codec)
         else:
             shard = self._shard(group, start, stop)
             wan = self.wan.allreduce_group(
@@ -323,6 +326,16 @@ class ShardedCollective:
             a, b = shard_bounds(group.numel, self.ranks, k)
             group.work[a:b].copy_(slot[: b - a])
         return dataclasses.replace(result, elements=group.numel, seconds=time.perf_counter() - t0)
+
+
+def _empty(
+    group_id: int, round_id: int | None, codec: str | RingCodecPlan | None
+) -> concurrent.futures.Future[RoundResult]:
+    """A round of no elements, completed at once."""
+    name = codec.gather if isinstance(codec, RingCodecPlan) else (codec or "fp32")
+    done: concurrent.futures.Future[RoundResult] = concurrent.futures.Future()
+    done.set_result(RoundResult(group_id, round_id or 0, 0.0, 0, 0, 0, name, 0))
+    return done
 
 
 def _fill(parent: FlatGroup, shard: _Shard, prepare: Callable[[], None] | None) -> Callable[[], None]:
