@@ -35,10 +35,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.devtools.bench.jobs.training import batch, student
+from dreamp2p.devtools.bench.memory.process import return_freed_memory
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.region import elastic_restart, start_region
 from dreamp2p.sync.comm.shards import shift_port
+
+CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory controller (this kernel's v2 has none)
 
 
 def free_port_block(n: int, start: int = 20000, stop: int = 32768) -> int:
@@ -83,7 +86,38 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-step", type=float, default=0.0, help="--fsdp: the shortest a step may take (s)")
     p.add_argument("--kill-at", type=int, help="--fsdp: local rank --kill-rank SIGKILLs itself at this step")
     p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--width", type=int, default=64, help="the student's width (--fsdp)")
+    p.add_argument("--depth", type=int, default=3, help="the student's hidden layers (--fsdp)")
+    p.add_argument(
+        "--memory-budget",
+        type=float,
+        help="--fsdp, root: confine each rank to a memory cgroup (v1) of its usage at start plus this many bytes "
+        "per parameter of the whole model",
+    )
+    p.add_argument("--cgroup-prefix", default="dreamp2p-regionjob", help="the ranks' memory cgroups' name prefix")
     return p.parse_args(argv)
+
+
+def _confine(args: argparse.Namespace, params: int) -> dict[str, int]:
+    """Move this rank into a memory cgroup of its own (``<prefix>.<region>.<rank>``) whose limit is its usage now
+    plus --memory-budget bytes per parameter: what the rank may add for the model it builds and shards, the
+    gradients, AdamW, the strategy and every transient. (Cgroup v1 leaves the pages a task had charged where
+    they were, and this kernel refuses to move them, so the usage starts near 0 and counts what comes after.)
+    The cgroup's figures, for the caller to report."""
+    return_freed_memory()  # what the rank frees leaves its charge at once instead of waiting in glibc's heap
+    group = CGROUP_MEMORY / f"{args.cgroup_prefix}.{args.region}.{dist.get_rank()}"
+    group.mkdir(exist_ok=True)
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+    start = int((group / "memory.usage_in_bytes").read_text())
+    budget = int(args.memory_budget * params)
+    (group / "memory.limit_in_bytes").write_text(str(start + budget))
+    return {"start": start, "budget": budget}
+
+
+def _cgroup_peak(args: argparse.Namespace) -> int:
+    """The most this rank's cgroup held (its memory.max_usage_in_bytes)."""
+    group = CGROUP_MEMORY / f"{args.cgroup_prefix}.{args.region}.{dist.get_rank()}"
+    return int((group / "memory.max_usage_in_bytes").read_text())
 
 
 def _steps(sync: Any, model: nn.Module, data_rank: int, steps: range, batch_size: int) -> list[float]:
@@ -163,7 +197,9 @@ def _train_sharded(
     args: argparse.Namespace, strategy: str, ring: tuple[PeerInfo, ...], data_rank: int
 ) -> dict[str, Any]:
     """One strategy over an FSDP2 student: train, flush, and report digests of the whole model and state."""
-    model = student(seed=data_rank)  # different inits: attach takes region 0's shards
+    params = sum(p.numel() for p in student(args.width, args.depth).parameters())
+    confined = _confine(args, params) if args.memory_budget is not None else None
+    model = student(args.width, args.depth, seed=data_rank)  # different inits: attach takes region 0's shards
     for layer in list(model.children()):  # one FSDP unit per Linear, as users wrap blocks
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
@@ -197,6 +233,8 @@ def _train_sharded(
             "rounds_skipped": sync.rounds_skipped,
             "joined_at": joined,
             "final_step": sync.step_count,
+            "params": params,
+            "memory": None if confined is None else {**confined, "peak": _cgroup_peak(args)},
         }
     finally:
         node.close()

@@ -7,6 +7,7 @@ of each region rings with local rank k of the other and carries shard k of every
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -238,3 +239,42 @@ def test_an_fsdp2_region_whose_rank_was_killed_comes_back_by_itself_and_ends_bit
     a = results["a"]["losses"]
     assert mean(a[-10:]) < 0.7 * mean(a[:10]), a
     assert len({r["digest"] for r in results.values()}) == 1
+
+
+CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
+# a 5.27M-parameter student (Linear 16->1024, five 1024x1024, 1024->1): each rank may add 42 bytes per parameter
+# of the whole model once it starts (its cgroup's limit). Measured on this host: a rank of a 2-rank FSDP2
+# region peaks near 30, a one-rank region (the whole replica: weights, gradients, AdamW, DreamDDP's state, the
+# flush) near 54
+BIG = ("--width", "1024", "--depth", "6", "--memory-budget", "42")
+LR = "0.0002"  # AdamW on the wide student: larger steps make its loss jump about within 20 steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.geteuid() != 0 or not CGROUP_MEMORY.is_dir(), reason="memory cgroups (v1) need root")
+def test_a_model_too_big_for_one_rank_trains_in_fsdp2_regions_of_two(tmp_path: Path) -> None:
+    # issue 36 item 6: every rank confined to a memory cgroup; one replica does not fit a rank's budget, a
+    # shard of it does; DreamDDP between the regions, flush at the end
+    prefix = f"dreamp2p-test-{os.getpid()}-{time.monotonic_ns()}"
+    sync = {"period": 4, "warmup_steps": 3, "control_every": 4, "max_delay": 1, "max_stretch": 1}
+    # each launch its cgroups of its own: a cgroup's high-water mark outlives the process that made it
+    whole_args = ("--fsdp", "--lr", LR, "--cgroup-prefix", f"{prefix}-whole", *BIG)
+    sharded_args = ("--fsdp", "--lr", LR, "--cgroup-prefix", f"{prefix}-sharded", *BIG)
+    try:
+        whole = launch(tmp_path / "whole", (1, 1), "dreamddp", sync, 20, 0, extra=(whole_args, whole_args))
+        sharded = launch(tmp_path / "sharded", (2, 2), "dreamddp", sync, 20, 0, extra=(sharded_args, sharded_args))
+    finally:
+        for group in CGROUP_MEMORY.glob(f"{prefix}-*"):
+            group.rmdir()
+    # one rank holding the whole replica is killed by its cgroup's limit (the kernel's OOM killer: SIGKILL)
+    assert any("exitcode: -9" in log for _, log in whole.values()), {r: log[-2000:] for r, (_, log) in whole.items()}
+    for region, (code, log) in sharded.items():
+        assert code == 0, f"region {region} exited {code}:\n{log[-4000:]}"
+    results = {r["node_id"]: r for r in (json.loads(p.read_text()) for p in (tmp_path / "sharded").glob("*.json"))}
+    assert sorted(results) == ["a", "a.1", "b", "b.1"]
+    for node, r in results.items():
+        memory = r["memory"]
+        assert memory["peak"] - memory["start"] <= memory["budget"], (node, memory)
+        assert mean(r["losses"][-5:]) < mean(r["losses"][:5]), (node, r["losses"])
+    assert len({r["digest"] for r in results.values()}) == 1  # flush: the whole model alike in both regions
