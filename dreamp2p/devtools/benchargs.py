@@ -350,6 +350,7 @@ def _regions(p: Parser) -> None:
     _strategies(p, "the one strategy to run (ssgd)")
     _training(p, steps=12, period=10, width=256, depth=4)
     _max_delay(p)
+    p.add_argument("--fsdp", action="store_true", help="shard each region's model with FSDP2 instead of DDP")
 
 
 def _regions_check(parser: Parser, args: argparse.Namespace) -> None:

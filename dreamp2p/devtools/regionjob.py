@@ -17,6 +17,7 @@ import argparse
 import faulthandler
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -27,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -36,8 +36,9 @@ from torch.nn.parallel import DistributedDataParallel
 from dreamp2p.config import PeerConfig, PeerInfo
 from dreamp2p.devtools.bench.jobs.training import batch, student
 from dreamp2p.devtools.bench.memory.process import return_freed_memory
-from dreamp2p.manifest import param_digest
+from dreamp2p.manifest import param_digest, state_digest
 from dreamp2p.node import Node
+from dreamp2p.service.dcp import ShardedCheckpoints
 from dreamp2p.service.region import elastic_restart, start_region
 from dreamp2p.sync.comm.shards import shift_port
 
@@ -95,6 +96,15 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "per parameter of the whole model",
     )
     p.add_argument("--cgroup-prefix", default="dreamp2p-regionjob", help="the ranks' memory cgroups' name prefix")
+    p.add_argument("--dcp", type=Path, help="--fsdp: a sharded checkpoint folder (torch.distributed.checkpoint)")
+    p.add_argument("--dcp-save-at", type=int, help="save --dcp before this step (asynchronously)")
+    p.add_argument("--dcp-load", action="store_true", help="resume from --dcp after attach")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        help="--fsdp: every step's batch is one of this size per region, split among its ranks (so a run's "
+        "data does not depend on its rank count)",
+    )
     return p.parse_args(argv)
 
 
@@ -184,15 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _full_digest(tensors: list[torch.Tensor]) -> str:
-    """xxh3 over the whole tensors (a DTensor gathered from every rank of the region: collective)."""
-    h = xxhash.xxh3_64()
-    for t in tensors:
-        whole = t.full_tensor() if isinstance(t, DTensor) else t
-        h.update(whole.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _train_sharded(
     args: argparse.Namespace, strategy: str, ring: tuple[PeerInfo, ...], data_rank: int
 ) -> dict[str, Any]:
@@ -214,9 +215,15 @@ def _train_sharded(
         joined = sync.step_count if joining else None
         if joined is not None:
             (args.out / f"joined.{node.config.node_id}").write_text(str(joined))
-        init_digest = _full_digest(list(model.parameters()))
-        losses = _sharded_steps(args, sync, model, data_rank, killer=not joining)
-        trained_digest = _full_digest(list(model.parameters()))
+        ckpt = ShardedCheckpoints(sync) if args.dcp is not None else None
+        resumed_at = ckpt.load(args.dcp) if ckpt is not None and args.dcp_load else None
+        first = sync.step_count
+        init_digest = param_digest(model)
+        losses = _sharded_steps(args, sync, model, data_rank, killer=not joining, ckpt=ckpt)
+        if ckpt is not None:
+            ckpt.wait()
+        trained_digest = param_digest(model)
+        norm = _whole_norm(model)
         sync.flush()
         sync.close()
         state = sync.state_dict()
@@ -226,8 +233,8 @@ def _train_sharded(
             "losses": losses,
             "init_digest": init_digest,
             "trained_digest": trained_digest,
-            "digest": _full_digest(list(model.parameters())),
-            "state_digest": _full_digest([*model.parameters(), *model.buffers()]),
+            "digest": param_digest(model),
+            "state_digest": state_digest(model),
             "local_elements": sum(t.numel() for t in state["model"].values()),
             "bytes_sent": sync.totals.bytes_sent,
             "rounds_skipped": sync.rounds_skipped,
@@ -235,9 +242,22 @@ def _train_sharded(
             "final_step": sync.step_count,
             "params": params,
             "memory": None if confined is None else {**confined, "peak": _cgroup_peak(args)},
+            "first_step": first,
+            "resumed_at": resumed_at,
+            "trained_norm": norm,
         }
     finally:
         node.close()
+
+
+def _whole_norm(model: nn.Module) -> float:
+    """The L2 norm of every parameter, gathered whole (collective): runs of other rank counts compare by it."""
+    total = 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            whole = p.full_tensor() if isinstance(p, DTensor) else p
+            total += float(whole.double().square().sum())
+    return math.sqrt(total)
 
 
 def _stop_step(args: argparse.Namespace) -> int:
@@ -249,15 +269,24 @@ def _stop_step(args: argparse.Namespace) -> int:
     return int(args.steps)
 
 
-def _sharded_steps(args: argparse.Namespace, sync: Any, model: nn.Module, data_rank: int, killer: bool) -> list[float]:
-    """Train from the strategy's step to the stop step (--kill-at: the killer rank dies on the way)."""
-    local = dist.get_rank()
+def _sharded_steps(
+    args: argparse.Namespace, sync: Any, model: nn.Module, data_rank: int, killer: bool, ckpt: Any
+) -> list[float]:
+    """Train from the strategy's step to the stop step (--kill-at: the killer rank dies on the way; --dcp-save-at:
+    a sharded checkpoint is saved on the way)."""
+    local, ranks = dist.get_rank(), dist.get_world_size()
     losses = []
     while sync.step_count < _stop_step(args):
         t0 = time.monotonic()
         if killer and local == args.kill_rank and sync.step_count == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        x, y = batch(data_rank, sync.step_count, args.batch_size)
+        if ckpt is not None and sync.step_count == args.dcp_save_at:
+            ckpt.save(args.dcp)
+        if args.global_batch:
+            x, y = batch(data_rank // ranks, sync.step_count, args.global_batch)
+            x, y = x[local::ranks], y[local::ranks]
+        else:
+            x, y = batch(data_rank, sync.step_count, args.batch_size)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         sync.step()

@@ -173,3 +173,18 @@ def data_parallel(model: nn.Module, device: str) -> DistributedDataParallel:
     """
     ids = [torch.device(device).index] if device.startswith("cuda") else None
     return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+
+
+def fully_sharded(model: nn.Module) -> nn.Module:
+    """The region's model sharded with FSDP2 (``fully_shard``) instead of replicated: each block of the
+    model's ModuleLists (a transformer's layers) one unit, or, in a model without any, each child holding
+    parameters; then the whole (what is left: embeddings, the head). Gloo on the CPU, NCCL on a GPU."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = [block for mods in model.modules() if isinstance(mods, nn.ModuleList) for block in mods]
+    if not units:
+        units = [child for child in model.children() if any(True for _ in child.parameters())]
+    for unit in units:
+        fully_shard(unit)
+    fully_shard(model)
+    return model

@@ -41,6 +41,7 @@ OPTIONS: dict[str, set[str]] = {
     "regions": {
         *("--regions", "--ranks", "--rate", "--rtt", "--strategies", "--steps", "--period", "--width", "--depth"),
         "--max-delay",
+        "--fsdp",
     },
 }
 

@@ -195,10 +195,10 @@ def test_a_rank_of_an_fsdp2_region_is_held_to_its_share_of_the_target(
 
 @pytest.mark.slow  # a torchrun job of two ranks
 def test_each_rank_of_a_two_rank_fsdp2_region_holds_half_of_what_one_rank_holds() -> None:
-    result = run_bench("--params", "20000", "--strategies", "ssgd", "diloco", "dreamddp", "--ranks", "1,2")
+    result = run_bench("--params", "20000", "--strategies", "diloco", "--ranks", "1,2")
     region = result["fsdp_regions"]["2"]
-    assert region["ranks"] == 2 and list(region["strategies"]) == ["none", "ssgd", "diloco", "dreamddp"]
-    for name in ("ssgd", "diloco", "dreamddp"):
+    assert region["ranks"] == 2 and list(region["strategies"]) == ["none", "diloco"]
+    for name in ("diloco",):
         whole = result["strategies"][name]["steady_Bpp"]
         per_rank = region["strategies"][name]["steady_Bpp_per_rank"]
         # each rank keeps the strategy's buffers for its own shards: together they hold what one rank holds

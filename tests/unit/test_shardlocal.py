@@ -1,4 +1,5 @@
-"""An FSDP2 model seen as this rank's shards (`dreamp2p.sync.model.shardlocal`), on a one-rank gloo group.
+"""An FSDP2 model seen as this rank's shards (`dreamp2p.sync.model.shardlocal`) and its sharded checkpoints
+(`dreamp2p.service.dcp`), on a one-rank gloo group.
 
 One rank holds every shard, so each DTensor's local tensor is the whole parameter; what is checked is that
 flat groups, saved state and loads go through the local tensors and put DTensors back where FSDP2 needs
@@ -9,12 +10,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from dreamp2p.config.sync import SyncConfig
+from dreamp2p.devtools.bench.memory.solo import SoloCollective
+from dreamp2p.service.dcp import ShardedCheckpoints
 from dreamp2p.sync.model.layers import FlatGroup, discover_layers
 from dreamp2p.sync.model.shardlocal import (
     is_dtensor,
@@ -25,6 +31,8 @@ from dreamp2p.sync.model.shardlocal import (
     local_view,
     shard_like,
 )
+from dreamp2p.sync.strategies.base import Strategy
+from dreamp2p.sync.strategies.registry import strategy_class
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +125,49 @@ def test_a_model_state_of_other_keys_or_shapes_is_refused_before_anything_loads(
         load_model_state(model, wrong)
     # the check runs before any copy: entries before the bad one were not written either
     assert all(torch.equal(a, local_view(p)) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def solo_strategy(name: str, model: nn.Module) -> Strategy:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return strategy_class(name)(model, opt, SoloCollective(), SyncConfig(strategy=name, period=2))
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_sharded_checkpoint_round_trips_and_refuses_another_strategy(tmp_path: Path) -> None:
+    source = solo_strategy("diloco", sharded_model(seed=3))
+    for step in range(3):
+        source.model(torch.randn(4, 6, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+        source.step()
+        source.zero_grad()
+    ShardedCheckpoints(source).save(tmp_path / "ck", blocking=True)
+    target = solo_strategy("diloco", sharded_model(seed=4))
+    assert ShardedCheckpoints(target).load(tmp_path / "ck") == 3 == target.step_count
+    for a, b in zip(source.model.parameters(), target.model.parameters(), strict=True):
+        assert torch.equal(local_view(a), local_view(b))
+    for kind, views in source.outer_shards().items():  # the global copy and outer momentum, exactly
+        assert all(torch.equal(x, y) for x, y in zip(views, target.outer_shards()[kind], strict=True)), kind
+    other = solo_strategy("localsgd", sharded_model(seed=5))
+    before = [local_view(p).clone() for p in other.model.parameters()]
+    with pytest.raises(ValueError, match="saved by diloco; this node runs localsgd"):
+        ShardedCheckpoints(other).load(tmp_path / "ck")
+    assert all(torch.equal(x, local_view(p)) for x, p in zip(before, other.model.parameters(), strict=True))
+    with pytest.raises(ValueError, match="not a dreamp2p sharded checkpoint"):
+        (tmp_path / "plain").mkdir()
+        dcp.save({"x": torch.zeros(2)}, checkpoint_id=str(tmp_path / "plain"))
+        ShardedCheckpoints(other).load(tmp_path / "plain")
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_region_shards_each_transformer_block_then_the_rest() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    from dreamp2p.service.region import fully_sharded
+    from dreamp2p.service.tasks import ByteTransformer
+
+    model = fully_sharded(ByteTransformer(context=8, dim=16, layers=2, heads=2))
+    units = {name for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    assert units == {"", "blocks.0", "blocks.1"}  # each block a unit; embeddings, final norm and head in the root's
+    assert is_sharded(model)
+    # a model without ModuleLists: each child that holds parameters
+    mlp = fully_sharded(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    assert {name for name, m in mlp.named_modules() if isinstance(m, FSDPModule)} == {"", "0", "2"}

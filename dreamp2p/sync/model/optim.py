@@ -79,6 +79,9 @@ class OptimizerFacade(torch.optim.Optimizer):
     def defaults(self, defaults: dict[str, Any]) -> None:
         self.optimizer.defaults = defaults
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
             "a strategy syncs the parameters it was attached with; add the group to the optimizer before attach"

@@ -11,7 +11,7 @@ serves a joiner holds its local shards only (`local_state`), loaded back into th
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +57,19 @@ def shard_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         shape=param.shape,
         stride=param.stride(),
     )
+
+
+def split_like(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of the flat ``flat``, one per parameter of ``params`` in order, each shaped as this rank's shard of
+    it (``flat`` holds their local shards concatenated, as a strategy's outer state does)."""
+    views, offset = [], 0
+    for p in params:
+        shard = local_view(p)
+        views.append(flat[offset : offset + shard.numel()].view(shard.shape))
+        offset += shard.numel()
+    if offset != flat.numel():
+        raise ValueError(f"a flat tensor of {flat.numel()} elements for parameters of {offset}")
+    return views
 
 
 def local_state(state: Any) -> Any:

@@ -85,6 +85,9 @@ class Totals:
         return 1.0 if self.comm_s <= 0 else max(0.0, 1.0 - self.exposed_s / self.comm_s)
 
 
+BUFFER_ROUNDS_WHY = "the model buffers (BatchNorm statistics) as sent, and their mean, for the buffers' own round"
+
+
 @dataclass(frozen=True)
 class Held:
     """One buffer a strategy keeps beyond the model, its gradients and the user's optimizer (`Strategy.held`)."""
@@ -219,9 +222,6 @@ class Strategy(OptimizerFacade, abc.ABC):
     def _training_info(self) -> TrainingInfo:
         return TrainingInfo(self.name, self.step_count)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
     @property
     def plan_version(self) -> int:
         """Version of the synchronization plan in force (only planned strategies have more than one)."""
@@ -242,8 +242,7 @@ class Strategy(OptimizerFacade, abc.ABC):
         return {
             "strategy": self.name,
             "step": self.step_count,
-            # under FSDP2, this rank's shards (what it averages with the same rank of the other regions)
-            "model": local_state(self.model.state_dict()),
+            "model": local_state(self.model.state_dict()),  # under FSDP2, this rank's shards
             "optimizer": local_state(self.optimizer.state_dict()),
             "extra": self._extra_state(),
             # time-paced periods: the steps of the clock's window we trained at (our parameters hold them)
@@ -305,9 +304,13 @@ class Strategy(OptimizerFacade, abc.ABC):
         a step's temporaries, a round's own copy, and rounds of a fixed few elements."""
         held = self._held()
         if self._bufsync is not None:
-            why = "the model buffers (BatchNorm statistics) as sent, and their mean, for the buffers' own round"
-            held.append(Held("buffer rounds", why, self._bufsync.buffers))
+            held.append(Held("buffer rounds", BUFFER_ROUNDS_WHY, self._bufsync.buffers))
         return held
+
+    def outer_shards(self) -> dict[str, list[torch.Tensor]]:
+        """Per kind of outer state, its memory as one view per parameter of ``params`` shaped as this rank's shard:
+        what a sharded checkpoint reshards (`dreamp2p.service.dcp`). None without outer state."""
+        return {}
 
     # ------------------------------------------------------------------ for subclasses
 

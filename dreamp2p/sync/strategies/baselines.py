@@ -31,7 +31,7 @@ from dreamp2p.messages import RoundResult
 from dreamp2p.sync.comm.collective import Collective
 from dreamp2p.sync.model.groups import GROUP_CO2_GAP, GROUP_GRADS, GROUP_OUTER_CHECK, GROUP_OUTER_HEAL, GROUP_PARAMS
 from dreamp2p.sync.model.layers import FlatGroup
-from dreamp2p.sync.model.shardlocal import local_view, shard_like
+from dreamp2p.sync.model.shardlocal import local_view, shard_like, split_like
 from dreamp2p.sync.strategies.base import Held, Strategy, landed
 from dreamp2p.sync.strategies.outercheck import CheckRound, OuterCheck
 from dreamp2p.sync.strategies.pacing import TokenShares, unweigh
@@ -240,6 +240,9 @@ class DiLoCo(Strategy):
         """The global copy and outer momentum (zeros before the first outer step), as every member must hold them."""
         return [self._global, *momenta(self._outer, self._shadow)]
 
+    def outer_shards(self) -> dict[str, list[torch.Tensor]]:
+        return dict(zip(("global", "momentum"), (split_like(t, self.params) for t in self.outer_state()), strict=False))
+
     def _held(self) -> list[Held]:
         return [
             Held("pseudo-gradient", PSEUDO_GRADIENT_WHY, self._group.buffers),
@@ -350,6 +353,12 @@ class CO2(Strategy):
         """The outer parameters and their momentum, as every member must hold them. (The mean gap is not:
         the gap round that lands with the next average replaces it before it is read.)"""
         return [self._outer_params, self._momentum]
+
+    def outer_shards(self) -> dict[str, list[torch.Tensor]]:
+        return {
+            "outer": split_like(self._outer_params, self.params),
+            "momentum": split_like(self._momentum, self.params),
+        }
 
     def _held(self) -> list[Held]:
         sent = (

@@ -237,6 +237,9 @@ class DreamDDP(Strategy):
         # a sync restored from saved state travels in buffers of its own until it lands
         return [*self._weights.held(), *self._syncs.held(inf.group for inf in self._inflight)]
 
+    def outer_shards(self) -> dict[str, list[torch.Tensor]]:
+        return self._weights.per_param()
+
     @property
     def anchors_healed(self) -> int:
         """Anchors that found the members' outer weights different (and reset them)."""

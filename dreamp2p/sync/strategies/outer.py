@@ -22,7 +22,7 @@ import torch
 import xxhash
 
 from dreamp2p.sync.model.layers import Layer
-from dreamp2p.sync.model.shardlocal import local_view
+from dreamp2p.sync.model.shardlocal import local_view, split_like
 from dreamp2p.sync.strategies.base import Held
 from dreamp2p.sync.strategies.replicas import bits_agree, digest_bits
 
@@ -86,6 +86,16 @@ class OuterWeights:
             self._outer[li] = state
             self._fresh.add(li)
         return state[0]
+
+    def per_param(self) -> dict[str, list[torch.Tensor]]:
+        """Theta and momentum as one view per parameter, every layer's in layer order (`Strategy.outer_shards`)."""
+        views: dict[str, list[torch.Tensor]] = {"theta": [], "momentum": []}
+        for li, layer in enumerate(self._layers):
+            self.theta(li)  # a layer without outer weights yet gets them as on its first use
+            theta, momentum = self._outer[li]
+            views["theta"] += split_like(theta, layer.params)
+            views["momentum"] += split_like(momentum, layer.params)
+        return views
 
     def held(self) -> list[Held]:
         """Theta and momentum of every layer that has them (`Strategy.held`)."""

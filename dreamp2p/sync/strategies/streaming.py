@@ -22,6 +22,7 @@ from dreamp2p.messages import RoundResult
 from dreamp2p.schedule.fragments import fragment_offsets, fragments_due, strided_fragments
 from dreamp2p.sync.model.groups import fragment_check_group, fragment_group, fragment_heal_group
 from dreamp2p.sync.model.layers import FlatGroup
+from dreamp2p.sync.model.shardlocal import split_like
 from dreamp2p.sync.strategies.base import Held, Strategy, landed
 from dreamp2p.sync.strategies.baselines import (
     GLOBAL_COPY_WHY,
@@ -170,6 +171,14 @@ class StreamingDiLoCo(Strategy):
     def outer_state(self, p: int) -> list[torch.Tensor]:
         """Fragment ``p``'s global copy and outer momentum (zeros before its first outer step)."""
         return [self._global[p], *momenta(self._outer[p], self._shadow[p])]
+
+    def outer_shards(self) -> dict[str, list[torch.Tensor]]:
+        views: dict[str, dict[int, torch.Tensor]] = {"global": {}, "momentum": {}}
+        for p, frag in enumerate(self.fragments):
+            params = [q for i in frag for q in self.layers[i].params]
+            for kind, flat in zip(views, self.outer_state(p), strict=False):
+                views[kind].update(zip(map(id, params), split_like(flat, params), strict=True))
+        return {kind: [by_param[id(q)] for q in self.params] for kind, by_param in views.items() if by_param}
 
     def outer_digest(self) -> str:
         """64 bits naming every fragment's global copy and outer momentum."""

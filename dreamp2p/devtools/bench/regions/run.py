@@ -31,6 +31,11 @@ whether every rank of every region holds the same parameter digest after ``quiet
 learning rate 0 and ``sync.close()``. Then ``goodput_ratio`` = the many-rank regions' goodput / the
 one-rank regions' (issue 11's target: >= 1.7 at 2 x 2, 20 Mbit/s per shard link), its wire twin, and
 ``bytes_per_rank_ratio`` = a many-rank region's payload per rank / a one-rank region's (about 1/ranks).
+
+``fsdp``: the many-rank regions shard the model with FSDP2 (each transformer block a unit, then the whole;
+`dreamp2p.service.region.fully_sharded`) instead of replicating it with DDP: each rank then holds and
+averages only its own shards, so its WAN bytes are again about 1/ranks of a one-rank region's, with no
+gather inside the region (issue 36).
 """
 
 from __future__ import annotations
@@ -218,8 +223,10 @@ def bench_regions(
     rtt_ms: float = 0.0,
     quiet_steps: int | None = None,
     extra_sync: dict[str, Any] | None = None,
+    fsdp: bool = False,
 ) -> dict[str, Any]:
-    """Regions of one rank, then of ``ranks`` ranks, over the same shaped links; a JSON-serialisable report."""
+    """Regions of one rank, then of ``ranks`` ranks (``fsdp``: each region's model sharded with FSDP2 instead
+    of replicated with DDP), over the same shaped links; a JSON-serialisable report."""
     workload = {"width": width, "layers": layers, "heads": heads, "context": context, "batch": batch, "lr": lr}
     sync = dict(extra_sync or {})
     _check(regions, ranks, strategy, workload, steps)
@@ -234,6 +241,7 @@ def bench_regions(
         "steps": steps,
         "quiet_steps": quiet,
         "transport": {"delay_s": rtt_ms / 2000.0},
+        "fsdp": fsdp,
     }
     # hang guard: two full-model syncs per step over one link, plus start-up and slack
     timeout = 600.0 + (steps + quiet) * (2.0 * 4 * params / rate_Bps + 2.0 * rtt_ms / 1000.0 + 10.0)
@@ -256,6 +264,7 @@ def bench_regions(
         "rtt_ms": float(rtt_ms),
         "shaping": "tbf",
         "strategy": strategy,
+        "region_model": "fsdp2" if fsdp else "ddp",  # how a region of many ranks holds its model
         "extra_sync": sync,
         "steps": steps,
         "timed_steps": steps - 1,

@@ -3,7 +3,8 @@
 Started by `dreamp2p.devtools.bench.regions.run` inside its rank's network namespace, with torchrun's
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) when its region has
 more than one rank and none when it has one. It trains `bench lm`'s byte-level GPT (`lm.work`'s corpus,
-shards, model and AdamW) as a user would: DDP inside the region over gloo, ``Node(config).attach(...)``
+shards, model and AdamW) as a user would: DDP inside the region over gloo (FSDP2 with ``"fsdp"`` in the spec),
+``Node(config).attach(...)``
 between regions, ``sync.step()`` in the loop. Step 0 warms up (connections, chunk sizes) and is not
 timed; steps 1 .. ``steps`` - 1 are the measured loop; then ``quiet_steps`` at learning rate 0. Writes
 ``<out>/<region>.<local rank>.json``: the loop's wall time, its round payload (``totals.bytes_sent``) and
@@ -37,7 +38,7 @@ from dreamp2p.devtools.bench.lm.work import (
 from dreamp2p.devtools.netns import wire_bytes
 from dreamp2p.manifest import param_digest
 from dreamp2p.node import Node
-from dreamp2p.service.region import data_parallel, data_position, torchrun_place
+from dreamp2p.service.region import data_parallel, data_position, fully_sharded, torchrun_place
 from dreamp2p.sync.strategies.base import Strategy
 
 
@@ -67,7 +68,12 @@ def run_rank(spec: dict[str, Any], region: int) -> dict[str, Any]:
     train, _ = load_corpus()
     shard = train_shard(train, data_rank, world)
     inner = make_model(w["width"], w["layers"], w["heads"], w["context"], "cpu")
-    model = data_parallel(inner, "cpu") if place is not None else inner
+    if place is None:
+        model = inner
+    elif spec.get("fsdp"):
+        model = inner = fully_sharded(inner)  # each rank holds and averages its own shards
+    else:
+        model = data_parallel(inner, "cpu")
     opt = make_optimizer(inner, w["lr"])
     ring = spec["ring"]
     config = PeerConfig.from_dict(
