@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -74,8 +75,17 @@ def start(
         cmd += ["--steps", str(steps), "--quiet-steps", str(quiet_steps), "--out", str(out)]
         cmd += extra[i] if extra else ()
         with logs[region].open("wb") as log:
-            procs[region] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            # a session of its own: a hung run is killed with its ranks (torchrun's children outlive a SIGKILL)
+            procs[region] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return procs, logs
+
+
+def kill_all(procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """Kill every torchrun still running, and its ranks."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def finish(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) -> dict[str, tuple[int, str]]:
@@ -86,10 +96,7 @@ def finish(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) -> 
             r: (p.wait(timeout=max(1.0, deadline - time.monotonic())), logs[r].read_text()) for r, p in procs.items()
         }
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        kill_all(procs)
 
 
 def run_regions(
@@ -224,10 +231,7 @@ def test_an_fsdp2_region_whose_rank_was_killed_comes_back_by_itself_and_ends_bit
         stop.write_text(str(starts.pop() + 40))
         exits = finish(procs, logs)
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        kill_all(procs)
     for region, (code, log) in exits.items():
         assert code == 0, f"region {region} exited {code}:\n{log[-4000:]}"
     results = {r["node_id"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("dreamddp.*.json"))}
