@@ -35,10 +35,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dreamp2p.errors import PeerError, Status
+from dreamp2p.settings import resume_changes, resume_refusal
 from dreamp2p.state.snapshot import flatten_state, unflatten_state
 from dreamp2p.sync.comm.regionjoin import decode_fetched, encode_fetched
 from dreamp2p.sync.model.shardlocal import local_state, local_view, shard_like
-from dreamp2p.sync.strategies.base import Strategy
+from dreamp2p.sync.strategies.base import Strategy, saved_settings
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +89,9 @@ class ShardedCheckpoints:
     def load(self, directory: str | Path) -> int:
         """Load the checkpoint in ``directory`` into the strategy (every rank, collective); the step it resumes at.
 
-        A checkpoint of another strategy is refused (ValueError) before anything loads; other settings are
-        compared as `Strategy.load_state_dict` does."""
+        Refused before anything loads: a folder that is not such a checkpoint or of another format or strategy
+        (ValueError), settings a resume cannot change (PeerError CONFIG_MISMATCH, as `Strategy.load_state_dict`);
+        other changed settings are adopted as there."""
         path = str(directory)
         entries = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         sizes = {k: tuple(v.size) for k, v in entries.items() if hasattr(v, "size")}
@@ -101,6 +104,11 @@ class ShardedCheckpoints:
             raise ValueError(f"{path}: sharded checkpoint format {meta.get('format')!r}, this version reads {FORMAT}")
         if meta["strategy"] != self.strategy.name:
             raise ValueError(f"{path} was saved by {meta['strategy']}; this node runs {self.strategy.name}")
+        # settings a resume cannot change are refused before anything loads, as Strategy.load_state_dict would
+        ours = {**self.strategy.cfg.shared_settings(), "sync.strategy": self.strategy.name}
+        refusal = resume_refusal(resume_changes(saved_settings(meta), ours), self.strategy.resume_fixed)
+        if refusal is not None:
+            raise PeerError(Status.CONFIG_MISMATCH, refusal)
         state = self._state(saving=False)
         own = f"rank{self.rank}"
         same = meta["ranks"] == self.ranks and own in sizes

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 
 from dreamp2p.config.sync import SyncConfig
 from dreamp2p.devtools.bench.memory.solo import SoloCollective
+from dreamp2p.errors import PeerError, Status
 from dreamp2p.service.dcp import ShardedCheckpoints
 from dreamp2p.sync.model.layers import FlatGroup, discover_layers
 from dreamp2p.sync.model.shardlocal import (
@@ -127,9 +129,9 @@ def test_a_model_state_of_other_keys_or_shapes_is_refused_before_anything_loads(
     assert all(torch.equal(a, local_view(p)) for a, p in zip(before, model.parameters(), strict=True))
 
 
-def solo_strategy(name: str, model: nn.Module) -> Strategy:
+def solo_strategy(name: str, model: nn.Module, **settings: Any) -> Strategy:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return strategy_class(name)(model, opt, SoloCollective(), SyncConfig(strategy=name, period=2))
+    return strategy_class(name)(model, opt, SoloCollective(), SyncConfig(strategy=name, period=2, **settings))
 
 
 @pytest.mark.usefixtures("one_rank_group")
@@ -171,3 +173,16 @@ def test_a_region_shards_each_transformer_block_then_the_rest() -> None:
     # a model without ModuleLists: each child that holds parameters
     mlp = fully_sharded(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
     assert {name for name, m in mlp.named_modules() if isinstance(m, FSDPModule)} == {"", "0", "2"}
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_sharded_checkpoint_under_a_setting_its_state_is_laid_out_for_is_refused_before_loading(
+    tmp_path: Path,
+) -> None:
+    ShardedCheckpoints(solo_strategy("streaming", sharded_model(seed=6), fragments=2)).save(tmp_path, blocking=True)
+    other = solo_strategy("streaming", sharded_model(seed=7), fragments=1)  # per-fragment outer state: fixed
+    before = [local_view(p).clone() for p in other.model.parameters()]
+    with pytest.raises(PeerError, match=r"sync\.fragments") as refused:
+        ShardedCheckpoints(other).load(tmp_path)
+    assert refused.value.status == Status.CONFIG_MISMATCH
+    assert all(torch.equal(x, local_view(p)) for x, p in zip(before, other.model.parameters(), strict=True))
