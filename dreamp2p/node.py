@@ -25,8 +25,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,7 @@ class Node:
             config = dataclasses.replace(config, comm=comm)
         group = region_group(region)
         if group is not None:
-            config = rank_config(config, dist.get_rank(group))
+            config = rank_config(config, dist.get_rank(group), host_rank(os.environ))
         self.config = config
         self.comm: CommThread | CommProcess
         self.donor: StateDonor
@@ -381,6 +382,17 @@ class Node:
                     self.region.close()
             finally:
                 self.comm.close()
+
+
+def host_rank(env: Mapping[str, str]) -> int | None:
+    """This process's rank among its region's ranks on this host: torchrun's LOCAL_RANK (None without it, when
+    every rank of the region is taken to be on one host); ValueError when it is not a number >= 0."""
+    text = env.get("LOCAL_RANK")
+    if text is None:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"LOCAL_RANK must be an integer >= 0, got {text!r}")
+    return int(text)
 
 
 def _region_model(region: ShardedCollective | None, model: nn.Module) -> bool:

@@ -150,10 +150,27 @@ class TransportConfig:
 
 @dataclass(frozen=True)
 class PeerInfo:
-    """One member of the ring: its node id and the address its server listens on."""
+    """One member of the ring: its node id and the address its server listens on.
+
+    ``ranks``: a region of many ranks that spans hosts lists every rank's address, in region-rank order (rank 0's
+    is ``address``); without it, rank k of the region listens on ``address``'s host at its port + k
+    (`dreamp2p.sync.comm.shards.rank_config`)."""
 
     node_id: str
     address: str
+    ranks: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ranks, str) or not all(isinstance(a, str) and a for a in self.ranks):
+            raise ValueError(
+                f"ring entry {self.node_id!r}: ranks must be a list of host:port strings, got {self.ranks!r}"
+            )
+        object.__setattr__(self, "ranks", tuple(self.ranks))  # a TOML list
+        if self.ranks and self.ranks[0] != self.address:
+            raise ValueError(
+                f"ring entry {self.node_id!r}: ranks[0] ({self.ranks[0]!r}) must be its address ({self.address!r}), "
+                "the region's rank 0"
+            )
 
 
 COMM_MODES = ("thread", "process")
@@ -218,6 +235,7 @@ class PeerConfig:
         if self.advertise:
             named.append(("advertise", self.advertise))
         named += [(f"ring[{i}].address", p.address) for i, p in enumerate(self.ring)]
+        named += [(f"ring[{i}].ranks[{k}]", a) for i, p in enumerate(self.ring) for k, a in enumerate(p.ranks)]
         return [f"{key} {addr!r}" for key, addr in named if not is_loopback_address(addr)]
 
     @staticmethod

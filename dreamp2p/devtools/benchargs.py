@@ -351,6 +351,7 @@ def _regions(p: Parser) -> None:
     _training(p, steps=12, period=10, width=256, depth=4)
     _max_delay(p)
     p.add_argument("--fsdp", action="store_true", help="shard each region's model with FSDP2 instead of DDP")
+    p.add_argument("--hosts", action="store_true", help="every rank a host of its own, with its own torchrun agent")
 
 
 def _regions_check(parser: Parser, args: argparse.Namespace) -> None:

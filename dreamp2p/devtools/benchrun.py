@@ -127,6 +127,7 @@ def _bench_regions(args: argparse.Namespace) -> dict[str, Any]:
         rtt_ms=parse_duration(args.rtt) * 1e3,
         extra_sync=extra,
         fsdp=args.fsdp,
+        hosts=args.hosts,
     )
 
 

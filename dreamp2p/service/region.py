@@ -89,7 +89,8 @@ def rank_daemon_config(cfg: DaemonConfig, place: RankPlace, resume: bool, join: 
     """
     metrics = cfg.metrics
     if metrics.listen:
-        metrics = dataclasses.replace(metrics, listen=shift_port(metrics.listen, place.rank))
+        # the ranks on one host share its ports: each takes the one of its rank on the host
+        metrics = dataclasses.replace(metrics, listen=shift_port(metrics.listen, place.local_rank))
     return dataclasses.replace(cfg, metrics=metrics)
 
 

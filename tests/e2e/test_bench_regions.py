@@ -1,7 +1,8 @@
 """`dreamp2p bench regions --json` end to end at a toy size, in real network namespaces (root only).
 
-Two regions of two ranks and two of one, over tbf-shaped shard links: the final JSON line's fields, the
-identity check, each local rank's share of the WAN bytes, and that the namespaces are gone afterwards.
+Two regions of two ranks, each rank a host of its own, and two of one, over tbf-shaped shard links: the final
+JSON line's fields, the identity check, each local rank's share of the WAN bytes, and that the namespaces are
+gone afterwards.
 No speeds are asserted: the figures belong to docs/BENCHMARKS.md, not to a test on a shared host.
 """
 
@@ -31,7 +32,9 @@ def _namespaces(prefix: str) -> list[str]:
     os.geteuid() != 0, reason="bench regions puts every rank in a network namespace shaped by tc tbf: root"
 )
 def test_bench_regions_tiny_reports_goodput_bytes_and_identity() -> None:
-    cmd = [sys.executable, "-P", "-m", "dreamp2p", "bench", "regions", "--json", *TINY]
+    # --hosts: every rank a host of its own (its torchrun agent, static rendezvous), each region's ring entry
+    # listing its ranks' addresses: a region spanning hosts (regions on one host are tests/net/test_regions.py's)
+    cmd = [sys.executable, "-P", "-m", "dreamp2p", "bench", "regions", "--json", "--hosts", *TINY]
     proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=840)  # a hang guard, not a bound on speed
@@ -44,7 +47,7 @@ def test_bench_regions_tiny_reports_goodput_bytes_and_identity() -> None:
     out = json.loads(stdout.strip().splitlines()[-1])  # the final line is one JSON object
 
     assert out["bench"] == "regions" and out["shaping"] == "tbf"
-    assert (out["regions"], out["ranks"], out["strategy"]) == (2, 2, "ssgd")
+    assert (out["regions"], out["ranks"], out["strategy"], out["hosts"]) == (2, 2, "ssgd", "a host per rank")
     assert (out["steps"], out["timed_steps"], out["quiet_steps"]) == (3, 2, 2)
     assert out["target_ratio"] == 1.7
     assert isinstance(out["meets_target"], bool)

@@ -42,6 +42,7 @@ OPTIONS: dict[str, set[str]] = {
         *("--regions", "--ranks", "--rate", "--rtt", "--strategies", "--steps", "--period", "--width", "--depth"),
         "--max-delay",
         "--fsdp",
+        "--hosts",
     },
 }
 

@@ -72,6 +72,9 @@ def test_rank_daemon_config_gives_each_rank_its_metrics_port_and_the_region_one_
     )
     assert cfg.metrics.listen == "127.0.0.1:9102"
     assert cfg.checkpoint.dir == "ck"  # the region's: local rank 0 writes it, every rank resumes from it
+    # a region spanning hosts: rank 3 of the region is rank 1 on its host, whose ports it shares with rank 2
+    spanning = rank_daemon_config(_daemon(metrics={"listen": "127.0.0.1:9100"}), RankPlace(3, 4, 1), False, False)
+    assert spanning.metrics.listen == "127.0.0.1:9101"
     assert cfg.node.node_id == "eu"  # the node itself derives its rank's peer settings (sync.shards.rank_config)
 
 

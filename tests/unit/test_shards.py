@@ -79,3 +79,76 @@ def test_rank_config_rings_with_the_same_local_rank(local_rank: int) -> None:
 def test_rank_config_refuses_a_negative_rank() -> None:
     with pytest.raises(ValueError):
         rank_config(PeerConfig(node_id="a"), -1)
+
+
+# a region of two hosts with two ranks each: ranks 0, 1 on 10.0.0.1, ranks 2, 3 on 10.0.0.2 (each host's ranks
+# on its port 7070 + its LOCAL_RANK), beside a region of one host that lists none
+SPANNING = PeerInfo("eu", "10.0.0.1:7070", ("10.0.0.1:7070", "10.0.0.1:7071", "10.0.0.2:7070", "10.0.0.2:7071"))
+ONE_HOST = PeerInfo("us", "10.1.0.1:7070")
+
+
+@pytest.mark.parametrize(
+    ("rank", "host_rank", "listen", "advertise", "us"),
+    [
+        (0, 0, "0.0.0.0:7070", "10.0.0.1:7070", "10.1.0.1:7070"),
+        (1, 1, "0.0.0.0:7071", "10.0.0.1:7071", "10.1.0.1:7071"),
+        (2, 0, "0.0.0.0:7070", "10.0.0.2:7070", "10.1.0.1:7072"),
+        (3, 1, "0.0.0.0:7071", "10.0.0.2:7071", "10.1.0.1:7073"),
+    ],
+)
+def test_a_region_spanning_hosts_listens_per_host_and_is_dialled_at_each_ranks_address(
+    rank: int, host_rank: int, listen: str, advertise: str, us: str
+) -> None:
+    cfg = PeerConfig(node_id="eu", listen="0.0.0.0:7070", ring=(SPANNING, ONE_HOST), allow_insecure=True)
+    mine = rank_config(cfg, rank, host_rank)
+    assert (mine.node_id, mine.listen, mine.advertise) == (rank_node_id("eu", rank), listen, advertise)
+    assert [(p.node_id, p.address) for p in mine.ring] == [
+        (rank_node_id("eu", rank), advertise),
+        (rank_node_id("us", rank), us),  # a region without ranks: its host, port + rank
+    ]
+    # the other side: the one-host region's rank k dials the spanning region's rank k where it listed it
+    theirs = rank_config(
+        PeerConfig(node_id="us", listen="0.0.0.0:7070", ring=(SPANNING, ONE_HOST), allow_insecure=True), rank
+    )
+    assert theirs.ring[0].address == advertise and theirs.listen == f"0.0.0.0:{7070 + rank}"
+
+
+def test_a_rank_past_the_ranks_a_region_lists_is_refused() -> None:
+    cfg = PeerConfig(
+        node_id="us", ring=(PeerInfo("eu", "127.0.0.1:7070", ("127.0.0.1:7070",)), PeerInfo("us", "127.0.0.1:7080"))
+    )
+    with pytest.raises(ValueError, match="'eu' lists 1 ranks; this is rank 1"):
+        rank_config(cfg, 1)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "message"),
+    [
+        (("10.0.0.9:7070",), r"ranks\[0\] \('10.0.0.9:7070'\) must be its address"),
+        ("10.0.0.1:7070", "ranks must be a list of host:port strings"),
+        (("10.0.0.1:7070", 7071), "ranks must be a list of host:port strings"),
+    ],
+)
+def test_bad_rank_lists_are_refused_naming_the_entry(ranks: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PeerInfo("eu", "10.0.0.1:7070", ranks)  # type: ignore[arg-type]
+
+
+def test_rank_addresses_off_the_host_need_tls_or_allow_insecure() -> None:
+    ring = (PeerInfo("eu", "127.0.0.1:7070", ("127.0.0.1:7070", "10.0.0.2:7070")), PeerInfo("us", "127.0.0.1:7080"))
+    with pytest.raises(ValueError, match=r"ring\[0\].ranks\[1\] '10.0.0.2:7070'"):
+        PeerConfig(node_id="us", listen="127.0.0.1:7080", ring=ring)
+
+
+def test_a_ring_entry_from_a_toml_table_takes_its_ranks_as_a_list() -> None:
+    cfg = PeerConfig.from_dict(
+        {
+            "node_id": "us",
+            "listen": "127.0.0.1:7080",
+            "ring": [
+                {"node_id": "eu", "address": "127.0.0.1:7070", "ranks": ["127.0.0.1:7070", "127.0.0.1:7075"]},
+                {"node_id": "us", "address": "127.0.0.1:7080"},
+            ],
+        }
+    )
+    assert cfg.ring[0].ranks == ("127.0.0.1:7070", "127.0.0.1:7075") and hash(cfg.ring[0])

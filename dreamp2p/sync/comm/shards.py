@@ -7,7 +7,9 @@ averages only that shard with local rank k of the other regions. Shards are cont
 (a shard past the end of a small group is empty: that rank sends nothing for it).
 
 Each local rank runs its own peer: node id ``<region id>.<k>`` (rank 0 keeps the region's id), listening
-(and reached) on the region's port plus k, in a ring of its own with local rank k of every other region.
+(and reached) on the region's port plus k, in a ring of its own with local rank k of every other region. A
+region spanning hosts lists each rank's address in its ring entry (``ranks``); a rank then listens on the
+region's port plus its rank on its host.
 """
 
 from __future__ import annotations
@@ -55,21 +57,41 @@ def shift_port(address: str, offset: int) -> str:
     return f"{host}:{value + offset}"
 
 
-def rank_config(config: PeerConfig, local_rank: int) -> PeerConfig:
-    """The peer settings of local rank ``local_rank`` from its region's: its node id, ports and ring.
+def rank_address(entry: PeerInfo, rank: int) -> str:
+    """Where rank ``rank`` of the region ``entry`` names listens: its ``ranks`` entry (a region spanning hosts),
+    else the region's address with the port plus ``rank``; ValueError past the ranks it lists."""
+    if not entry.ranks:
+        return shift_port(entry.address, rank)
+    if rank >= len(entry.ranks):
+        raise ValueError(f"ring entry {entry.node_id!r} lists {len(entry.ranks)} ranks; this is rank {rank}")
+    return entry.ranks[rank]
+
+
+def rank_config(config: PeerConfig, local_rank: int, host_rank: int | None = None) -> PeerConfig:
+    """The peer settings of local rank ``local_rank`` (its rank in the region) from its region's: its node id,
+    ports and ring.
 
     Every region's ``ring`` entry names the region (its id and the address of local rank 0); local rank k
-    dials local rank k of each, at that address's port plus k.
+    dials local rank k of each, at that address's port plus k, or at the entry's ``ranks[k]`` where it lists
+    them (a region spanning hosts). This rank listens (and serves health) on the region's ports plus
+    ``host_rank``, its rank among the region's ranks on this host (torchrun's LOCAL_RANK; default: ``local_rank``,
+    every rank on one host), and advertises its own region's ``ranks[k]`` where listed.
     """
-    if local_rank < 0:
-        raise ValueError(f"local rank must be >= 0, got {local_rank}")
-    ring = tuple(PeerInfo(rank_node_id(p.node_id, local_rank), shift_port(p.address, local_rank)) for p in config.ring)
+    if local_rank < 0 or (host_rank is not None and host_rank < 0):
+        raise ValueError(f"local rank and host rank must be >= 0, got {local_rank} and {host_rank}")
+    here = local_rank if host_rank is None else host_rank
+    ring = tuple(PeerInfo(rank_node_id(p.node_id, local_rank), rank_address(p, local_rank)) for p in config.ring)
+    own = next((p for p in config.ring if p.node_id == config.node_id and p.ranks), None)
+    if own is not None:
+        advertise: str | None = rank_address(own, local_rank)
+    else:
+        advertise = shift_port(config.advertise, here) if config.advertise else None
     health = config.health_listen
     return dataclasses.replace(
         config,
         node_id=rank_node_id(config.node_id, local_rank),
-        listen=shift_port(config.listen, local_rank),
-        advertise=shift_port(config.advertise, local_rank) if config.advertise else None,
+        listen=shift_port(config.listen, here),
+        advertise=advertise,
         ring=ring,
-        health_listen=shift_port(health, local_rank) if health else None,
+        health_listen=shift_port(health, here) if health else None,
     )

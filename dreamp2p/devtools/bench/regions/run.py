@@ -36,6 +36,10 @@ one-rank regions' (issue 11's target: >= 1.7 at 2 x 2, 20 Mbit/s per shard link)
 `dreamp2p.service.region.fully_sharded`) instead of replicating it with DDP: each rank then holds and
 averages only its own shards, so its WAN bytes are again about 1/ranks of a one-rank region's, with no
 gather inside the region (issue 36).
+
+``hosts``: every rank of a many-rank region is a host of its own, started as one would start it: a torchrun
+agent per host (``--nnodes N --node-rank k``, static rendezvous at rank 0's LAN address), each rank local rank
+0 of its host, its region's ring entry listing every rank's address (``ranks``): a region spanning hosts.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -123,15 +128,29 @@ def _wait_all(
     finally:
         for p in procs.values():
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def _host_cmd(region: int, rank: int, ranks: int, path: Path) -> tuple[list[str], dict[str, str]]:
+    """``hosts``: rank ``rank`` started as a host of its own would start it, by a torchrun agent of its own
+    (``--nnodes ranks --node-rank rank``, one process, static rendezvous at rank 0's LAN address)."""
+    env = {k: v for k, v in child_env().items() if k not in TORCHRUN_VARS}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=LAN_DEV)
+    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--nnodes", str(ranks), "--nproc-per-node", "1"]
+    cmd += ["--node-rank", str(rank), "--master-addr", lan_host(region, 0), "--master-port", str(MASTER_PORT)]
+    return [*cmd, "-m", "dreamp2p.devtools.bench.regions.work", str(path), str(region)], env
 
 
 def run_phase(net: RegionNet, ranks: int, spec: dict[str, Any], folder: Path, timeout: float) -> list[dict[str, Any]]:
     """Every region with ``ranks`` local ranks, trained to the end; each rank's result."""
     folder.mkdir(parents=True)
     port = PEER_PORT[1] if ranks == 1 else PEER_PORT[0]
-    ring = [{"node_id": f"r{r}", "address": f"{wan_host(r)}:{port}"} for r in range(net.regions)]
+    hosts = bool(spec.get("hosts")) and ranks > 1
+    ring: list[dict[str, Any]] = [{"node_id": f"r{r}", "address": f"{wan_host(r)}:{port}"} for r in range(net.regions)]
+    if hosts:  # every rank is local rank 0 of a host of its own: listens on the port itself, named in ranks
+        for entry in ring:
+            entry["ranks"] = [entry["address"]] * ranks
     path = folder / "spec.json"
     path.write_text(json.dumps({**spec, "ring": ring, "out": str(folder), "wan_dev": WAN_DEV}))
     procs: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
@@ -140,15 +159,22 @@ def run_phase(net: RegionNet, ranks: int, spec: dict[str, Any], folder: Path, ti
         for r in range(net.regions):
             for k in range(ranks):
                 logs[(r, k)] = folder / f"{r}.{k}.log"
-                cmd = ["ip", "netns", "exec", net.ns(r, k), sys.executable, "-P", "-m"]
-                cmd += ["dreamp2p.devtools.bench.regions.work", str(path), str(r)]
+                if hosts:
+                    cmd, env = _host_cmd(r, k, ranks, path)
+                else:
+                    cmd = [sys.executable, "-P", "-m", "dreamp2p.devtools.bench.regions.work", str(path), str(r)]
+                    env = _rank_env(r, k, ranks)
                 with logs[(r, k)].open("wb") as out:
                     procs[(r, k)] = subprocess.Popen(
-                        cmd, env=_rank_env(r, k, ranks), stdout=out, stderr=subprocess.STDOUT
+                        ["ip", "netns", "exec", net.ns(r, k), *cmd],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # killed with its children (a torchrun agent's worker)
                     )
     except BaseException:
         for p in procs.values():
-            p.kill()
+            os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         raise
     _wait_all(procs, logs, timeout)
@@ -224,9 +250,10 @@ def bench_regions(
     quiet_steps: int | None = None,
     extra_sync: dict[str, Any] | None = None,
     fsdp: bool = False,
+    hosts: bool = False,
 ) -> dict[str, Any]:
-    """Regions of one rank, then of ``ranks`` ranks (``fsdp``: each region's model sharded with FSDP2 instead
-    of replicated with DDP), over the same shaped links; a JSON-serialisable report."""
+    """Regions of one rank, then of ``ranks`` ranks (``fsdp``, ``hosts``: see the module docstring), over the
+    same shaped links; a JSON-serialisable report."""
     workload = {"width": width, "layers": layers, "heads": heads, "context": context, "batch": batch, "lr": lr}
     sync = dict(extra_sync or {})
     _check(regions, ranks, strategy, workload, steps)
@@ -234,14 +261,13 @@ def bench_regions(
     rate_Bps = parse_rate(rate)
     params = count_params(width, layers, heads, context)
     spec = {
-        "regions": regions,
-        "strategy": strategy,
-        "sync": sync,
+        **{"regions": regions, "strategy": strategy, "sync": sync},
         "workload": workload,
         "steps": steps,
         "quiet_steps": quiet,
         "transport": {"delay_s": rtt_ms / 2000.0},
         "fsdp": fsdp,
+        "hosts": hosts,
     }
     # hang guard: two full-model syncs per step over one link, plus start-up and slack
     timeout = 600.0 + (steps + quiet) * (2.0 * 4 * params / rate_Bps + 2.0 * rtt_ms / 1000.0 + 10.0)
@@ -265,6 +291,7 @@ def bench_regions(
         "shaping": "tbf",
         "strategy": strategy,
         "region_model": "fsdp2" if fsdp else "ddp",  # how a region of many ranks holds its model
+        "hosts": "a host per rank" if hosts else "one host per region",
         "extra_sync": sync,
         "steps": steps,
         "timed_steps": steps - 1,
