@@ -152,3 +152,10 @@ def test_a_ring_entry_from_a_toml_table_takes_its_ranks_as_a_list() -> None:
         }
     )
     assert cfg.ring[0].ranks == ("127.0.0.1:7070", "127.0.0.1:7075") and hash(cfg.ring[0])
+
+
+def test_a_region_spanning_hosts_without_its_ranks_listed_is_refused() -> None:
+    cfg = PeerConfig(node_id="eu", ring=(PeerInfo("eu", "127.0.0.1:7070"), PeerInfo("us", "127.0.0.1:7080")))
+    assert rank_config(cfg, 1, 1).ring[0].address == "127.0.0.1:7071"  # one host: rank k is host rank k
+    with pytest.raises(ValueError, match="rank 2 of region 'eu' is rank 0 on its host: the region spans hosts"):
+        rank_config(cfg, 2, 0)

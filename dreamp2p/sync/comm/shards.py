@@ -82,6 +82,12 @@ def rank_config(config: PeerConfig, local_rank: int, host_rank: int | None = Non
     here = local_rank if host_rank is None else host_rank
     ring = tuple(PeerInfo(rank_node_id(p.node_id, local_rank), rank_address(p, local_rank)) for p in config.ring)
     own = next((p for p in config.ring if p.node_id == config.node_id and p.ranks), None)
+    if own is None and here != local_rank and config.ring:
+        # the other regions would dial this rank on rank 0's host, where another rank (or nothing) listens
+        raise ValueError(
+            f"rank {local_rank} of region {config.node_id!r} is rank {here} on its host: the region spans hosts, so "
+            "its ring entry must list every rank's address (ranks = [...], in region-rank order)"
+        )
     if own is not None:
         advertise: str | None = rank_address(own, local_rank)
     else:
