@@ -48,7 +48,12 @@ def test_bench_lm_tiny_report() -> None:
         assert "time_to_target_s" in row, name
         # tokens: every step trains batch x context of them, and the cluster's is every region's over the run
         assert [row["local_steps_regions"], len(row["tokens_per_s_regions"])] == [[6, 6], 2], name
-        assert row["tokens_per_s"] == pytest.approx(sum(row["tokens_per_s_regions"]), rel=0.5), name
+        # the cluster's rate is every region's tokens over the slowest region's wall time, so at most the regions'
+        # own rates summed (rounding to 0.1 aside); how far below depends on how far apart the regions ran on a
+        # shared host (CI on 280c76a read 7,784.6 against 16,556.9 for "none", whose regions never wait on each other)
+        assert (
+            0 < row["tokens_per_s"] <= sum(row["tokens_per_s_regions"]) + 0.1 * (1 + len(row["tokens_per_s_regions"]))
+        ), name
         # read at the quickest syncing strategy's end: no later than a syncing strategy's own
         t_eq, loss_eq = row["heldout_loss_at_equal_wall"]
         assert (t_eq <= row["curve"][-1][1] or name == "none") and (loss_eq is None or math.isfinite(loss_eq)), name
