@@ -77,6 +77,9 @@ def test_a_plain_model_passes_through_unchanged() -> None:
     out = local_state(state)
     assert out["w"] is not None and torch.equal(out["w"], model.weight)
     assert out["nested"][0] == 1 and out["nested"][1][1] == "x" and isinstance(out["nested"][1], tuple)
+    # a module's state_dict keeps its modules' versions (load_state_dict migrates old layouts by them)
+    saved = local_state(nn.BatchNorm1d(3).state_dict())
+    assert saved._metadata[""]["version"] == nn.BatchNorm1d._version
 
 
 @pytest.mark.usefixtures("one_rank_group")

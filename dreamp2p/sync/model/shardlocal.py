@@ -11,6 +11,7 @@ serves a joiner holds its local shards only (`local_state`), loaded back into th
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -76,7 +77,13 @@ def local_state(state: Any) -> Any:
     """A (nested) state dict with every DTensor replaced by its local shard (sharing its storage, as
     ``state_dict()`` does); everything else as it is."""
     if isinstance(state, Mapping):
-        return {k: local_state(v) for k, v in state.items()}
+        out = {k: local_state(v) for k, v in state.items()}
+        if isinstance(state, OrderedDict):  # a module's state_dict: its modules' versions travel with it
+            ordered: OrderedDict[Any, Any] = OrderedDict(out)
+            if hasattr(state, "_metadata"):
+                ordered._metadata = state._metadata  # type: ignore[attr-defined]
+            return ordered
+        return out
     if isinstance(state, list | tuple):
         return type(state)(local_state(v) for v in state)
     if isinstance(state, torch.Tensor):
