@@ -55,6 +55,7 @@ class ShardedCheckpoints:
         if not dist.is_initialized():
             raise ValueError("sharded checkpoints need the region's process group (torch.distributed)")
         self.strategy = strategy
+        self._names = {id(p): name for name, p in strategy.model.named_parameters()}  # DCP keys by name
         self.rank, self.ranks = dist.get_rank(), dist.get_world_size()
         # the writes' own gloo group: an asynchronous save's collectives never meet FSDP2's on the default one
         group = dist.new_group(backend="gloo")
@@ -143,10 +144,9 @@ class ShardedCheckpoints:
         """DCP's state of the model, the optimizer and the strategy's per-parameter outer state: a copy of the
         latter to save (its views share storages, which DCP's staging cannot copy), empty ones to load into."""
         s = self.strategy
-        names = {id(p): name for name, p in s.model.named_parameters()}
         outer = {
             kind: {
-                names[id(p)]: shard_like(p, view.clone() if saving else torch.empty_like(view))
+                self._names[id(p)]: shard_like(p, view.clone() if saving else torch.empty_like(view))
                 for p, view in zip(s.params, views, strict=True)
             }
             for kind, views in s.outer_shards().items()
@@ -159,11 +159,10 @@ class ShardedCheckpoints:
 
     def _put_outer(self, loaded: dict[str, dict[str, torch.Tensor]]) -> None:
         """Copy the loaded outer state into the strategy's own."""
-        names = {id(p): name for name, p in self.strategy.model.named_parameters()}
         with torch.no_grad():
             for kind, views in self.strategy.outer_shards().items():
                 for p, view in zip(self.strategy.params, views, strict=True):
-                    view.copy_(local_view(loaded[kind][names[id(p)]]))
+                    view.copy_(local_view(loaded[kind][self._names[id(p)]]))
 
 
 def _blob(data: bytes) -> torch.Tensor:

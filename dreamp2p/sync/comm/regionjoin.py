@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,6 +29,9 @@ from dreamp2p.sync.comm.sharded import ShardedCollective
 from dreamp2p.sync.comm.shards import rank_node_id
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+NOT_ADMITTED = "another rank of the region was not admitted to its shard ring"
 
 # what local rank 0's fetch gives: the step to start at, the state's JSON skeleton and its named tensors
 Fetched = tuple[int, bytes, dict[str, torch.Tensor]]
@@ -75,13 +78,7 @@ def join_region(
     only): take the state from the live members and load it here; returns what the others load.
     ``load(state, start)``: load that state into this rank's strategy and start it at ``start``.
     """
-    error: BaseException | None = None
-    try:
-        admit()
-    except Exception as exc:  # told to the other ranks first, raised below
-        error = exc
-    if not region.all_ok(error is None, timeout):
-        raise error or RuntimeError("another rank of the region was not admitted to its shard ring")
+    _together(region, admit, NOT_ADMITTED, timeout)
     start, error = _hand_over(region, fetch, load, timeout)
     if error is not None:
         raise error
@@ -134,21 +131,23 @@ def join_owned(region: ShardedCollective, admit: Callable[[], None], fetch: Call
     starts at. Each rank holds shards no other rank has, so each takes its own from its ring (``fetch``:
     load them, return the step to start at) once every rank is admitted; the region starts at the latest
     of those steps, so its ranks stay in step with each other."""
-    error: BaseException | None = None
-    try:
-        admit()
-    except Exception as exc:  # told to the other ranks first, raised below
-        error = exc
-    if not region.all_ok(error is None, timeout):
-        raise error or RuntimeError("another rank of the region was not admitted to its shard ring")
-    start = -1
-    try:
-        start = fetch()
-    except Exception as exc:
-        error = exc
-    if not region.all_ok(error is None, timeout):
-        raise error or RuntimeError("another rank of the region could not fetch its shards' state")
+    _together(region, admit, NOT_ADMITTED, timeout)
+    start = _together(region, fetch, "another rank of the region could not fetch its shards' state", timeout)
     return region.max_int(start, timeout)
+
+
+def _together(region: ShardedCollective, step: Callable[[], T], why: str, timeout: float) -> T:
+    """Run ``step`` on this rank, then learn whether it succeeded on every rank of the region: its result, or
+    on every rank an error (this rank's own, or RuntimeError(``why``) where another rank's step failed), so no
+    rank goes on while another stopped."""
+    try:
+        result = step()
+    except Exception:
+        region.all_ok(False, timeout)  # the other ranks hear of it first
+        raise
+    if not region.all_ok(True, timeout):
+        raise RuntimeError(why)
+    return result
 
 
 def resync_owned(
