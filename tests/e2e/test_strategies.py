@@ -89,16 +89,19 @@ def test_slowed_link_replans_everywhere_at_the_same_step() -> None:
         **{"period": 4, "warmup_steps": 3, "control_every": 4, "replan_sustain": 2, "max_stretch": 1},
         "delta_fallbacks": [],
     }
-    # the slowed rate sits far below what a loaded loopback measures (1.7-2 MB/s with 3 busy cores beside):
-    # a slowdown within the re-plan threshold of the measured basis rightly changes nothing
-    results = train(3, "dreamddp", config, steps=90, width=256, sync=sync, slow_at=30, slow_rate=4e5, step_sleep=0.005)
+    # the slowed rate sits far below what a loaded loopback measures (1-4 MB/s): a slowdown within the re-plan
+    # threshold of the measured basis rightly changes nothing. At 0.4 MB/s CI once saw no re-plan (aa70bf0): a run
+    # here read 1.83 MB/s before, still 0.53 (a falling moving average) 23 steps after; a basis read near 1 MB/s
+    # under load leaves that inside the threshold. At 0.2 MB/s it reads 0.3 by then
+    results = train(3, "dreamddp", config, steps=90, width=256, sync=sync, slow_at=30, slow_rate=2e5, step_sleep=0.005)
     histories = [tuple(map(tuple, r["plan_history"])) for r in results]
     assert len(set(histories)) == 1, histories  # the same plans, adopted at the same steps
     history = histories[0]
-    assert any(step > 30 for _, step in history), history  # re-planned after the slowdown
+    seen = (history, results[0]["controls"])  # the plans and the bandwidths each control round measured
+    assert any(step > 30 for _, step in history), seen  # re-planned after the slowdown
     assert [v for v, _ in history] == sorted(v for v, _ in history)
     basis = results[0]["basis_bw"]
-    assert basis is not None and basis < 1e6, basis  # the final plan was made for the slow link
+    assert basis is not None and basis < 1e6, (basis, seen)  # the final plan was made for the slow link
     for r in results:
         assert mean(r["losses"][-10:]) < mean(r["losses"][:10])
 

@@ -116,6 +116,8 @@ def _sync_figures(s: Strategy, node: Node, stamps: list[float]) -> dict[str, Any
         "bytes_sent": tot.bytes_sent,
         "hidden_fraction": tot.hidden_fraction,
         "plan_history": list(getattr(s, "plan_history", [])),
+        # DreamDDP's control rounds: (step, slowest link's bandwidth, slowest goodput), what each re-plan saw
+        "controls": [list(c) for c in getattr(s, "controls_seen", [])],
         "step_times": stamps,
         "view_changes": node.comm.view_changes,
         "resyncs": node.resyncs,
