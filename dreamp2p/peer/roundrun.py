@@ -7,7 +7,8 @@ result is written back only once every member voted commit (`peer.commit`). A fa
 tensor as it was and is retried once, among the members alive then, under a retry group id. A member
 that gave a round up after voting commit (a member's commit late, or a member wrongly thought gone) may
 be the only one that did: a member that refuses its retry as completed there tells it so, and it applies
-its own result of the round then (`Undecided`), so the replicas stay identical.
+its own result of the round then (`Undecided`), so the replicas stay identical; so it does when every other
+member left meanwhile (a run's last round), rather than retry among itself alone.
 
 The engine asks the peer's parts through their methods: the ring and a link from `RingLinks`, who is
 alive and the next heartbeat tick from `Liveness`, from callables whether the peer stands aside (no round
@@ -150,6 +151,11 @@ class RoundRunner:
                     await self._live.next_heartbeat()
                     if self._no_retry():  # it may have begun while we waited
                         raise
+                if undecided is not None and [p.node_id for p in self.members()] == [self.config.node_id]:
+                    # alone, a retry would apply our own values where the members gone may have applied the
+                    # round (a run's last round: they commit and leave); our result of it has everyone's
+                    log.info("round %s: the others left after it; applying our result of it", undecided.key)
+                    return undecided.land()
                 log.info("round %s failed (%s); retrying among %s", exc.key, exc.reason, ", ".join(self._live.view))
             else:
                 return result if undecided is None else undecided.widen(result)

@@ -113,3 +113,26 @@ async def test_a_vote_to_a_restarted_member_that_never_saw_the_sender_makes_it_h
             assert fresh.rounds_failed == 0  # p0's vote came in: nobody waited for it to the deadline
         finally:
             await fresh.close(grace=0.1)
+
+
+async def test_a_round_given_up_after_committing_is_applied_when_the_member_that_applied_it_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The last round of a run: p1 applies it on p0's commit and closes (its run is over) before its own commit
+    reaches p0. p0's retry would run among p0 alone, and its own tensors are not the round's mean: p0 applies
+    its result of the first run instead (every member contributed to it), so both end with the same model."""
+    _late_commits_from_p1(monkeypatch, round_id=7)
+    async with running_ring(ring_configs(2), grace=2.0) as peers:
+        p0, p1 = peers
+        data = [[torch.full((1024,), float(r))] for r in range(2)]
+
+        async def p1_runs_its_last_round() -> None:
+            await p1.allreduce(data[1], round_id=7, timeout=30.0)
+            await p1.close(grace=0.5)
+
+        outcome, _ = await asyncio.gather(
+            p0.allreduce(data[0], round_id=7, timeout=P0_TIMEOUT_S), p1_runs_its_last_round()
+        )
+        assert torch.equal(data[1][0], torch.full((1024,), 0.5))
+        assert torch.equal(data[0][0], torch.full((1024,), 0.5)), data[0][0][:4]
+        assert outcome.round_id == 7
