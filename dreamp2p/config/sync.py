@@ -115,16 +115,29 @@ class SyncConfig:
     # Empty delta_codec: every sync averages parameters.
     delta_codec: str = "int4"
     # where the link cannot carry a period's pseudo-gradients in delta_codec (the plan's syncs would keep it
-    # busy more than dreamp2p.schedule.stretch's budget), the plan's syncs use the first of these that it
-    # can, else the last; always with error feedback (2-bit rounding errs by about half a pseudo-gradient's
-    # norm each round, lost for good without it). Tried before stretching the period. Least to
-    # most compressive; those sending no fewer bytes than delta_codec are skipped (`delta_chain`). Empty:
-    # delta_codec whatever the link.
+    # busy more than dreamp2p.schedule.stretch's budget, or land most of a period late), the plan's syncs use
+    # the first of these that it carries fresh (else the first it carries, else the last). What they leave
+    # out stays in error feedback, or with keep_unsent in the parameters (2-bit rounding errs by about half a
+    # pseudo-gradient's norm each round, topk sends 2% of it). ["int2", "topk"] with keep_unsent = true is the
+    # tight-link recipe (docs/BENCHMARKS.md).
+    # Tried before stretching the period. Least to most compressive; those sending no fewer bytes than
+    # delta_codec are skipped (`delta_chain`). Empty: delta_codec whatever the link.
     delta_fallbacks: tuple[str, ...] = ("int2",)
     anchor_every: int = 4
     # error feedback on those pseudo-gradient syncs: what delta_codec lost in one round is added to the
     # same group's next round, at every lossy encode of the ring (dreamp2p.collective.feedback)
     error_feedback: bool = False
+    # what a 2-bit or sparse pseudo-gradient codec (int2, topk: a tight link's) did not carry stays in the
+    # member's own parameters (so in its next pseudo-gradient, which is measured from the shared theta),
+    # rather than a merge resetting them to theta plus the codec's share: a replica keeps its whole local
+    # progress, and no residual is needed. Until a denser sync or flush() (a dense codec) the replicas differ
+    # by their unsent parts, so a quiet stretch (learning rate 0) no longer makes them bit-identical: hence
+    # off by default while the daemon ends its runs that way. error_feedback = true turns it off (the unsent
+    # part would count twice)
+    keep_unsent: bool = False
+    # DreamDDP's flush(): the codec of its one round of pseudo-gradients (a dense one; a check confirms the
+    # replicas end identical either way). Empty: see flush_delta_codec
+    flush_codec: str = ""
     # Bandwidth-aware compression per ring link (DreamDDP's layer syncs): candidates from least to most
     # lossy, ``codec`` among them; each link sends with the least lossy one that keeps its transfer within
     # (1 + link_codec_tolerance) of the fastest link's, from the bandwidths of the control round. Empty:
@@ -151,7 +164,7 @@ class SyncConfig:
                 canonical_codec(getattr(self, name))
             except ValueError as exc:
                 raise ValueError(f"sync.{name}: {exc}") from None
-        for name in ("bubble_fill", "error_feedback"):
+        for name in ("bubble_fill", "error_feedback", "keep_unsent"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sync.{name} must be true or false, got {getattr(self, name)!r}")
         for name in (
@@ -197,6 +210,9 @@ class SyncConfig:
             raise ValueError(f"sync.group_outer_lr must be in (0, 2], got {self.group_outer_lr}")
         if self.group_outer_momentum is not None and not 0.0 <= self.group_outer_momentum < 1.0:
             raise ValueError(f"sync.group_outer_momentum must be in [0, 1), got {self.group_outer_momentum}")
+        if self.flush_codec and (self.flush_codec not in CODEC_NAMES or is_sparse(self.flush_codec)):
+            dense = ", ".join(c for c in CODEC_NAMES if not is_sparse(c))
+            raise ValueError(f"sync.flush_codec must be a dense codec ({dense}), got {self.flush_codec!r}")
         if self.delta_codec and self.delta_codec not in CODEC_NAMES:
             raise ValueError(f"sync.delta_codec: {unknown_codec_message(self.delta_codec)}")
         if isinstance(self.link_codecs, str) or not all(isinstance(c, str) for c in self.link_codecs):
@@ -209,7 +225,7 @@ class SyncConfig:
         if unknown:
             raise ValueError(f"sync.plan_codecs: {unknown_codec_message(unknown[0])}")
         self._check_delta_fallbacks()
-        self._check_sparse_codecs()
+        _check_sparse_codecs(self)
         if not 0.0 < self.codec_link_budget <= 1.0:
             raise ValueError(f"sync.codec_link_budget must be in (0, 1], got {self.codec_link_budget}")
         if self.link_codecs:
@@ -244,33 +260,18 @@ class SyncConfig:
         base = wire_rank(self.delta_codec)
         return (canonical_codec(self.delta_codec), *(c for c in self.delta_fallbacks if wire_rank(c) > base))
 
-    def _check_sparse_codecs(self) -> None:
-        """A sparse codec (``topk``) only where error feedback carries what it leaves out: DreamDDP's
-        pseudo-gradients with ``error_feedback``. Averaging parameters with it would zero 98% of them, and
-        the other increments (gradients, outer gradients) are sent without feedback, so it would drop 98%."""
-        carriers = {
-            "codec": (self.codec,),
-            "stream_codec": (self.stream_codec,),
-            "plan_codecs": self.plan_codecs,
-            "link_codecs": self.link_codecs,
-        }
-        for key, names in carriers.items():
-            sparse = [c for c in names if is_sparse(c)]
-            if sparse:
-                raise ValueError(
-                    f"sync.{key}: {sparse[0]} is a sparse codec, usable only as sync.delta_codec with "
-                    "sync.error_feedback = true (it sends 2% of each block and decodes the rest as zeros)"
-                )
-        if self.delta_codec and needs_feedback(self.delta_codec) and not self.error_feedback:
-            loss = (
-                "is sparse (2% of each block per round)"
-                if is_sparse(self.delta_codec)
-                else "loses about half of each pseudo-gradient per round"
-            )
-            raise ValueError(
-                f"sync.delta_codec {self.delta_codec} {loss}: it needs sync.error_feedback = true, which carries "
-                "the rest into the next rounds"
-            )
+    def keeps_unsent(self, codec: str) -> bool:
+        """Whether pseudo-gradient syncs in ``codec`` leave what it did not carry in the parameters
+        (`keep_unsent`: a 2-bit or sparse codec, unless error feedback carries it instead)."""
+        return self.keep_unsent and not self.error_feedback and needs_feedback(codec)
+
+    @property
+    def flush_delta_codec(self) -> str:
+        """What DreamDDP's flush() sends its pseudo-gradients in: ``flush_codec`` when set, else ``delta_codec``,
+        or int4 where that is sparse and the replicas keep their unsent parts (a sparse flush would drop them)."""
+        if self.flush_codec:
+            return self.flush_codec
+        return "int4" if self.keeps_unsent(self.delta_codec) and is_sparse(self.delta_codec) else self.delta_codec
 
     @property
     def delay_cap(self) -> int:
@@ -337,6 +338,35 @@ class SyncConfig:
         if unknown:
             raise ValueError(f"unknown key sync.{unknown[0]}; allowed keys: {', '.join(sorted(known))}")
         return SyncConfig(**data)
+
+
+def _check_sparse_codecs(cfg: SyncConfig) -> None:
+    """A sparse codec (``topk``) only where something carries what it leaves out: DreamDDP's pseudo-gradients,
+    with ``error_feedback`` or ``keep_unsent``. Averaging parameters with it would zero 98% of them, and
+    the other increments (gradients, outer gradients) are sent without feedback, so it would drop 98%."""
+    carriers = {
+        "codec": (cfg.codec,),
+        "stream_codec": (cfg.stream_codec,),
+        "plan_codecs": cfg.plan_codecs,
+        "link_codecs": cfg.link_codecs,
+    }
+    for key, names in carriers.items():
+        sparse = [c for c in names if is_sparse(c)]
+        if sparse:
+            raise ValueError(
+                f"sync.{key}: {sparse[0]} is a sparse codec, usable only as sync.delta_codec or a fallback "
+                "(it sends 2% of each block and decodes the rest as zeros)"
+            )
+    if cfg.delta_codec and needs_feedback(cfg.delta_codec) and not (cfg.error_feedback or cfg.keep_unsent):
+        loss = (
+            "is sparse (2% of each block per round)"
+            if is_sparse(cfg.delta_codec)
+            else "loses about half of each pseudo-gradient per round"
+        )
+        raise ValueError(
+            f"sync.delta_codec {cfg.delta_codec} {loss}: it needs sync.error_feedback = true (or "
+            "sync.keep_unsent = true), which carries the rest into the next rounds"
+        )
 
 
 def dreamddp_settings(codec: str, period: int, max_delay: int | None = None) -> dict[str, Any]:

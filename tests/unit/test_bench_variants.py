@@ -22,6 +22,11 @@ from dreamp2p.devtools.bench.lm.run import parse_variant
             "dreamddp:delta_codec=topk,error_feedback=true",
             ("dreamddp", {"delta_codec": "topk", "error_feedback": True}),
         ),
+        (  # the commas of a list belong to its value
+            'dreamddp:delta_fallbacks=["int2","topk"],keep_unsent=true',
+            ("dreamddp", {"delta_fallbacks": ["int2", "topk"], "keep_unsent": True}),
+        ),
+        ("dreamddp:delta_fallbacks=[],period=5", ("dreamddp", {"delta_fallbacks": [], "period": 5})),
     ],
 )
 def test_variants_parse_into_overrides(entry: str, expected: tuple[str, dict[str, Any]]) -> None:

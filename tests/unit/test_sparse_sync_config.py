@@ -1,4 +1,5 @@
-"""`[sync]` with the sparse codec: only as DreamDDP's pseudo-gradient codec with error feedback, where it trains."""
+"""`[sync]` with the sparse codec: only as DreamDDP's pseudo-gradient codec, with error feedback or with the unsent
+parts kept in the parameters, where it trains."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_delta_codec_topk_with_error_feedback_is_accepted_and_shared() -> None:
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        ({"delta_codec": "topk"}, "sync.delta_codec topk is sparse .* needs sync.error_feedback = true"),
+        ({"delta_codec": "topk"}, "sync.delta_codec topk is sparse .*error_feedback = true"),
         ({"codec": "topk", "error_feedback": True}, "sync.codec: topk is a sparse codec"),
         ({"stream_codec": "topk"}, "sync.stream_codec: topk is a sparse codec"),
         ({"plan_codecs": ["int8", "topk"]}, "sync.plan_codecs: topk is a sparse codec"),
@@ -45,7 +46,7 @@ def test_sparse_codec_refused_where_parameters_or_unfed_increments_travel(settin
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        ({"delta_codec": "int2"}, "sync.delta_codec int2 loses about half .* needs sync.error_feedback = true"),
+        ({"delta_codec": "int2"}, "sync.delta_codec int2 loses about half .*error_feedback"),
         ({"delta_fallbacks": ["int3"]}, "sync.delta_fallbacks: unknown codec 'int3'"),
         ({"delta_fallbacks": "int2"}, "sync.delta_fallbacks must be a list of codec names"),
         ({"delta_fallbacks": ["topk", "int2"]}, "sync.delta_fallbacks: int2 sends no fewer bytes than topk"),
@@ -101,21 +102,30 @@ def _train_pair(hub: InProcessHub, cfg: SyncConfig, steps: int) -> tuple[list[An
     return strategies, losses
 
 
-@pytest.mark.parametrize(("goodput_Bps", "measured"), [(2e3, ("int2", True)), (1e9, ("int4", False))])
-def test_pseudo_gradients_travel_in_int2_with_error_feedback_where_the_link_cannot_carry_int4(
-    goodput_Bps: float, measured: tuple[str, bool]
+@pytest.mark.parametrize(
+    ("goodput_Bps", "settings", "warmup", "measured"),
+    [
+        (2e3, {}, ("int4", False), ("int2", True)),
+        (1e9, {}, ("int4", False), ("int4", False)),
+        # the unsent parts stay in the parameters: no residual, and the warm-up sends the sparse codec already
+        (2e3, {"delta_fallbacks": ["int2", "topk"], "keep_unsent": True}, ("topk", False), ("topk", False)),
+    ],
+)
+def test_pseudo_gradients_travel_in_a_fallback_where_the_link_cannot_carry_int4(
+    goodput_Bps: float, settings: dict[str, Any], warmup: tuple[str, bool], measured: tuple[str, bool]
 ) -> None:
     """A measured plan on a link far too slow for a period of int4 pseudo-gradients sends them in the fallback,
-    with error feedback though the run did not ask for it; a fast link's plan keeps int4, as does the warm-up
-    plan before the link is measured. The replicas end identical either way."""
-    cfg = SyncConfig(strategy="dreamddp", period=4, warmup_steps=2, control_every=4, max_delay=2)
+    with error feedback though the run did not ask for it, or with keep_unsent keeping what it leaves out in
+    the parameters. A fast link's plan keeps int4, as does the warm-up plan before the link is measured
+    (without keep_unsent). The replicas end identical after flush() either way."""
+    cfg = SyncConfig(strategy="dreamddp", period=4, warmup_steps=2, control_every=4, max_delay=2, **settings)
     hub = InProcessHub(2, goodput_Bps=goodput_Bps, rtt_s=0.001)
     strategies, _ = _train_pair(hub, cfg, 40)
     assert [s.sync_codec for s in strategies] == [measured[0]] * 2
     # the layer syncs (not their 17-element fp32 checks), in order
     syncs = [(r.codec, r.error_feedback) for r in hub.rounds if r.group_id >= GROUP_PLAN_BASE and r.elements > 17]
-    assert syncs[0] == ("int4", False) and syncs[-1] == measured
-    assert set(syncs) == {("int4", False), measured}
+    assert syncs[0] == warmup and syncs[-1] == measured
+    assert set(syncs) == {warmup, measured}
     a, b = (b"".join(p.detach().numpy().tobytes() for p in s.model.parameters()) for s in strategies)
     assert a == b
 

@@ -9,13 +9,14 @@ import pytest
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import plan_dreamddp
-from dreamp2p.schedule.plan import Plan
+from dreamp2p.schedule.plan import GroupSync, Plan
 from dreamp2p.schedule.plancodec import choose_plan_codec
 from dreamp2p.schedule.stretch import (
     STRETCH_LINK_BUDGET,
     choose_codec_and_period,
     choose_delta_codec,
     choose_period,
+    landing_share,
     link_share,
     stretch_for,
     stretched_periods,
@@ -187,3 +188,44 @@ def test_pseudo_gradients_take_the_first_codec_the_link_carries_before_a_longer_
 def test_pseudo_gradients_need_a_candidate() -> None:
     with pytest.raises(ValueError, match="no candidate"):
         choose_delta_codec([], COSTS, _link(1e6), PERIODS, _make)
+
+
+def _groups(H: int, delays: tuple[int, ...], comm: tuple[float, ...]) -> Plan:
+    """A plan of ``len(delays)`` groups over the 8 layers of COSTS, launched in iterations 0, 1, ..."""
+    cut = len(COSTS) // len(delays)
+    syncs = tuple(
+        GroupSync(i, tuple(range(i * cut, (i + 1) * cut if i < len(delays) - 1 else len(COSTS))), d, 0.0, c)
+        for i, (d, c) in enumerate(zip(delays, comm, strict=True))
+    )
+    return Plan(1, 0, H, tuple(c.name for c in COSTS), syncs, (0.0,) * H, 0.03)
+
+
+@pytest.mark.parametrize(
+    ("delays", "comm", "share"),
+    [
+        ((19,), (1.0,), 0.95),
+        ((10, 10), (1.0, 1.0), 0.5),
+        ((2, 18), (3.0, 1.0), (2 * 3 + 18) / 4 / 20),  # weighted by link time
+        ((0, 0), (0.0, 0.0), 0.0),
+        ((4, 8), (0.0, 0.0), 6 / 20),  # no link time: plain mean
+    ],
+)
+def test_landing_share_is_the_link_time_weighted_delay_over_the_period(
+    delays: tuple[int, ...], comm: tuple[float, ...], share: float
+) -> None:
+    assert landing_share(_groups(20, delays, comm)) == pytest.approx(share)
+
+
+def test_a_codec_whose_plan_fits_the_link_but_lands_stale_gives_way_to_the_next() -> None:
+    """q4 and q2 fit the link, but only as one group landing a period late: q1 (sparser) is taken, whose groups
+    land fresh. Where no candidate lands fresh (staleness that bytes do not cause, as a tiny model's round
+    latency), the first that fits is taken, not the most compressive."""
+
+    def make(link: LinkModel, H: int) -> Plan:
+        return _groups(H, (H - 1,), (0.01,)) if link.codec_ratio > 0.05 else _groups(H, (2, 2), (0.01, 0.01))
+
+    deltas = [("q4", 0.125), ("q2", 0.0625), ("q1", 0.01)]
+    name, choice = choose_delta_codec(deltas, COSTS, _link(1e9), (20,), make)
+    assert (name, landing_share(choice.plan)) == ("q1", 0.1)
+    name, _ = choose_delta_codec(deltas[:2], COSTS, _link(1e9), (20,), make)
+    assert name == "q4"

@@ -156,7 +156,7 @@ class DreamDDP(Strategy):
         self._weights.start()
         self._syncs = LayerSyncs(self.cfg, self.comm, self.layers, self.pin, self._weights)
         self._delta_flush = DeltaFlush(
-            self.comm, self._weights, self.layers, self.pin, self.cfg.delta_codec, self._wait, self._syncs.check
+            self.comm, self._weights, self.layers, self.pin, self.cfg.flush_delta_codec, self._wait, self._syncs.check
         )
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         if self.cfg.warmup_steps > 0:

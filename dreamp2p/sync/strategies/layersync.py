@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dreamp2p.compression import get_codec
 from dreamp2p.config.sync import SyncConfig
 from dreamp2p.messages import RingCodecPlan, RoundResult
 from dreamp2p.schedule.plan import Plan
@@ -128,8 +129,12 @@ class LayerSyncs:
         # theta is read here, on the training thread that alone changes it; `work` is ours until launch
         self._weights.copy_theta(sync.layers, group.work)
 
+        keep = self._cfg.keeps_unsent(delta_codec)
+
         def pseudo_gradient() -> None:  # on the comm thread, once the snapshot has landed
             group.work.sub_(group.snap)
+            if keep:
+                keep_unsent(group, delta_codec)
 
         fut = self._comm.allreduce_group(
             group,
@@ -138,7 +143,7 @@ class LayerSyncs:
             plan_version=plan.version,
             round_id=round_id,
             prepare=pseudo_gradient,
-            error_feedback=self._cfg.error_feedback or delta_codec != self._cfg.delta_codec,
+            error_feedback=not keep and (self._cfg.error_feedback or delta_codec != self._cfg.delta_codec),
         )
         if not self._is_check(step):
             return InFlight(step + sync.delay, key, group, sync.layers, fut)
@@ -194,3 +199,15 @@ class LayerSyncs:
     def clear(self) -> None:
         """Forget every buffer: a plan of a version held before may group other layers (a loaded state)."""
         self._groups.clear()
+
+
+def keep_unsent(group: FlatGroup, codec: str) -> None:
+    """Move what ``codec`` would not carry of the pseudo-gradient in ``group.work`` into its snapshot, so that the
+    merge (params <- mean + params - snap) leaves it in this member's parameters (`SyncConfig.keep_unsent`).
+
+    Estimated by encoding the whole group here, where the ring encodes it chunk by chunk: whatever the estimate
+    misses is not lost either, since the next pseudo-gradient, taken from the shared theta, contains it.
+    """
+    c = get_codec(codec)
+    sent = c.decode(c.encode(group.work), group.numel)
+    group.snap.add_(group.work).sub_(sent)

@@ -99,13 +99,14 @@ log = logging.getLogger(__name__)
 def parse_variant(entry: str) -> tuple[str, dict[str, Any]]:
     """``"dreamddp:error_feedback=true,delta_codec=e3m0"`` -> the strategy and its own SyncConfig overrides.
 
-    Values are read as TOML (true, 3, 0.5, "int8"); a bare word that is not TOML is taken as a string.
+    Values are read as TOML (true, 3, 0.5, "int8", ["int2", "topk"]: commas inside brackets belong to the
+    value); a bare word that is not TOML is taken as a string.
     A plain strategy name has no overrides. Lets one run compare settings of a strategy side by side.
     Keys of :data:`NODE_KEYS` (``dreamddp:comm=process``) are node settings: see :func:`split_node_keys`.
     """
     strategy, _, spec = entry.partition(":")
     own: dict[str, Any] = {}
-    for item in filter(None, spec.split(",")):
+    for item in filter(None, _top_level_items(spec)):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"strategy variant {entry!r}: expected key=value, got {item!r}")
@@ -114,6 +115,18 @@ def parse_variant(entry: str) -> tuple[str, dict[str, Any]]:
         except tomllib.TOMLDecodeError:
             own[key.strip()] = value.strip()
     return strategy, own
+
+
+def _top_level_items(spec: str) -> list[str]:
+    """``spec`` split at the commas outside square brackets."""
+    items: list[str] = []
+    depth = start = 0
+    for i, ch in enumerate(spec):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            items.append(spec[start:i])
+            start = i + 1
+    return [*items, spec[start:]]
 
 
 # variant keys that configure the node ([node] in a daemon's file), not the strategy's SyncConfig
