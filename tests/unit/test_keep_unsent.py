@@ -105,11 +105,8 @@ def test_replicas_keep_their_mean_and_exchange_only_what_was_sent(codec: str, pr
     [
         ({"keep_unsent": True}, "topk", True),
         ({"keep_unsent": True}, "int2", True),
-        (
-            {"keep_unsent": True},
-            "int4",
-            False,
-        ),  # a 4-bit sync merges as ever: replicas agree after it where nobody trained
+        # a 4-bit sync merges as ever: replicas agree after it where nobody trained
+        ({"keep_unsent": True}, "int4", False),
         ({"keep_unsent": True, "error_feedback": True}, "topk", False),  # error feedback holds the rest instead
         ({}, "int2", False),  # off by default
     ],
