@@ -210,7 +210,7 @@ dreamp2p bench strategies --json --strategies none streaming dreamddp
 dreamp2p bench strategies --device cuda --width 2048 --depth 4 --batch 65536 --lr 0.01 --steps 100 --json
 dreamp2p bench lm --json --steps 200
 dreamp2p bench lm --strategies dreamddp:error_feedback=true dreamddp:delta_codec=topk,error_feedback=true
-dreamp2p bench lm --json --rate 1mbit --regions 3 --strategies 'dreamddp:delta_fallbacks=["int2","topk"],keep_unsent=true'
+dreamp2p bench lm --json --rate 1mbit --strategies 'dreamddp:delta_fallbacks=["int2","topk"],keep_unsent=true'
 dreamp2p bench lm --json --rate 100mbit --regions 2 --steps 200 --bracket --rounds 4 --strategies streaming dreamddp
 dreamp2p bench lm --json --rate 20mbit --regions 3 --steps 200 --bracket --strategies none dreamddp streaming
 dreamp2p bench lm --json --rtt 80ms --loss 0.1% --strategies dreamddp
