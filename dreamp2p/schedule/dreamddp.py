@@ -179,13 +179,17 @@ def _choose_delays(jobs: list[Job], H: int, B: float, F: float, max_delay: int) 
     return current, total
 
 
+def weighted_delay(delays: Sequence[tuple[int, float]]) -> float | None:
+    """The mean of ``(delay, link time)`` pairs' delays weighted by their link time; None when none has any."""
+    weight = math.fsum(w for _, w in delays)
+    return math.fsum(d * w for d, w in delays) / weight if weight > 0 else None
+
+
 def _staleness(jobs: Sequence[Job]) -> float:
     """Steps a parameter's average lands late, weighted by bytes (each group's link time): the tie-breaker
     between plans that hide alike. k staggered groups of delay D/k beat one group of delay D; both hide."""
-    weight = math.fsum(job.comm for job in jobs)
-    if weight <= 0:
-        return float(sum(job.delay for job in jobs))
-    return math.fsum(job.delay * job.comm for job in jobs) / weight
+    late = weighted_delay([(job.delay, job.comm) for job in jobs])
+    return float(sum(job.delay for job in jobs)) if late is None else late
 
 
 def _pick(scored: Sequence[tuple[float, float, list[Job]]], round_cost_s: float, H: int, period_s: float) -> list[Job]:

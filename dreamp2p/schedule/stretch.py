@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from dreamp2p.schedule.cost import LayerCost, LinkModel, ring_wire_bytes
-from dreamp2p.schedule.dreamddp import FRESH_SHARE
+from dreamp2p.schedule.dreamddp import FRESH_SHARE, weighted_delay
 from dreamp2p.schedule.plan import Plan, total_exposed
 from dreamp2p.schedule.plancodec import CodecChoice, choose_plan_codec, link_busy_fraction
 
@@ -143,22 +143,26 @@ def choose_delta_codec(
     if not candidates:
         raise ValueError("no candidate codecs")
     fitting: tuple[str, LinkModel, Plan] | None = None  # the first that fits, if none fits fresh
+    last: tuple[str, LinkModel, Plan] | None = None
     for name, ratio in candidates:
         lk = replace(link, codec_ratio=ratio)
-        first = make_plan(lk, periods[0])
-        if link_share(costs, lk, periods[0], first) <= STRETCH_LINK_BUDGET:
-            if landing_share(first) <= FRESH_SHARE:
-                return name, _stretched(periods, costs, lk, functools.partial(make_plan, lk), first)
+        last = (name, lk, make_plan(lk, periods[0]))
+        if link_share(costs, lk, periods[0], last[2]) <= STRETCH_LINK_BUDGET:
+            if landing_share(last[2]) <= FRESH_SHARE:
+                break
             # kept for when none lands fresh: staleness from latency (a tiny model's rounds) no codec cures
-            fitting = fitting or (name, lk, first)
-    name, lk, first = fitting or (name, lk, first)
+            fitting = fitting or last
+    else:
+        last = fitting or last
+    assert last is not None  # candidates is not empty
+    name, lk, first = last
     return name, _stretched(periods, costs, lk, functools.partial(make_plan, lk), first)
 
 
 def landing_share(plan: Plan) -> float:
     """How late ``plan``'s syncs land on average, weighted by their link time, as a share of its period."""
     syncs = [s for s in plan.syncs if not s.repeat]
-    weight = math.fsum(s.comm_s for s in syncs)
-    if weight <= 0:
-        return math.fsum(s.delay for s in syncs) / len(syncs) / plan.period if syncs else 0.0
-    return math.fsum(s.delay * s.comm_s for s in syncs) / weight / plan.period
+    late = weighted_delay([(s.delay, s.comm_s) for s in syncs])
+    if late is None:  # no link time at all: the plain mean
+        late = math.fsum(s.delay for s in syncs) / len(syncs) if syncs else 0.0
+    return late / plan.period
