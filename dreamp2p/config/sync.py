@@ -117,12 +117,11 @@ class SyncConfig:
     # where the link cannot carry a period's pseudo-gradients in delta_codec (the plan's syncs would keep it
     # busy more than dreamp2p.schedule.stretch's budget, or land most of a period late), the plan's syncs use
     # the first of these that it carries fresh (else the first it carries, else the last). What they leave
-    # out stays in error feedback, or with keep_unsent in the parameters (2-bit rounding errs by about half a
-    # pseudo-gradient's norm each round, topk sends 2% of it). ["int2", "topk"] with keep_unsent = true is the
-    # tight-link recipe (docs/BENCHMARKS.md).
+    # out stays in the parameters (keep_unsent) or in error feedback: 2-bit rounding errs by about half a
+    # pseudo-gradient's norm each round, topk sends 2% of it. A sparse one needs one of the two.
     # Tried before stretching the period. Least to most compressive; those sending no fewer bytes than
     # delta_codec are skipped (`delta_chain`). Empty: delta_codec whatever the link.
-    delta_fallbacks: tuple[str, ...] = ("int2",)
+    delta_fallbacks: tuple[str, ...] = ("int2", "topk")
     anchor_every: int = 4
     # error feedback on those pseudo-gradient syncs: what delta_codec lost in one round is added to the
     # same group's next round, at every lossy encode of the ring (dreamp2p.collective.feedback)
@@ -130,13 +129,13 @@ class SyncConfig:
     # what a 2-bit or sparse pseudo-gradient codec (int2, topk: a tight link's) did not carry stays in the
     # member's own parameters (so in its next pseudo-gradient, which is measured from the shared theta),
     # rather than a merge resetting them to theta plus the codec's share: a replica keeps its whole local
-    # progress, and no residual is needed. Until a denser sync or flush() (a dense codec) the replicas differ
-    # by their unsent parts, so a quiet stretch (learning rate 0) no longer makes them bit-identical: hence
-    # off by default while the daemon ends its runs that way. error_feedback = true turns it off (the unsent
-    # part would count twice)
-    keep_unsent: bool = False
+    # progress, and no residual is needed. Until a denser sync or flush() the replicas differ by their unsent
+    # parts, so a quiet stretch (learning rate 0) no longer makes them bit-identical; a daemon flushes at the
+    # end of its run ([train] flush_at_end). error_feedback = true turns it off (the unsent part would count
+    # twice)
+    keep_unsent: bool = True
     # DreamDDP's flush(): the codec of its one round of pseudo-gradients (a dense one; a check confirms the
-    # replicas end identical either way). Empty: see flush_delta_codec
+    # replicas end identical either way). Empty: chosen from the plan in force, see flush_delta_codec
     flush_codec: str = ""
     # Bandwidth-aware compression per ring link (DreamDDP's layer syncs): candidates from least to most
     # lossy, ``codec`` among them; each link sends with the least lossy one that keeps its transfer within
@@ -265,13 +264,14 @@ class SyncConfig:
         (`keep_unsent`: a 2-bit or sparse codec, unless error feedback carries it instead)."""
         return self.keep_unsent and not self.error_feedback and needs_feedback(codec)
 
-    @property
-    def flush_delta_codec(self) -> str:
-        """What DreamDDP's flush() sends its pseudo-gradients in: ``flush_codec`` when set, else ``delta_codec``,
-        or int4 where that is sparse and the replicas keep their unsent parts (a sparse flush would drop them)."""
+    def flush_delta_codec(self, plan_codec: str) -> str:
+        """What DreamDDP's flush() sends its pseudo-gradients in when the plan in force syncs them in
+        ``plan_codec``: ``flush_codec`` when set; int2 where the plan's codec keeps its unsent parts (a tight
+        link: a sparse flush would drop them, and 4 bits would cost the run as much as its syncs did); else
+        ``delta_codec``."""
         if self.flush_codec:
             return self.flush_codec
-        return "int4" if self.keeps_unsent(self.delta_codec) and is_sparse(self.delta_codec) else self.delta_codec
+        return "int2" if self.keeps_unsent(plan_codec) else self.delta_codec
 
     @property
     def delay_cap(self) -> int:
@@ -357,7 +357,8 @@ def _check_sparse_codecs(cfg: SyncConfig) -> None:
                 f"sync.{key}: {sparse[0]} is a sparse codec, usable only as sync.delta_codec or a fallback "
                 "(it sends 2% of each block and decodes the rest as zeros)"
             )
-    if cfg.delta_codec and needs_feedback(cfg.delta_codec) and not (cfg.error_feedback or cfg.keep_unsent):
+    carried = cfg.error_feedback or cfg.keep_unsent
+    if cfg.delta_codec and needs_feedback(cfg.delta_codec) and not carried:
         loss = (
             "is sparse (2% of each block per round)"
             if is_sparse(cfg.delta_codec)
@@ -366,6 +367,12 @@ def _check_sparse_codecs(cfg: SyncConfig) -> None:
         raise ValueError(
             f"sync.delta_codec {cfg.delta_codec} {loss}: it needs sync.error_feedback = true (or "
             "sync.keep_unsent = true), which carries the rest into the next rounds"
+        )
+    sparse = [c for c in cfg.delta_chain if is_sparse(c)]
+    if sparse and not carried:
+        raise ValueError(
+            f"sync.delta_fallbacks: {sparse[0]} is a sparse codec (2% of each block per round): it needs "
+            'sync.keep_unsent = true or sync.error_feedback = true, or leave it out (delta_fallbacks = ["int2"])'
         )
 
 

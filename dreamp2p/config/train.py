@@ -33,6 +33,10 @@ class TrainConfig:
     # daemons that share a host (a laptop demo, a test suite on two cores), so a tiny model does not spin a
     # core flat out stepping faster than anyone reads; the sleep is outside the profiled compute
     min_step_s: float = 0.0
+    # a daemon that reaches task.steps (not one stopped by a signal) flushes before its last checkpoint:
+    # every member that reached it ends with bit-identical parameters (checked first, so replicas that already
+    # agree send only digests). Off: each keeps its own replica, as after any stop
+    flush_at_end: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.accumulation, bool) or not isinstance(self.accumulation, int) or self.accumulation < 1:
@@ -51,6 +55,8 @@ class TrainConfig:
             raise ValueError(
                 f"train.min_step_s must be a number of seconds in [0, {MAX_MIN_STEP_S:g}), got {self.min_step_s!r}"
             )
+        if not isinstance(self.flush_at_end, bool):
+            raise ValueError(f"train.flush_at_end must be true or false, got {self.flush_at_end!r}")
         if self.lr_min > 0 and self.schedule != "cosine":
             raise ValueError("train.lr_min is where the cosine schedule ends: set train.schedule = 'cosine' too")
 

@@ -4,11 +4,11 @@ The parent starts N trainer processes (the regression task of `bench.jobs.traini
 kills one with SIGKILL once every rank is past ``kill_at`` (rounds are in flight all the time), checks
 that the survivors keep stepping, restarts the victim as a joining node (state transfer from the live
 members, start at the cluster's step), and finally has every rank train to the same step, then run a
-quiet stretch with learning rate 0 so that every layer is averaged with nothing local on top: the
-replicas must then hold identical parameters. With ``rejoin=False`` the victim stays dead and only the
-survivors finish. Each rank reports why its failed rounds failed (`peer.rounds.RoundFailure`), so a test
-can tell a round given up because a member left from one that waited out its deadline. Used by the
-fault tests (issues 5 and 14) and the recovery benchmark.
+quiet stretch with learning rate 0 so that every layer is averaged with nothing local on top, and
+(streaming, DreamDDP) flush: the replicas must then hold identical parameters. With ``rejoin=False`` the
+victim stays dead and only the survivors finish. Each rank reports why its failed rounds failed
+(`peer.rounds.RoundFailure`), so a test can tell a round given up because a member left from one that
+waited out its deadline. Used by the fault tests (issues 5 and 14) and the recovery benchmark.
 """
 
 from __future__ import annotations
@@ -86,8 +86,7 @@ def _child(
             losses.append((step, loss.item()))
             step_box.value = s.step_count
         s.close()
-        if args.get("flush"):
-            s.flush()
+        flushed = s.flush() if args.get("flush") else None
         failures: list[tuple[tuple[int, int], str, bool]] = []
         if isinstance(node.comm, CommThread):  # a comm process keeps its peer to itself
             peer = node.comm.peer
@@ -100,6 +99,7 @@ def _child(
                 {
                     "losses": losses,
                     "digest": param_digest(model),
+                    "flush_path": flushed,
                     "step": s.step_count,
                     "skipped": s.rounds_skipped,
                     "view_changes": node.comm.view_changes,
@@ -127,8 +127,11 @@ def _job_args(strategy: str, sync: dict[str, Any] | None, step_sleep: float) -> 
         "sync": sync,
         "step_sleep": step_sleep,
         # Streaming DiLoCo keeps a share (mix_alpha) of each replica's own parameters at every fragment
-        # sync, so replicas approach each other but only an explicit average makes them identical
-        "flush": strategy == "streaming",
+        # sync, and DreamDDP's 2-bit and sparse syncs leave what they did not carry in each replica
+        # (keep_unsent), so replicas approach each other but only flush() makes them identical. DreamDDP's
+        # flush goes through its compressed path only where every member's outer weights agree: what the
+        # quiet stretch alone showed before
+        "flush": strategy in ("streaming", "dreamddp"),
         # every layer syncs once per period and may land max_delay later: two periods leave no doubt
         "quiet_steps": 2 * period + int(sync.get("max_delay", 0)) + 1,
     }

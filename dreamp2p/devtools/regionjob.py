@@ -79,6 +79,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sync", default="{}", help="JSON of [sync] settings")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--quiet-steps", type=int, default=0)
+    p.add_argument("--flush", action="store_true", help="flush() after the quiet steps (--fsdp always flushes)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--out", type=Path, required=True)
@@ -176,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             group["lr"] = 0.0
         _steps(sync, model, data_rank, range(args.steps, args.steps + args.quiet_steps), args.batch_size)
         sync.close()
+        flushed = sync.flush() if args.flush else None
         result = {
             "node_id": node.config.node_id,
+            "flush_path": flushed,
             "losses": losses,
             "init_digest": init_digest,
             "trained_digest": trained_digest,

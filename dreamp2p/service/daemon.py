@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from dreamp2p.config.daemon import DaemonConfig
-from dreamp2p.errors import RoundFailed
+from dreamp2p.errors import FlushIncomplete, RoundFailed
 from dreamp2p.manifest import manifest_hash, param_digest
 from dreamp2p.node import Node
 from dreamp2p.service.checkpoint import list_checkpoints
@@ -232,6 +232,42 @@ def _checkpoint(
     )
 
 
+def _interval_checkpoint(
+    cfg: DaemonConfig, node: Node, sync: Any, training: Training, metrics: NodeMetrics, step: int, final: int
+) -> bool:
+    """``[checkpoint] every_steps`` came round at ``step``: land rounds in flight, save; False when the storage
+    failed it."""
+    sync.close()  # land rounds in flight so the checkpoint is a consistent cut
+    # the next try: the next interval, or the stop's checkpoint; none when this is the last step
+    next_try = min(step + cfg.checkpoint.every_steps, final) if step < final else None
+    saved = _checkpoint(cfg, node, sync, training, step, next_try)
+    if saved is not None:
+        # the digest lets a resume be checked against what was saved (xxh3: cheap beside the write)
+        digest = param_digest(training.model)
+        metrics.record(RecordKind.CHECKPOINT, step=step, path=str(saved), digest=digest)
+    return saved is not None
+
+
+def _flush_at_end(sync: Any, model: nn.Module) -> str | None:
+    """The run reached its last step: make every member that reached it bit-identical (``[train] flush_at_end``);
+    how the trainable parameters became so (`Strategy.flush`), None where the flush did not complete.
+
+    Each member ends at the same step count (``task.steps`` or the agreed stop step), so their flush rounds
+    meet. Members that left before the end keep their own replicas: a warning, not a failed run.
+    """
+    log.info("flushing at the end of the run (step %d)", sync.step_count)
+    try:
+        path: str = sync.flush()
+    except FlushIncomplete as exc:
+        log.warning("the end-of-run flush left replicas apart: %s", exc)
+        return None
+    except RoundFailed as exc:
+        log.warning("the end-of-run flush failed; each member keeps its own replica: %s", exc)
+        return None
+    log.info("flushed (%s): every member holds digest %s", path, param_digest(model))
+    return path
+
+
 def _pace(t_step: float, min_step_s: float, stop: StopFlag) -> None:
     """Sleep out what is left of ``min_step_s`` since ``t_step`` (``[train] min_step_s``); a stop cuts it short."""
     if (rest := min_step_s - (time.perf_counter() - t_step)) > 0:
@@ -288,16 +324,11 @@ def _train(
             first_eval = last_eval if first_eval is None else first_eval
             metrics.eval_loss.set(last_eval)
             metrics.record(RecordKind.EVAL, step=step, eval_loss=last_eval)
-        if (step + 1) % cfg.checkpoint.every_steps == 0:
-            sync.close()  # land rounds in flight so the checkpoint is a consistent cut
-            # the next try: the next interval, or the stop's checkpoint; none when this is the last step
-            next_try = min(step + 1 + cfg.checkpoint.every_steps, final) if step + 1 < final else None
-            saved = _checkpoint(cfg, node, sync, training, step + 1, next_try)
-            if saved is None:
-                failed_at = step + 1
-            else:
-                # the digest lets a resume be checked against what was saved (xxh3: cheap beside the write)
-                metrics.record(RecordKind.CHECKPOINT, step=step + 1, path=str(saved), digest=param_digest(model))
+        saving = (step + 1) % cfg.checkpoint.every_steps == 0
+        if saving and not _interval_checkpoint(cfg, node, sync, training, metrics, step + 1, final):
+            failed_at = step + 1
+    at_end = cfg.train.flush_at_end and sync.step_count >= final and not stop.event.is_set()
+    flushed = _flush_at_end(sync, model) if at_end else None
     notifier.stopping(f"draining at step {sync.step_count}")
     node.begin_drain()  # probes see NOT_SERVING while rounds in flight land
     _drain(sync, node, cfg.stop_grace_s)
@@ -309,7 +340,12 @@ def _train(
         metrics.record(RecordKind.EVAL, step=sync.step_count - 1, eval_loss=last_eval)
     checkpoint = str(path) if path is not None else None
     metrics.record(
-        RecordKind.STOP, step=sync.step_count, signal=stop.signal, checkpoint=checkpoint, digest=param_digest(model)
+        RecordKind.STOP,
+        step=sync.step_count,
+        signal=stop.signal,
+        checkpoint=checkpoint,
+        digest=param_digest(model),
+        flushed=flushed,
     )
     return {
         "step": sync.step_count,

@@ -31,6 +31,7 @@ KEYS = {
     "stop_steps",
     "digests_equal",
     "digests",
+    "flushes",
     "kill_log",
     "kinds",
     "faults",
@@ -92,6 +93,8 @@ def test_bench_chaos_injects_every_kind_and_ends_with_equal_digests(tmp_path: Pa
     assert set(report["stop_codes"].values()) == {0}
     assert report["digests_equal"] is True, report["digests"]
     assert len(set(report["digests"].values())) == 1 and report["distinct_digests"] == 1
+    # the end-of-run flush went through DreamDDP's compressed path: every member's outer weights agreed
+    assert set(report["flushes"].values()) == {"compressed"}, report["flushes"]
     # the daemons' own records back the figures: a --join start for every rejoin
     starts = []
     for name in report["digests"]:

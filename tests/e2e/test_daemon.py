@@ -204,17 +204,24 @@ def test_whole_cluster_stopped_steps_apart_resumes_together(tmp_path: Path, stra
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fresh_cluster_started_with_resume_trains_from_scratch(tmp_path: Path) -> None:
-    """The deploy files always pass --resume: on a first start nobody has a checkpoint, so all start fresh."""
+    """The deploy files always pass --resume: on a first start nobody has a checkpoint, so all start fresh.
+
+    Having reached task.steps, the daemons flush (``[train] flush_at_end``): one model everywhere, made so
+    through DreamDDP's compressed path (taken only where every member's outer weights agree)."""
     task = {**TASK, "steps": 30}
     configs = write_configs(tmp_path, 3, rate_Bps=20e6, delay_s=0.002, sync=SYNC, task=task, checkpoint_every=10)
     names = ("eu-west", "us-east", "ap-south")
     procs = [start_node(c, resume=True) for c in configs]
     try:
         wait_exits(dict(zip(names, procs, strict=True)), tmp_path, 240)
+        stops = []
         for n in names:
             records = read_records(tmp_path, n)
             assert not [r for r in records if r["kind"] in ("resume", "join")]
             assert last_step(tmp_path, n) == task["steps"] - 1
+            stops.append([r for r in records if r["kind"] == "stop"][-1])
+        assert [s["flushed"] for s in stops] == ["compressed"] * 3
+        assert len({s["digest"] for s in stops}) == 1
     finally:
         stop_all(procs)
 

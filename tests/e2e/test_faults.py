@@ -39,6 +39,10 @@ def test_kill_one_of_four_survivors_continue_and_it_rejoins(strategy: str) -> No
     assert rep.joined_at > max(rep.survivor_steps_after_kill[r] for r in (0, 1, 2))
     assert rep.results[3]["losses"][0][0] == rep.joined_at
     assert _mean([x for _, x in rep.results[3]["losses"][:5]]) < _mean([x for _, x in rep.results[0]["losses"][:5]])
-    # after a quiet stretch (learning rate 0) every layer was averaged among all four: identical replicas
+    # after a quiet stretch (learning rate 0) every layer was averaged among all four, then flushed where the
+    # strategy keeps local parts: identical replicas; DreamDDP's flush went through its compressed path,
+    # which it takes only where every member's outer weights agreed (the rounds left them one)
     assert len({r["step"] for r in rep.results}) == 1
     assert len({r["digest"] for r in rep.results}) == 1, [r["digest"][:12] for r in rep.results]
+    if strategy == "dreamddp":
+        assert {r["flush_path"] for r in rep.results} == {"compressed"}, [r["flush_path"] for r in rep.results]

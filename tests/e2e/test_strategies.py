@@ -61,11 +61,15 @@ def test_ssgd_matches_single_process_on_union_batch() -> None:
     ],
 )
 def test_dreamddp_full_period_makes_replicas_identical(max_delay: int, outer: dict[str, float]) -> None:
-    """After a full period (plus the longest delay) with no local progress, every layer was averaged."""
+    """After a full period (plus the longest delay) with no local progress, every layer was averaged: every
+    member holds the same outer weights, so flush() ends identical replicas through its compressed path
+    (which it takes only where those agree). Without the flush replicas may still differ by what their 2-bit
+    or sparse syncs did not carry (keep_unsent)."""
     sync = {**SMALL_SYNC, "max_delay": max_delay, **outer}
-    results = train(3, "dreamddp", steps=40, sync=sync, quiet_steps=sync["period"] + max_delay + 1)
+    results = train(3, "dreamddp", steps=40, sync=sync, quiet_steps=sync["period"] + max_delay + 1, flush=True)
     assert len({r["trained_digest"] for r in results}) == 3  # partial sync: replicas differed while training
     assert len({r["digest"] for r in results}) == 1
+    assert [r["flush_path"] for r in results] == ["compressed"] * 3
     assert len({tuple(map(tuple, r["plan_history"])) for r in results}) == 1
     for r in results:
         assert mean(r["losses"][-10:]) < 0.6 * mean(r["losses"][:10])

@@ -68,6 +68,7 @@ def test_sides_that_planned_apart_converge_on_one_plan_after_the_heal(tmp_path: 
                 "step_sleep": 0.03,
                 # the check every 4th period and the anchor it calls for in the period after fall inside
                 "quiet_steps": 6 * sync["period"] + sync["max_delay"] + 1,
+                "flush": True,
                 "step_times": True,
                 "started_file": str(started),
             },
@@ -84,8 +85,11 @@ def test_sides_that_planned_apart_converge_on_one_plan_after_the_heal(tmp_path: 
     for r in results:
         assert all(math.isfinite(x) for x in r["losses"])
         assert any(t > timeline["up"] for t in r["step_times"]), "no training after the link healed"
-    # one plan in force everywhere, and identical replicas after the quiet stretch at the end
+    # one plan in force everywhere, and after the quiet stretch at the end one set of outer weights: flush()
+    # went through its compressed path (taken only where they agree) and left identical replicas (the quiet
+    # stretch alone leaves each the part of its 2-bit or sparse syncs they did not carry, keep_unsent)
     assert len({tuple(r["plan_history"][-1]) for r in results}) == 1, [r["plan_history"] for r in results]
+    assert [r["flush_path"] for r in results] == ["compressed"] * 3
     assert len({r["digest"] for r in results}) == 1
 
 

@@ -101,10 +101,12 @@ def finish(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) -> 
 
 
 def run_regions(
-    out: Path, ranks: int, strategy: str, sync: dict[str, Any], steps: int, quiet_steps: int
+    out: Path, ranks: int, strategy: str, sync: dict[str, Any], steps: int, quiet_steps: int, flush: bool = False
 ) -> dict[str, dict[str, Any]]:
-    """Two regions of ``ranks`` local ranks each, trained to the end; each rank's result by node id."""
-    for region, (code, log) in launch(out, (ranks, ranks), strategy, sync, steps, quiet_steps).items():
+    """Two regions of ``ranks`` local ranks each, trained to the end (then flushed when asked); each rank's
+    result by node id."""
+    extra = (("--flush",), ("--flush",)) if flush else ()
+    for region, (code, log) in launch(out, (ranks, ranks), strategy, sync, steps, quiet_steps, extra).items():
         assert code == 0, f"region {region} exited {code}:\n{log[-4000:]}"
     results = {}
     for path in sorted(out.glob("*.json")):
@@ -140,7 +142,8 @@ def test_ssgd_regions_of_two_ranks_train_alike_and_halve_each_ranks_wan_bytes(tm
 @pytest.mark.timeout(500)
 def test_dreamddp_regions_of_two_ranks_end_bit_identical_after_a_quiet_period(tmp_path: Path) -> None:
     sync = DREAMDDP_SYNC
-    results = run_regions(tmp_path, 2, "dreamddp", sync, 40, quiet_steps=sync["period"] + sync["max_delay"] + 1)
+    quiet = sync["period"] + sync["max_delay"] + 1
+    results = run_regions(tmp_path, 2, "dreamddp", sync, 40, quiet_steps=quiet, flush=True)
     for r in results.values():
         assert r["rounds_skipped"] == 0
         assert mean(r["losses"][-5:]) < 0.6 * mean(r["losses"][:5]), r["losses"]
@@ -148,9 +151,12 @@ def test_dreamddp_regions_of_two_ranks_end_bit_identical_after_a_quiet_period(tm
     for region in REGIONS:
         assert results[region]["trained_digest"] == results[f"{region}.1"]["trained_digest"]
     assert results["a"]["trained_digest"] != results["b"]["trained_digest"]
-    # every rank adopted the same plans at the same steps, and a full quiet period averaged every layer
+    # every rank adopted the same plans at the same steps, and a full quiet period averaged every layer: the
+    # outer weights agree everywhere, so flush() ends identical replicas through its compressed path (it takes
+    # it only where they agree); without it replicas keep what their 2-bit or sparse syncs did not carry
     assert len({json.dumps(r["plan_history"]) for r in results.values()}) == 1
     assert len({r["digest"] for r in results.values()}) == 1
+    assert {r["flush_path"] for r in results.values()} == {"compressed"}
 
 
 @pytest.mark.slow

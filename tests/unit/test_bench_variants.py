@@ -44,6 +44,6 @@ def test_the_sparse_variant_is_a_valid_dreamddp_config_and_needs_error_feedback(
     strategy, own = parse_variant("dreamddp:delta_codec=topk,error_feedback=true")
     cfg = SyncConfig.from_dict({"strategy": strategy, "period": 20, **own})
     assert (cfg.delta_codec, cfg.error_feedback) == ("topk", True)
-    strategy, own = parse_variant("dreamddp:delta_codec=topk")
+    strategy, own = parse_variant("dreamddp:delta_codec=topk,keep_unsent=false")
     with pytest.raises(ValueError, match=r"needs sync\.error_feedback = true"):
         SyncConfig.from_dict({"strategy": strategy, "period": 20, **own})

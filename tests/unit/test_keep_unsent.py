@@ -21,24 +21,30 @@ from tests.unit.test_strategy_logic import config, digest, each, members, train
 
 
 @pytest.mark.parametrize(
-    ("settings", "flush"),
+    ("settings", "plan_codec", "flush"),
     [
-        ({"delta_codec": "topk", "keep_unsent": True}, "int4"),
-        ({"delta_codec": "int2", "keep_unsent": True}, "int2"),
-        ({"delta_codec": "int4", "keep_unsent": True}, "int4"),
-        ({"delta_codec": "topk", "error_feedback": True}, "topk"),  # error feedback holds the rest instead
-        ({"delta_codec": "int4"}, "int4"),
-        ({"delta_codec": "topk", "keep_unsent": True, "flush_codec": "int2"}, "int2"),
+        ({"delta_codec": "int4", "keep_unsent": True}, "topk", "int2"),  # a tight link's plan: 2 bits, dense
+        ({"delta_codec": "int4", "keep_unsent": True}, "int2", "int2"),
+        ({"delta_codec": "int4", "keep_unsent": True}, "int4", "int4"),  # a fast link's plan: delta_codec
+        ({"delta_codec": "topk", "keep_unsent": True}, "topk", "int2"),
+        ({"delta_codec": "int4", "keep_unsent": True, "error_feedback": True}, "topk", "int4"),
+        ({"delta_codec": "topk", "error_feedback": True}, "topk", "topk"),  # error feedback holds the rest instead
+        ({"delta_fallbacks": ("int2",), "keep_unsent": False}, "int2", "int4"),
+        ({"delta_codec": "int4", "keep_unsent": True, "flush_codec": "int8"}, "topk", "int8"),
+        ({"delta_codec": "", "keep_unsent": True}, "", ""),  # no pseudo-gradients: flush() averages in fp32
     ],
 )
-def test_keep_unsent_lets_lossy_codecs_run_without_feedback_and_flushes_dense(settings: dict, flush: str) -> None:
-    assert SyncConfig(strategy="dreamddp", **settings).flush_delta_codec == flush
+def test_the_flush_codec_follows_the_plan_and_is_dense_where_unsent_parts_are_kept(
+    settings: dict, plan_codec: str, flush: str
+) -> None:
+    assert SyncConfig(strategy="dreamddp", **settings).flush_delta_codec(plan_codec) == flush
 
 
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"delta_codec": "topk"}, r"error_feedback = true \(or sync.keep_unsent = true\)"),
+        ({"delta_codec": "topk", "keep_unsent": False}, r"error_feedback = true \(or sync.keep_unsent = true\)"),
+        ({"keep_unsent": False}, r"delta_fallbacks: topk is a sparse codec .*keep_unsent = true"),
         ({"keep_unsent": "yes"}, "keep_unsent must be true or false"),
         ({"flush_codec": "topk"}, "flush_codec must be a dense codec"),
         ({"flush_codec": "zip"}, "flush_codec must be a dense codec"),
@@ -108,7 +114,8 @@ def test_replicas_keep_their_mean_and_exchange_only_what_was_sent(codec: str, pr
         # a 4-bit sync merges as ever: replicas agree after it where nobody trained
         ({"keep_unsent": True}, "int4", False),
         ({"keep_unsent": True, "error_feedback": True}, "topk", False),  # error feedback holds the rest instead
-        ({}, "int2", False),  # off by default
+        ({"keep_unsent": False, "delta_fallbacks": ("int2",)}, "int2", False),
+        ({}, "int2", True),  # on by default
     ],
 )
 def test_unsent_parts_are_kept_for_2_bit_and_sparse_codecs_when_asked_unless_error_feedback_is_on(
@@ -120,9 +127,11 @@ def test_unsent_parts_are_kept_for_2_bit_and_sparse_codecs_when_asked_unless_err
 @pytest.mark.parametrize(
     ("settings", "warmup"),
     [
-        ({"delta_fallbacks": ("int2", "topk"), "keep_unsent": True}, "topk"),  # the tight-link recipe
-        ({"delta_fallbacks": ("int2", "topk")}, "int4"),  # error feedback would reset replicas to 2% of progress
-        ({}, "int4"),
+        ({}, "topk"),  # the defaults: ["int2", "topk"], keep_unsent
+        # error feedback would reset replicas to 2% of progress
+        ({"delta_fallbacks": ("int2", "topk"), "keep_unsent": False, "error_feedback": True}, "int4"),
+        ({"delta_fallbacks": ("int2",)}, "int2"),
+        ({"delta_fallbacks": ()}, "int4"),
     ],
 )
 def test_the_first_warm_up_sends_the_last_fallback_only_where_the_parameters_keep_the_rest(

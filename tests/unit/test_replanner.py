@@ -95,7 +95,7 @@ def test_a_tight_link_sends_the_first_fallback_it_carries(
 
 
 def test_a_fallback_comes_before_a_longer_period() -> None:
-    cfg = SyncConfig(strategy="dreamddp", period=H, max_stretch=8)
+    cfg = SyncConfig(strategy="dreamddp", period=H, max_stretch=8, delta_fallbacks=("int2",))
     made = Replanner(cfg).make(_request(cfg, 0.25e6))
     assert (made.deltas, made.plan.period) == ("int2", H)
     # where even the last fallback cannot be carried, its plan is stretched

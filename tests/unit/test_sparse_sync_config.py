@@ -31,7 +31,7 @@ def test_delta_codec_topk_with_error_feedback_is_accepted_and_shared() -> None:
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        ({"delta_codec": "topk"}, "sync.delta_codec topk is sparse .*error_feedback = true"),
+        ({"delta_codec": "topk", "keep_unsent": False}, "sync.delta_codec topk is sparse .*error_feedback = true"),
         ({"codec": "topk", "error_feedback": True}, "sync.codec: topk is a sparse codec"),
         ({"stream_codec": "topk"}, "sync.stream_codec: topk is a sparse codec"),
         ({"plan_codecs": ["int8", "topk"]}, "sync.plan_codecs: topk is a sparse codec"),
@@ -46,7 +46,7 @@ def test_sparse_codec_refused_where_parameters_or_unfed_increments_travel(settin
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        ({"delta_codec": "int2"}, "sync.delta_codec int2 loses about half .*error_feedback"),
+        ({"delta_codec": "int2", "keep_unsent": False}, "sync.delta_codec int2 loses about half .*error_feedback"),
         ({"delta_fallbacks": ["int3"]}, "sync.delta_fallbacks: unknown codec 'int3'"),
         ({"delta_fallbacks": "int2"}, "sync.delta_fallbacks must be a list of codec names"),
         ({"delta_fallbacks": ["topk", "int2"]}, "sync.delta_fallbacks: int2 sends no fewer bytes than topk"),
@@ -62,9 +62,9 @@ def test_2_bit_pseudo_gradients_need_error_feedback_and_fallbacks_are_checked(
 @pytest.mark.parametrize(
     ("settings", "chain"),
     [
-        ({}, ("int4", "int2")),
+        ({}, ("int4", "int2", "topk")),
         ({"delta_fallbacks": []}, ("int4",)),
-        ({"delta_codec": "int2", "error_feedback": True}, ("int2",)),  # int2 is no fallback of itself
+        ({"delta_codec": "int2", "error_feedback": True}, ("int2", "topk")),  # int2 is no fallback of itself
         ({"delta_codec": "int8", "delta_fallbacks": ["INT2", "topk"]}, ("int8", "int2", "topk")),
         ({"delta_codec": ""}, ()),  # parameter averaging: no pseudo-gradients to compress
     ],
@@ -105,19 +105,22 @@ def _train_pair(hub: InProcessHub, cfg: SyncConfig, steps: int) -> tuple[list[An
 @pytest.mark.parametrize(
     ("goodput_Bps", "settings", "warmup", "measured"),
     [
-        (2e3, {}, ("int4", False), ("int2", True)),
-        (1e9, {}, ("int4", False), ("int4", False)),
-        # the unsent parts stay in the parameters: no residual, and the warm-up sends the sparse codec already
-        (2e3, {"delta_fallbacks": ["int2", "topk"], "keep_unsent": True}, ("topk", False), ("topk", False)),
+        # the defaults: the unsent parts stay in the parameters, no residual, and the warm-up sends the sparse
+        # codec already
+        (2e3, {}, ("topk", False), ("topk", False)),
+        (1e9, {}, ("topk", False), ("int4", False)),
+        # without keep_unsent: 2 bits with error feedback, and the warm-up in int4
+        (2e3, {"delta_fallbacks": ["int2"], "keep_unsent": False}, ("int4", False), ("int2", True)),
+        (1e9, {"delta_fallbacks": ["int2"], "keep_unsent": False}, ("int4", False), ("int4", False)),
     ],
 )
 def test_pseudo_gradients_travel_in_a_fallback_where_the_link_cannot_carry_int4(
     goodput_Bps: float, settings: dict[str, Any], warmup: tuple[str, bool], measured: tuple[str, bool]
 ) -> None:
     """A measured plan on a link far too slow for a period of int4 pseudo-gradients sends them in the fallback,
-    with error feedback though the run did not ask for it, or with keep_unsent keeping what it leaves out in
-    the parameters. A fast link's plan keeps int4, as does the warm-up plan before the link is measured
-    (without keep_unsent). The replicas end identical after flush() either way."""
+    with keep_unsent (the default) keeping what it leaves out in the parameters, or else with error feedback
+    though the run did not ask for it. A fast link's plan keeps int4, as does the warm-up plan before the
+    link is measured without keep_unsent. The replicas end identical after flush() either way."""
     cfg = SyncConfig(strategy="dreamddp", period=4, warmup_steps=2, control_every=4, max_delay=2, **settings)
     hub = InProcessHub(2, goodput_Bps=goodput_Bps, rtt_s=0.001)
     strategies, _ = _train_pair(hub, cfg, 40)

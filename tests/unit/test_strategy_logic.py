@@ -304,7 +304,7 @@ def test_dreamddp_pace_is_the_links_rate_without_the_rings_latency(monkeypatch: 
     monkeypatch.setattr(dreamddp_sync, "RATE_SAMPLE_MIN_BYTES", 0)
     goodput, rtt = 2000.0, 0.05  # slow enough that a sync's bytes take longer than its chain
     hub = InProcessHub(2, goodput_Bps=goodput, rtt_s=rtt)
-    cfg = config("dreamddp", period=8, max_delay=7, warmup_steps=2, control_every=4)
+    cfg = config("dreamddp", period=8, max_delay=7, warmup_steps=2, control_every=4, delta_fallbacks=())
     strategies = members(hub, cfg)
     train(strategies, 2)
     done = [s._inflight[0].fut.result() for s in strategies]  # type: ignore[attr-defined]
@@ -322,7 +322,9 @@ def test_dreamddp_pace_keeps_queueing_an_rtt_reading_grew_by(monkeypatch: pytest
     monkeypatch.setattr(dreamddp_sync, "RATE_SAMPLE_MIN_BYTES", 0)
     goodput, rtt = 2000.0, 0.05
     hub = InProcessHub(2, goodput_Bps=goodput, rtt_s=rtt)
-    cfg = config("dreamddp", period=8, max_delay=7, warmup_steps=2, control_every=4, control_backoff=1)
+    cfg = config(
+        "dreamddp", period=8, max_delay=7, warmup_steps=2, control_every=4, control_backoff=1, delta_fallbacks=()
+    )
     strategies = members(hub, cfg)
     train(strategies, 3)  # step 2: the first control round reads 0.05 s
     hub.rtt_s = 0.2  # a queue on the link: the control round of step 6 reads 0.2 s

@@ -35,6 +35,7 @@ NODE = {"node_id": "eu-west"}
         ({"lr_min": 1e-4}, "train.lr_min is where the cosine schedule ends"),
         ({"min_step_s": -0.01}, "train.min_step_s must be a number of seconds in [0, 60)"),
         ({"min_step_s": math.nan}, "train.min_step_s must be a number of seconds in [0, 60)"),
+        ({"flush_at_end": "yes"}, "train.flush_at_end must be true or false"),
         ({"min_step_s": 60}, "train.min_step_s must be a number of seconds in [0, 60)"),
         ({"min_step_s": True}, "train.min_step_s must be a number of seconds in [0, 60)"),
     ],

@@ -345,9 +345,9 @@ def test_cli_target_cu_recommends_a_setting_that_reaches_it() -> None:
     }
     assert rec["link_busy"] <= 0.25  # the run's codec_link_budget
     assert rec["utilization"] >= 0.9 and rec["delay"] < rec["period"]
-    # unpinned, the search is over what a run sends by default: 4-bit pseudo-gradients, 2-bit where the link
-    # cannot carry 4 (this one can, at the smallest period reached)
-    assert result["searched"]["codecs"] == ["int4", "int2"] and rec["codec"] == "int4"
+    # unpinned, the search is over what a run sends by default: 4-bit pseudo-gradients, 2-bit or sparse where
+    # the link cannot carry 4 (this one can, at the smallest period reached)
+    assert result["searched"]["codecs"] == ["int4", "int2", "topk"] and rec["codec"] == "int4"
     # the delay cap stays the run's default: the run's planner takes the delays its measured link needs
     assert result["sync"] == {"strategy": "dreamddp", "period": rec["period"], "delta_codec": "int4"}
 

@@ -288,15 +288,15 @@ class Strategy(OptimizerFacade, abc.ABC):
         if self._bufsync is not None:
             self._bufsync.take()
 
-    def flush(self) -> None:
+    def flush(self) -> str:
         """Average every parameter (trainable or frozen) and every buffer once now, blocking: every member of
         the flush ends bit-identical. Checked first, through the strategy's compressed path where it has one
-        (`_flush_params`), else in fp32; the rounds, retries (RoundFailed when none completes) and
-        FlushIncomplete (fewer members than our newest round or the view held) are `dreamp2p.sync.strategies.flush`'s.
-        """
+        (`_flush_params`), else in fp32; the rounds, retries (RoundFailed when none completes), FlushIncomplete
+        (fewer members than our newest round or the view held) and the path it returns (how the trainable
+        parameters became identical) are `dreamp2p.sync.strategies.flush`'s."""
         self.close()
         expected = set(self._last_members) | set(self.comm.members)
-        self._flusher.run(self.step_count, self.cfg.codec, expected, self._flush_params)
+        return self._flusher.run(self.step_count, self.cfg.codec, expected, self._flush_params)
 
     def held(self) -> list[Held]:
         """The memory kept between steps beyond the model, its gradients and the user's optimizer: one entry

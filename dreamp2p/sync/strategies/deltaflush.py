@@ -1,11 +1,12 @@
 """DreamDDP's part of flush(): the trainable parameters made identical through its compressed path.
 
-Every layer's pseudo-gradient (theta - params) travels at once in ``delta_codec``, a few bits per weight
-instead of flush()'s fp32, with a check of the outer weights beside it. Where every member's theta
-agreed, theta - mean pseudo-gradient is the members' parameter mean up to the codec's error, and identical
-on every member, so it becomes both the parameters and theta. Where anything is off (no delta codec, a
-failed round, outer weights apart) flush() averages the parameters in fp32 instead; its digest check
-confirms the result either way (`dreamp2p.sync.strategies.flush`).
+Every layer's pseudo-gradient (theta - params) travels at once in the flush's codec
+(`SyncConfig.flush_delta_codec`), a few bits per weight instead of flush()'s fp32, with a check of the outer
+weights beside it. Where every member's theta agreed, theta - mean pseudo-gradient is the members'
+parameter mean up to the codec's error, and identical on every member, so it becomes both the parameters
+and theta. Where anything is off (no delta codec, a failed round, outer weights apart) flush() averages the
+parameters in fp32 instead; its digest check confirms the result either way
+(`dreamp2p.sync.strategies.flush`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ class DeltaFlush:
         weights: OuterWeights,
         layers: Sequence[Layer],
         pin: bool,
-        codec: str,
         wait: Wait,
         check: CheckLauncher,
     ) -> None:
@@ -49,14 +49,13 @@ class DeltaFlush:
         self._params = [p for layer in layers for p in layer.params]
         self._layers = tuple(range(len(layers)))
         self._pin = pin
-        self._codec = codec
         self._wait = wait
         self._check = check
 
-    def run(self, round_id: int) -> RoundResult | None:
-        """The completed round of pseudo-gradients; None (flush() then averages in fp32) without a delta codec,
-        alone, when a round failed or when the check found the outer weights apart."""
-        if not self._codec or len(self._comm.members) == 1:
+    def run(self, round_id: int, codec: str) -> RoundResult | None:
+        """The completed round of pseudo-gradients in ``codec``; None (flush() then averages in fp32) without
+        one (""), alone, when a round failed or when the check found the outer weights apart."""
+        if not codec or len(self._comm.members) == 1:
             return None
         layers = self._layers
         group = FlatGroup(self._params, pin=self._pin)
@@ -66,9 +65,7 @@ class DeltaFlush:
         def pseudo_gradient() -> None:  # on the comm thread, once the snapshot has landed
             group.work.sub_(group.snap)
 
-        fut = self._comm.allreduce_group(
-            group, GROUP_FLUSH_DELTA, self._codec, round_id=round_id, prepare=pseudo_gradient
-        )
+        fut = self._comm.allreduce_group(group, GROUP_FLUSH_DELTA, codec, round_id=round_id, prepare=pseudo_gradient)
         check, check_fut = self._check(layers, GROUP_FLUSH_THETA, round_id)
         res = self._wait(fut)
         checked = self._wait(check_fut)

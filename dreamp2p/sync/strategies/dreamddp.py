@@ -155,9 +155,7 @@ class DreamDDP(Strategy):
         self._weights = OuterWeights(self.layers, lr, mu)
         self._weights.start()
         self._syncs = LayerSyncs(self.cfg, self.comm, self.layers, self.pin, self._weights)
-        self._delta_flush = DeltaFlush(
-            self.comm, self._weights, self.layers, self.pin, self.cfg.flush_delta_codec, self._wait, self._syncs.check
-        )
+        self._delta_flush = DeltaFlush(self.comm, self._weights, self.layers, self.pin, self._wait, self._syncs.check)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         if self.cfg.warmup_steps > 0:
             self.profiler.start()
@@ -203,7 +201,7 @@ class DreamDDP(Strategy):
 
     def _flush_params(self, round_id: int) -> RoundResult | None:
         """flush()'s trainable part through the compressed path (`dreamp2p.sync.strategies.deltaflush`)."""
-        return self._delta_flush.run(round_id)
+        return self._delta_flush.run(round_id, self.cfg.flush_delta_codec(self._plans.delta_codec))
 
     @property
     def plan(self) -> Plan:

@@ -48,9 +48,11 @@ class ReplicaFlush:
         self._wait = wait
         self._newest_round = 0  # the id of the newest flush round
 
-    def run(self, step: int, codec: str, expected: Iterable[str], compressed: Compressed) -> None:
+    def run(self, step: int, codec: str, expected: Iterable[str], compressed: Compressed) -> str:
         """Flush at ``step``, averaging in ``codec``; FlushIncomplete when it completed among fewer members
-        than ``expected`` (those kept their own state)."""
+        than ``expected`` (those kept their own state). Returns how the trainable parameters became identical:
+        "compressed" (the strategy's own path, which DreamDDP takes only where every member's outer weights
+        agreed), "agreed" (they already were) or "averaged" (in ``codec``)."""
         # Round ids from the step, as every other round's: a member that joined refuses rounds numbered
         # before its first step, and ids counted from 1 were (whenever a frame beat its own round open).
         # Every member flushes at the same step, the same number of times, so the ids agree.
@@ -61,15 +63,19 @@ class ReplicaFlush:
         trainable: list[torch.Tensor] = [p for p in self._model.parameters() if p.requires_grad]
         parts = [rest] if done is not None else [trainable, rest]
         last = done
+        path = "compressed" if done is not None else "agreed"
         for k, tensors in enumerate(part for part in parts if part):
             agree, res = self._check(tensors, first + k)
             if not agree:
                 res = self._average(tensors, codec, first + k * FLUSH_ATTEMPTS)
+                if tensors is trainable:
+                    path = "averaged"
             last = res or last
         averaged = last.members if last is not None and last.members else tuple(self._comm.members)
         missing = tuple(sorted(set(expected) - set(averaged)))
         if missing:
             raise FlushIncomplete(averaged, missing)
+        return path
 
     def _check(self, tensors: list[torch.Tensor], round_id: int) -> tuple[bool, RoundResult | None]:
         """Whether every member holds ``tensors`` bit-identical already (a failed check says no)."""

@@ -102,6 +102,9 @@ def chaos_report(
         "digests_equal": ph.final_step is not None and len(stop_steps) == 1 and digests_agree(digests),
         "distinct_digests": len({d for d in digests.values() if d is not None}),
         "digests": digests,
+        # how each member's end-of-run flush made the replicas identical ("compressed": DreamDDP's own path,
+        # taken only where every member's outer weights agreed); None where it did not flush
+        "flushes": {m: (s or {}).get("flushed") for m, s in stops.items()},
         "kill_log": [
             {"t": round(k.t - ph.chaos[0], 1), "victim": k.victim, "recovery_s": _r(o.recovery_s)}
             for k, o in zip(inj.kills, outcomes, strict=True)

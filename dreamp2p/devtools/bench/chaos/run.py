@@ -15,7 +15,8 @@ started training, the run has four phases, all in one command:
    two halves for ``flap_down_s`` (a link flap); without root there are neither partitions nor flaps;
 3. heal: freezes and the partition end, the last killed members come back; every member must see all N alive;
 4. quiet stop: every member stops after the same step, the last ``quiet_steps`` at learning rate 0
-   (``dreamp2p node --quiet-steps``), and their parameter digests (the STOP records) must all be equal.
+   (``dreamp2p node --quiet-steps``), then flushes (``[train] flush_at_end``), and their parameter digests
+   (the STOP records) must all be equal.
 
 Everything is read from the daemons' ``metrics.jsonl`` (STEP, PEER, JOIN, STOP records); the schedule and the
 report's arithmetic are in `dreamp2p.devtools.bench.chaos.plan`, the processes in

@@ -196,13 +196,13 @@ def train_job(
     trained_digest = param_digest(model)
     _quiet_steps(s, model, opt, rank, step, steps + quiet_steps, batch_size, device)
     s.close()
-    if flush:
-        s.flush()
+    flushed = s.flush() if flush else None
     return {
         "losses": losses,
         "wall_s": wall,
         "init_digest": init_digest,
         "digest": param_digest(model),
+        "flush_path": flushed,  # how flush() made the parameters identical (`Strategy.flush`), None without
         "trained_digest": trained_digest,
         "basis_bw": getattr(s, "basis_bw", None),  # DreamDDP's: the bandwidth its latest plan was made for
         "params": [p.detach().cpu().numpy().copy() for p in model.parameters()],
