@@ -70,8 +70,11 @@ def test_ssgd_on_gpu_keeps_replicas_identical() -> None:
 @pytest.mark.timeout(300)
 def test_dreamddp_on_gpu_overlaps_and_ends_identical_after_a_quiet_period() -> None:
     sync = {"period": 5, "warmup_steps": 3, "control_every": 5, "max_delay": 2, "max_stretch": 1}  # as quiet_steps
-    results = _train("dreamddp", steps=60, sync=sync, quiet_steps=sync["period"] + sync["max_delay"] + 1)
+    quiet = sync["period"] + sync["max_delay"] + 1
+    results = _train("dreamddp", steps=60, sync=sync, quiet_steps=quiet, flush=True)
     assert len({r["trained_digest"] for r in results}) == 2  # partial sync: replicas differed while training
+    # one set of outer weights after the quiet period: flush() takes its compressed path
+    assert [r["flush_path"] for r in results] == ["compressed", "compressed"]
     assert len({r["digest"] for r in results}) == 1
     for r in results:
         assert r["bytes_sent"] > 0

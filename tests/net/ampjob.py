@@ -1,5 +1,5 @@
 """The job of test_amp_overflow.py, run in each member's own process by `dreamp2p.devtools.launch.run_local`:
-train under a CPU GradScaler with one member's gradients overflowing at one step, then a quiet stretch."""
+train under a CPU GradScaler with one member's gradients overflowing at one step, then a quiet stretch and flush()."""
 
 from __future__ import annotations
 
@@ -34,11 +34,13 @@ def amp_job(
         scaler.update()
         sync.zero_grad()
     sync.close()
+    flushed = sync.flush()
     return {
         "steps": sync.step_count,
         "skipped_local": sync.amp_steps_skipped,
         "rounds_skipped": sync.rounds_skipped,
         "scale": scaler.get_scale(),
         "digest": param_digest(model),
+        "flush_path": flushed,
         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
     }

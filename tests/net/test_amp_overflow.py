@@ -1,7 +1,9 @@
 """GradScaler on the sync object across real members (issue 13, deliver 4): two processes on loopback, real
 gRPC; member 1's gradients overflow at step 3. Both end on the same step with no skipped round, member 1
 skipped only its local update (S-SGD: the peer's contribution guard left its gradients out of the mean, so
-nobody skipped anything), and the replicas agree after the quiet stretch."""
+nobody skipped anything), and the replicas agree after the quiet stretch: S-SGD's and local SGD's are
+identical already (flush() finds them so), DreamDDP's hold one set of outer weights (its flush takes its
+compressed path) and differ only by what their sparse syncs did not carry until the flush."""
 
 from __future__ import annotations
 
@@ -23,3 +25,5 @@ def test_an_overflow_on_one_real_member_keeps_both_on_the_same_step(strategy: st
     assert results[1]["scale"] < results[0]["scale"]  # only member 1's scaler backed off
     assert all(r["finite"] for r in results)
     assert results[0]["digest"] == results[1]["digest"]
+    path = "compressed" if strategy == "dreamddp" else "agreed"
+    assert [r["flush_path"] for r in results] == [path, path]

@@ -64,6 +64,7 @@ def test_link_down_30s_both_sides_train_on_and_resync(tmp_path: Path) -> None:
                 # period by default) finds them different, and the period after it an anchor resets both
                 # to the parameter mean
                 "quiet_steps": 6 * sync["period"] + sync["max_delay"] + 1,
+                "flush": True,
                 "step_times": True,
                 "started_file": str(started),
             },
@@ -92,7 +93,10 @@ def test_link_down_30s_both_sides_train_on_and_resync(tmp_path: Path) -> None:
         assert all(r["anchors_healed"] >= 1 for r in results) or any(r["resyncs"] >= 1 for r in results), [
             (r["anchors_healed"], r["resyncs"]) for r in results
         ]
-        # re-synchronized: after the quiet stretch at the end (learning rate 0) both hold the same parameters
+        # re-synchronized: after the quiet stretch at the end (learning rate 0) both hold the same outer weights,
+        # so flush() takes its compressed path, and ends them identical (without it they would differ by
+        # what their 2-bit or sparse syncs did not carry)
+        assert [r["flush_path"] for r in results] == ["compressed", "compressed"]
         assert results[0]["digest"] == results[1]["digest"]
     finally:
         subprocess.run(["bash", str(SCRIPT), "down", "--prefix", prefix], capture_output=True, timeout=30, check=False)
