@@ -381,9 +381,10 @@ def dreamddp_settings(codec: str, period: int, max_delay: int | None = None) -> 
     most ``max_delay`` steps late (None: left out, so the default cap, period - 1) — what ``dreamp2p plan
     --target-cu`` recommends, in a user's words.
 
-    A 4-bit, 2-bit or sparse codec carries pseudo-gradients (``delta_codec``, the default mode; a 2-bit or
-    sparse one only with error feedback): 4 bits of a weight are too coarse, 4 bits of an update are not. A wider codec
-    averages the parameters themselves (``delta_codec = ""``, ``plan_codecs = [codec]``).
+    A 4-bit, 2-bit or sparse codec carries pseudo-gradients (``delta_codec``, the default mode; what a 2-bit
+    or sparse one leaves out stays in the parameters, ``keep_unsent``'s default, not in error feedback, which
+    lost the model on `bench lm`): 4 bits of a weight are too coarse, 4 bits of an update are not. A wider
+    codec averages the parameters themselves (``delta_codec = ""``, ``plan_codecs = [codec]``).
     """
     name = canonical_codec(codec)
     out: dict[str, Any] = {"strategy": "dreamddp", "period": period}
@@ -391,8 +392,6 @@ def dreamddp_settings(codec: str, period: int, max_delay: int | None = None) -> 
         out["max_delay"] = max_delay
     if wire_rank(name) >= wire_rank("int4"):
         out["delta_codec"] = name
-        if needs_feedback(name):
-            out["error_feedback"] = True
     else:
         out.update(delta_codec="", plan_codecs=[name])
     if period <= SyncConfig.stream_delay:  # checked for every strategy: Streaming DiLoCo's delay < the period

@@ -163,7 +163,7 @@ def test_link_codecs_from_a_toml_array_become_a_tuple() -> None:
     [
         ("int4", 20, 4, {"delta_codec": "int4"}),
         ("E3M0", 10, 9, {"delta_codec": "e3m0"}),
-        ("topk", 10, 2, {"delta_codec": "topk", "error_feedback": True}),
+        ("topk", 10, 2, {"delta_codec": "topk"}),  # its unsent parts stay in the parameters (keep_unsent)
         ("int8", 20, 19, {"delta_codec": "", "plan_codecs": ["int8"]}),
         ("fp32", 50, 0, {"delta_codec": "", "plan_codecs": ["fp32"]}),
         ("bf16", 1, 0, {"delta_codec": "", "plan_codecs": ["bf16"], "stream_delay": 0}),
