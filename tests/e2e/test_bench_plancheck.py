@@ -37,11 +37,13 @@ def test_plancheck_tiny_point(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_plancheck_target_cu_runs_the_recommendation() -> None:
-    res = bench_plancheck(steps=6, target_cu=0.5, **TINY)  # type: ignore[arg-type]
+    # a modest target: the tiny model's steps take 1-3 ms, so what 100 Mbit/s lets it reach depends on the
+    # host's pace (0.46 at best on an idle host measuring 1.4 ms steps, so 0.5 was out of reach there)
+    res = bench_plancheck(steps=6, target_cu=0.3, **TINY)  # type: ignore[arg-type]
     (row,) = res["rows"]
     best = row["recommendation"]["best"]
-    assert best is not None  # 100 Mbit/s carries the tiny model at any period
-    assert "--target-cu 0.5" in row["recommendation"]["command"]
+    assert best is not None, row["recommendation"]
+    assert "--target-cu 0.3" in row["recommendation"]["command"]
     assert row["steps"] >= 5 * best["period"]
     # run as the [sync] settings plan --target-cu prints: the default mode, 4-bit pseudo-gradients
     assert best["codec"] == "int4"
@@ -51,7 +53,12 @@ def test_plancheck_target_cu_runs_the_recommendation() -> None:
         "delta_codec": "int4",
         **({"stream_delay": 0} if best["period"] == 1 else {}),
     }
-    assert "int4 pseudo-gradients" in row["plan"]
+    # the measured plans send int4; a run this short may end in its warm-up plan, which sends the chain's
+    # sparsest codec (the link not measured yet): CI on e9a9da3 ended there once under load
+    assert row["plan"].splitlines()[-1] in (
+        "codec: int4 pseudo-gradients, int8 anchors",
+        "codec: topk pseudo-gradients, int8 anchors",
+    )
     assert row["measured_cu"] > 0
-    assert row["met"] is (row["measured_cu"] >= 0.45)
+    assert row["met"] is (row["measured_cu"] >= 0.25)
     assert row["own_cu"] is not None and row["ceiling_after_steps_per_s"] > 0
