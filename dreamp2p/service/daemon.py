@@ -248,7 +248,7 @@ def _interval_checkpoint(
     return saved is not None
 
 
-def _flush_at_end(sync: Any, model: nn.Module) -> str | None:
+def _flush_at_end(sync: Any) -> str | None:
     """The run reached its last step: make every member that reached it bit-identical (``[train] flush_at_end``);
     how the trainable parameters became so (`Strategy.flush`), None where the flush did not complete.
 
@@ -264,7 +264,7 @@ def _flush_at_end(sync: Any, model: nn.Module) -> str | None:
     except RoundFailed as exc:
         log.warning("the end-of-run flush failed; each member keeps its own replica: %s", exc)
         return None
-    log.info("flushed (%s): every member holds digest %s", path, param_digest(model))
+    log.info("flushed (%s): every member that reached the end holds the same parameters", path)
     return path
 
 
@@ -328,7 +328,7 @@ def _train(
         if saving and not _interval_checkpoint(cfg, node, sync, training, metrics, step + 1, final):
             failed_at = step + 1
     at_end = cfg.train.flush_at_end and sync.step_count >= final and not stop.event.is_set()
-    flushed = _flush_at_end(sync, model) if at_end else None
+    flushed = _flush_at_end(sync) if at_end else None  # the STOP record below carries the digest
     notifier.stopping(f"draining at step {sync.step_count}")
     node.begin_drain()  # probes see NOT_SERVING while rounds in flight land
     _drain(sync, node, cfg.stop_grace_s)
