@@ -173,6 +173,25 @@ def _transport_check(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("arguments --rtt/--jitter/--loss: transport emulates them only with --netns (the packet emulator)")
 
 
+def _probe(p: Parser) -> None:
+    p.add_argument(
+        "--rates",
+        nargs="+",
+        type=link_rate,
+        default=["5mbit", "20mbit", "100mbit", "200mbit"],
+        help="link rates of the grid",
+    )
+    p.add_argument("--rtts", nargs="+", type=duration, default=["0ms", "50ms", "150ms"], help="RTTs of the grid")
+    p.add_argument(
+        "--losses", nargs="+", type=loss_fraction, default=[0.0, 0.001, 0.01], help="packet losses of the grid"
+    )
+    p.add_argument("--bursts", type=int_at_least(1), default=4, help="idle-link bursts per point (4)")
+    p.add_argument(
+        "--syncs", type=int_at_least(0), default=6, help="sync-sized streams per point, after the bursts (6)"
+    )
+    p.add_argument("--sync-kb", type=int_at_least(1), default=256, help="KiB per sync stream (256)")
+
+
 def _allreduce(p: Parser) -> None:
     _peers(p, 4)
     _mbytes(p, 64.0)
@@ -409,6 +428,7 @@ Check = Callable[[Parser, argparse.Namespace], None]
 BENCHES: dict[str, tuple[str, Callable[[Parser], None], Check | None]] = {
     "codec": ("encode/decode speed and error of every codec", _codec, None),
     "transport": ("goodput of the transport between two processes", _transport, _transport_check),
+    "probe": ("the link probe's estimate against the shaped rate over a rate x RTT x loss grid (root)", _probe, None),
     "allreduce": ("ring all-reduce time, bandwidth and CPU per round, per codec", _allreduce, None),
     "soak": ("peers averaging back to back for minutes: resource growth, failures", _soak, None),
     "strategies": ("every strategy on one MLP over an emulated link, 2 peers", _strategies_bench, check_delay),

@@ -45,6 +45,12 @@ def _bench_transport(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _bench_probe(args: argparse.Namespace) -> dict[str, Any]:
+    from dreamp2p.devtools.bench.probe import bench_probe
+
+    return bench_probe(tuple(args.rates), tuple(args.rtts), tuple(args.losses), args.bursts, args.syncs, args.sync_kb)
+
+
 def _bench_allreduce(args: argparse.Namespace) -> dict[str, Any]:
     from dreamp2p.devtools.bench.allreduce import bench_allreduce
 
@@ -223,6 +229,7 @@ def _bench_chaos(args: argparse.Namespace) -> dict[str, Any]:
 HANDLERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "codec": _bench_codec,
     "transport": _bench_transport,
+    "probe": _bench_probe,
     "allreduce": _bench_allreduce,
     "soak": _bench_soak,
     "strategies": _bench_strategies,

@@ -34,7 +34,7 @@ from dreamp2p.transport.auth import token_metadata
 from dreamp2p.transport.linkrate.backlog import Backlog
 from dreamp2p.transport.linkrate.limiter import TokenBucket
 from dreamp2p.transport.linkrate.linkstats import BusyMeter, LinkEstimator, rate_past_latency
-from dreamp2p.transport.linkrate.probeburst import MAX_PROBE_BYTES, probe_size
+from dreamp2p.transport.linkrate.probeburst import MAX_BURSTS, MAX_PROBE_BYTES, burst_again, probe_size, repeat_size
 from dreamp2p.transport.options import channel_credentials, channel_options
 from dreamp2p.transport.outbound import OutboundStream
 from dreamp2p.transport.rpcerror import rpc_error
@@ -269,11 +269,21 @@ class Link:
         more where the link's estimate and RTT ask for it (`transport.linkrate.probeburst.probe_size`).
         ``shared``: other traffic is on the link, so the reading is recorded as a floor (`LinkEstimator`)."""
         rtt = self.stats.min_rtt_s if self.stats.rtt_samples else 0.0
-        size = probe_size(self.stats.goodput_Bps, rtt, min(nbytes, MAX_PROBE_BYTES), MAX_PROBE_BYTES)
-        elapsed = await self._timed_probe(bytes(size))
-        rate = rate_past_latency(size, elapsed, rtt)
+        floor = min(nbytes, MAX_PROBE_BYTES)
+        estimate = self.stats.goodput_Bps
+        previous: float | None = None
+        size = probe_size(estimate, rtt, floor, MAX_PROBE_BYTES)
+        for _ in range(MAX_BURSTS):
+            if previous is not None:
+                size = repeat_size(size, previous, rtt, floor, MAX_PROBE_BYTES)
+            elapsed = await self._timed_probe(bytes(size))
+            self.stats.bytes_sent += size
+            rate = rate_past_latency(size, elapsed, rtt)
+            again = burst_again(size / rate, rtt, previous, rate)  # size / rate: its time past one RTT
+            previous = rate
+            if not again:
+                break
         self.stats.observe_transfer(size, size / rate, shared=shared)
-        self.stats.bytes_sent += size
         return rate
 
     def open_stream(self, nstreams: int | None = None, timeout: float | None = None) -> OutboundStream:

@@ -21,6 +21,7 @@ from grpc import aio
 
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import Frame
+from dreamp2p.transport.linkrate.linkstats import delivery_checked
 from dreamp2p.transport.rpcerror import rpc_error
 from dreamp2p.v1 import peer_pb2 as pb
 
@@ -75,6 +76,8 @@ class OutboundStream:
         self._metadata = metadata
         self._deadline = time.monotonic() + timeout
         self._sent: list[Frame] = []  # frames handed to the current connection generation
+        self._first_t: float | None = None  # when the first frame was handed to gRPC (perf_counter)
+        self._meter_samples: list[tuple[int, float]] = []  # the link meter's samples while this stream sent
         self._generation = 0
         self._replays = 0
         self._committed = 0  # bytes this stream took on for the link (its share of the link's backlog)
@@ -258,9 +261,12 @@ class OutboundStream:
             self._sent.append(frame)
             n = len(frame.payload)
             backlogged = bool(self._fwd or self._own or self._timed)
-            sample = link.meter.on_send(time.perf_counter(), n, backlogged)
+            now = time.perf_counter()
+            if self._first_t is None:
+                self._first_t = now
+            sample = link.meter.on_send(now, n, backlogged)
             if sample is not None:
-                link.stats.observe_transfer(*sample)
+                self._meter_samples.append(sample)  # taken at close, where the delivery confirms it
             link.stats.bytes_sent += n
             link.stats.last_activity = time.monotonic()
             self.frames_sent += 1
@@ -282,6 +288,25 @@ class OutboundStream:
             self._end()
         if self._failure is not None:
             raise self._failure
+        self._observe_delivered()
+
+    def _observe_delivered(self) -> None:
+        """Record the meter's samples of this stream that its acknowledged delivery confirms."""
+        if self._first_t is None:
+            return
+        stats = self._link.stats
+        kept = delivery_checked(
+            self._meter_samples, self.bytes_sent, time.perf_counter() - self._first_t, stats.min_rtt_s
+        )
+        if len(kept) < len(self._meter_samples):
+            log.debug(
+                "%s: %d of %d goodput samples read faster than the stream's delivery; dropped",
+                self._link.dest.node_id,
+                len(self._meter_samples) - len(kept),
+                len(self._meter_samples),
+            )
+        for sample in kept:
+            stats.observe_transfer(*sample)
 
     def _commit(self, nbytes: int) -> None:
         """``nbytes`` more for the link to carry, pending in its backlog until this stream ends."""

@@ -18,6 +18,7 @@ COMMON = {"-h", "--help", "--json", "-v", "-vv", "--verbose"}  # -vv: in -v's he
 OPTIONS: dict[str, set[str]] = {
     "codec": {"--mbytes", "--repeats", "--codecs"},
     "transport": {"--mbytes", "--seconds", "--streams", "--netns", "--rate", "--rtt", "--jitter", "--loss"},
+    "probe": {"--rates", "--rtts", "--losses", "--bursts", "--syncs", "--sync-kb"},
     "allreduce": {"--peers", "--mbytes", "--codecs", "--repeats", "--streams", "--netns", "--rate"},
     "soak": {"--minutes", "--peers", "--mbytes"},
     "strategies": {

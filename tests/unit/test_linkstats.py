@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dreamp2p.transport.linkrate.linkstats import LinkEstimator
+from dreamp2p.transport.linkrate.linkstats import LinkEstimator, delivery_checked
 
 MB = 1_000_000
 
@@ -52,3 +52,31 @@ def test_empty_or_timeless_transfers_say_nothing(nbytes: int, seconds: float) ->
     est = estimate([(0.25, True)])
     est.observe_transfer(nbytes, seconds)
     assert (est.samples, est.floor, est.goodput_Bps) == (1, True, pytest.approx(0.25 * MB))
+
+
+@pytest.mark.parametrize(
+    ("samples", "stream", "kept"),
+    [
+        # a 2 MB stream acknowledged 0.9 s after its first hand-off on a 100 ms path: it delivered 2.5 MB/s,
+        # so a meter reading of 7.3 MB/s (the buffers took the bytes at once) is not the link's pace
+        ([(730_000, 0.1)], (2 * MB, 0.9, 0.1), []),
+        # readings up to twice the delivered rate stand: the stream's own gaps lower that bound
+        ([(240_000, 0.1), (490_000, 0.1)], (2 * MB, 0.9, 0.1), [(240_000, 0.1), (490_000, 0.1)]),
+        ([(240_000, 0.1), (510_000, 0.1)], (2 * MB, 0.9, 0.1), [(240_000, 0.1)]),
+        # no latency known (NaN, inf): the whole time counts, a stricter bound
+        ([(450_000, 0.1)], (2 * MB, 0.9, math.nan), []),
+        ([(440_000, 0.1)], (2 * MB, 0.9, math.inf), [(440_000, 0.1)]),
+        # a latency over half the time comes off as half of it
+        ([(800_000, 0.1)], (2 * MB, 0.9, 0.8), [(800_000, 0.1)]),
+        ([(900_000, 0.1)], (2 * MB, 0.9, 0.8), []),
+        # a stream that moved nothing, or took no time, confirms nothing
+        ([(1, 0.1)], (0, 0.9, 0.1), []),
+        ([(1, 0.1)], (MB, 0.0, 0.1), []),
+        ([(1, 0.1)], (MB, math.nan, 0.1), []),
+        ([(1, 0.0)], (MB, 1.0, 0.0), []),
+    ],
+)
+def test_meter_samples_stand_only_where_the_stream_delivery_confirms_them(
+    samples: list[tuple[int, float]], stream: tuple[int, float, float], kept: list[tuple[int, float]]
+) -> None:
+    assert delivery_checked(samples, *stream) == kept

@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from dreamp2p.transport.linkrate.probeburst import MAX_PROBE_BYTES, PROBE_MIN_SPAN_S, probe_size, probe_span
+from dreamp2p.transport.linkrate.probeburst import (
+    MAX_PROBE_BYTES,
+    PROBE_MIN_SPAN_S,
+    burst_again,
+    probe_size,
+    probe_span,
+    repeat_size,
+)
 
 FLOOR = 256 << 10
 
@@ -47,3 +54,45 @@ def test_the_span_is_50_ms_or_a_round_trip(rtt: float, expected: float) -> None:
 def test_sizes_out_of_order_are_refused(floor: int, cap: int) -> None:
     with pytest.raises(ValueError, match="floor"):
         probe_size(1e6, 0.0, floor, cap)
+
+
+@pytest.mark.parametrize(
+    ("transfer", "rtt", "previous", "current", "again"),
+    [
+        # a LAN or tbf pair (no RTT known, or a fraction of a ms): one burst, whatever it read
+        (0.1, 0.0, None, 2.5e6, False),
+        (0.1, math.nan, None, 2.5e6, False),
+        (0.1, 0.0003, None, 2.5e6, False),
+        # a first burst that crossed in under 4 round trips may have met a closed window: once more
+        (0.27, 0.1, None, 0.68e6, True),
+        (0.39, 0.1, None, 0.68e6, True),
+        # ... but not one that lasted longer than that: the link set its pace
+        (0.4, 0.1, None, 0.68e6, False),
+        # a repeat that read over 10% more than the burst before: the window is still opening
+        (0.107, 0.1, 0.68e6, 2.39e6, True),
+        # one that did not: the window was open, this is the link's reading
+        (0.107, 0.1, 2.39e6, 2.40e6, False),
+        (0.107, 0.1, 2.39e6, 2.2e6, False),
+    ],
+)
+def test_a_burst_is_sent_again_while_the_window_it_met_was_still_opening(
+    transfer: float, rtt: float, previous: float | None, current: float, again: bool
+) -> None:
+    assert burst_again(transfer, rtt, previous, current) is again
+
+
+@pytest.mark.parametrize(
+    ("size", "read", "rtt", "expected"),
+    [
+        # a window-paced burst read little: the repeat doubles it, so slow start runs on
+        (FLOOR, 0.42e6, 0.15, 2 * FLOOR),
+        (1 << 20, 2.4e6, 0.15, 2 << 20),
+        # a reading whose span is longer than twice the burst sets the size
+        (FLOOR, 12.5e6, 0.15, 1_875_000),
+        # never over the peers' limit
+        (3 << 20, 10e6, 0.15, MAX_PROBE_BYTES),
+        (FLOOR, 100e6, 0.15, MAX_PROBE_BYTES),
+    ],
+)
+def test_a_repeated_burst_is_at_least_twice_the_one_before(size: int, read: float, rtt: float, expected: int) -> None:
+    assert repeat_size(size, read, rtt, FLOOR, MAX_PROBE_BYTES) == expected

@@ -114,7 +114,30 @@ class SinkBackend:
         return False
 
 
-def _receiver(conn: mp.connection.Connection, host: str, netns: str | None, cfg: TransportConfig) -> None:
+def sink_frame(elems: int, sender: str) -> Frame:
+    """A frame of ``elems`` random fp32 values that `SinkBackend` takes (its checksum and size hold)."""
+    payload = os.urandom(elems * 4)
+    return Frame(
+        1,
+        0,
+        0,
+        Phase.REDUCE_SCATTER,
+        0,
+        0,
+        0,
+        elems,
+        1,
+        DType.FP32,
+        elems,
+        xxhash.xxh3_64_intdigest(payload),
+        False,
+        0,
+        payload,
+        sender,
+    )
+
+
+def run_sink(conn: mp.connection.Connection, host: str, netns: str | None, cfg: TransportConfig) -> None:
     if netns:
         enter_netns(netns)
 
@@ -132,7 +155,7 @@ def _receiver(conn: mp.connection.Connection, host: str, netns: str | None, cfg:
         span = sink.last - sink.first
         return {"frames": sink.frames, "bytes": sink.bytes, "span_s": span, "handshakes": sink.handshakes}
 
-    _report(conn, main)
+    report_to(conn, main)
 
 
 def _sender(
@@ -160,32 +183,13 @@ def _sender(
                 min_bytes=cfg.chunk_min_bytes,
                 max_bytes=cfg.chunk_max_bytes,
             )
-            elems = chunk // 4
-            payload = os.urandom(elems * 4)
-            frame = Frame(
-                1,
-                0,
-                0,
-                Phase.REDUCE_SCATTER,
-                0,
-                0,
-                0,
-                elems,
-                1,
-                DType.FP32,
-                elems,
-                xxhash.xxh3_64_intdigest(payload),
-                False,
-                0,
-                payload,
-                "bench-sender",
-            )
+            frame = sink_frame(chunk // 4, "bench-sender")
             stream = link.open_stream(timeout=seconds + 60)
             t0 = time.perf_counter()
             sent = 0
             while time.perf_counter() - t0 < seconds:
                 await stream.put(frame)
-                sent += len(payload)
+                sent += len(frame.payload)
             await stream.close()
             elapsed = time.perf_counter() - t0
             return {
@@ -198,10 +202,10 @@ def _sender(
         finally:
             await link.close()
 
-    _report(conn, main)
+    report_to(conn, main)
 
 
-def _report(conn: mp.connection.Connection, main: Callable[[], Coroutine[Any, Any, dict[str, Any]]]) -> None:
+def report_to(conn: mp.connection.Connection, main: Callable[[], Coroutine[Any, Any, dict[str, Any]]]) -> None:
     """Run ``main`` and send its result, or ``{"error": ...}`` when it raised, so the parent never waits in vain."""
     try:
         result = asyncio.run(main())
@@ -211,7 +215,9 @@ def _report(conn: mp.connection.Connection, main: Callable[[], Coroutine[Any, An
     conn.send(result)
 
 
-def _result(conn: mp.connection.Connection, proc: mp.process.BaseProcess, who: str, timeout: float) -> dict[str, Any]:
+def child_result(
+    conn: mp.connection.Connection, proc: mp.process.BaseProcess, who: str, timeout: float
+) -> dict[str, Any]:
     """What ``proc`` sent on ``conn`` within ``timeout`` seconds; RuntimeError naming its error, or that it died
     or did not answer in time."""
     deadline = time.monotonic() + timeout
@@ -297,7 +303,7 @@ def _run_pair(cfg: TransportConfig, seconds: float, hosts: list[tuple[str | None
     ctx = mp.get_context("spawn")
     r_parent, r_child = ctx.Pipe()
     s_parent, s_child = ctx.Pipe()
-    recv = ctx.Process(target=_receiver, args=(r_child, hosts[1][1], hosts[1][0], cfg), daemon=True)
+    recv = ctx.Process(target=run_sink, args=(r_child, hosts[1][1], hosts[1][0], cfg), daemon=True)
     recv.start()
     try:
         if not r_parent.poll(60):
@@ -309,9 +315,9 @@ def _run_pair(cfg: TransportConfig, seconds: float, hosts: list[tuple[str | None
             target=_sender, args=(s_child, f"{hosts[1][1]}:{port}", hosts[0][0], cfg, seconds), daemon=True
         )
         send.start()
-        sres = _result(s_parent, send, "sender", seconds + 120)
+        sres = child_result(s_parent, send, "sender", seconds + 120)
         r_parent.send("stop")
-        rres = _result(r_parent, recv, "receiver", 30)
+        rres = child_result(r_parent, recv, "receiver", 30)
         send.join(10)
     finally:
         recv.join(5)
