@@ -210,7 +210,7 @@ def _recommend(
     sparse ones: on bench lm at 20 Mbit/s the sparse codec cost 1.1% of held-out loss, more than a longer
     period does."""
     from dreamp2p.config.codecs import is_sparse
-    from dreamp2p.schedule.linkcodec import wire_ratio
+    from dreamp2p.schedule.linkcodec import round_wire_ratio
     from dreamp2p.schedule.recommend import recommend
 
     def search(names: list[str]) -> Recommendation:
@@ -218,7 +218,7 @@ def _recommend(
             costs,
             link,
             args.target_cu,
-            [(c, wire_ratio(c)) for c in names],
+            [(c, round_wire_ratio(c, link.world)) for c in names],
             periods,
             args.max_delay,
             round_cost_s=run.round_cost_s if args.round_cost is None else args.round_cost,
@@ -241,6 +241,7 @@ def _plan(args: argparse.Namespace) -> int:
     from dreamp2p.compression import get_codec
     from dreamp2p.config import parse_duration, parse_rate
     from dreamp2p.config.sync import SyncConfig
+    from dreamp2p.schedule.linkcodec import round_wire_ratio
     from dreamp2p.schedule.whatif import run_delta_codec, what_if
 
     run = SyncConfig()
@@ -257,8 +258,9 @@ def _plan(args: argparse.Namespace) -> int:
         "round_cost_s": run.round_cost_s if args.round_cost is None else args.round_cost,
     }
     chain = args.codec_chain  # set by _plan_check in this mode
-    name = run_delta_codec([(c, get_codec(c).wire_ratio()) for c in chain], **model) if chain else args.codec
-    result = {**what_if(codec_ratio=get_codec(name).wire_ratio(), **model), "codec": get_codec(name).name}
+    ratio = functools.partial(round_wire_ratio, world=args.peers)
+    name = run_delta_codec([(c, ratio(c)) for c in chain], **model) if chain else args.codec
+    result = {**what_if(codec_ratio=ratio(name), **model), "codec": get_codec(name).name}
     result["lockstep"] = lockstep_report(args.region_step_times)
     if not args.json:
         print(f"{'strategy':<10} {'step s':>9} {'utilization':>11} {'MB/step':>10}")

@@ -14,6 +14,9 @@ its outgoing link, and owners encode all-gather frames with the codec of the rin
 frame names its codec and is decoded by it; receivers accept any of the round's allowed codecs, and the
 segment/chunk layout is aligned to all of their blocks so that any of them can encode any chunk.
 
+A sparse codec (top-k) cannot re-encode a partial sum without dropping what the sum adds, so its rounds
+gather the members' contributions instead (`collective.gather`, a subclass of this round).
+
 This module is protocol only: it knows nothing of gRPC. Frames leave through an :class:`OutStream` and
 arrive through :meth:`RingRound.deliver`, which validates every field before touching the buffer.
 """
@@ -390,16 +393,12 @@ class RingRound:
     def _validate(self, f: Frame) -> tuple[bytes | memoryview, int, int, Codec]:
         spec = self.spec
         codec = check_header(spec, self._codecs, self.acc.numel(), f)
-        if f.phase == Phase.REDUCE_SCATTER:
-            want = reduce_scatter_recv(spec.rank, spec.world, f.ring_step)
-        else:
-            want = all_gather_recv(spec.rank, spec.world, f.ring_step)
+        want, seg = self._expected_segment(f.phase, f.ring_step)
         if f.segment_index != want:
             raise PeerError(
                 Status.BAD_FRAME,
                 f"segment {f.segment_index} at {f.phase.name} step {f.ring_step}; expected segment {want}",
             )
-        seg = self.segments[want]
         # the round's block, not the frame codec's: chunk boundaries are the same whoever encoded them
         block = self._block
         if f.chunk_length == 0 or f.chunk_offset < seg.start or f.chunk_offset + f.chunk_length > seg.stop:
@@ -434,6 +433,16 @@ class RingRound:
                 )
             raw = f.payload
         return raw, f.chunk_offset, f.chunk_length, codec
+
+    def _expected_segment(self, phase: Phase, step: int) -> tuple[int, Segment]:
+        """The segment index a frame of ``phase`` at ``step`` must name here, and the elements it spans."""
+        rank, world = self.spec.rank, self.spec.world
+        want = (
+            reduce_scatter_recv(rank, world, step)
+            if phase == Phase.REDUCE_SCATTER
+            else all_gather_recv(rank, world, step)
+        )
+        return want, self.segments[want]
 
     def _decode(self, codec: Codec, raw: bytes | memoryview, length: int) -> torch.Tensor:
         if self._scratch.numel() < length:

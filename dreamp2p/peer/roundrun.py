@@ -29,6 +29,7 @@ import torch
 
 from dreamp2p.collective.chunking import choose_chunk
 from dreamp2p.collective.feedback import GroupFeedback, RoundFeedback
+from dreamp2p.collective.gather import GatherRound, gathers
 from dreamp2p.collective.partition import split_segments
 from dreamp2p.collective.ring import RingRound, RoundAborted, RoundSpec
 from dreamp2p.compression import Codec, ZstdStage, get_codec
@@ -221,7 +222,7 @@ class RoundRunner:
             **link_fields,
         )
         feedback = self._feedback_for(spec, flat.numel()) if error_feedback and world > 1 else None
-        rnd = RingRound(spec, flat, stream, feedback)
+        rnd = (GatherRound if gathers(spec) else RingRound)(spec, flat, stream, feedback)
         others = [p.node_id for p in members if p.node_id != self.config.node_id]
         early = self._commits.failed_before(key, others)
         if early is not None:  # a member gave this round up before it even opened here

@@ -31,6 +31,16 @@ def wire_ratio(codec: str) -> float:
     return get_codec(codec).wire_ratio()
 
 
+def round_wire_ratio(codec: str, world: int) -> float:
+    """`wire_ratio` as the planner's ring pricing (2(N-1)/N of the buffer) should see it for a round of ``world``.
+
+    A sparse codec's rounds gather every member's encoded buffer instead of reducing it in a ring
+    (`collective.gather`): each member sends N-1 buffers, N/2 times the ring's share.
+    """
+    c = get_codec(codec)
+    return c.wire_ratio() * (world / 2 if c.sparse and world > 1 else 1.0)
+
+
 def _known(bandwidth: float) -> bool:
     """A usable measurement: finite and positive (NaN and 0 mean "not measured yet")."""
     return isinstance(bandwidth, int | float) and not isinstance(bandwidth, bool) and 0 < bandwidth < math.inf

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dreamp2p.compression import get_codec
+from dreamp2p.compression import Codec, get_codec
 from dreamp2p.errors import RoundFailed
 from dreamp2p.messages import LinkSnapshot, RingCodecPlan, RoundResult, TrainingInfo
 from dreamp2p.peer.guard import ContributionGuard
@@ -70,7 +70,7 @@ class InProcessHub:
         self._pending: dict[tuple[int, int], dict[int, _Contribution]] = {}
         self._fail: Callable[[int, int], bool] = lambda group_id, round_id: False
         # error feedback, emulated on the hub's one encode of the mean: what it lost, per group
-        self._residuals: dict[int, torch.Tensor] = {}
+        self._residuals: dict[int | tuple[int, int], torch.Tensor] = {}  # by group; gathered: by (group, rank)
         self._max_norm_ratio = max_norm_ratio
         self._guards = [ContributionGuard(max_norm_ratio) for _ in range(world)]
         self._members = [InProcessCollective(self, i) for i in range(world)]
@@ -128,26 +128,60 @@ class InProcessHub:
             for c in contributions:
                 c.future.set_exception(RoundFailed(key, why))
             return
+        cod = get_codec(codec)
+        world = len(contributions)
+        if cod.sparse and world > 1:
+            # gathered, as `collective.gather` does: each contribution encoded once, decoded, summed in order
+            mean = self._gathered_mean(key[0], round_, cod, feedback)
+            wire = cod.encoded_nbytes(mean.numel()) * (world - 1)
+            self._finish(key, contributions, codec, mean, wire, len(finite))
+            return
         total = torch.zeros_like(contributions[0].values)
         for c in finite:
             total += c.values
         mean = total / len(finite)
-        cod = get_codec(codec)
         if not cod.lossless:
             carried = self._residuals.get(key[0]) if feedback else None
             sent = mean + carried if carried is not None and carried.shape == mean.shape else mean
             mean = cod.decode(cod.encode(sent), mean.numel())
             if feedback:
                 self._residuals[key[0]] = sent - mean
-        world = len(contributions)
         wire = cod.encoded_nbytes(mean.numel()) * 2 * (world - 1) // max(world, 1)
+        self._finish(key, contributions, codec, mean, wire, len(finite))
+
+    def _gathered_mean(
+        self, group_id: int, round_: dict[int, _Contribution], cod: Codec, feedback: bool
+    ) -> torch.Tensor:
+        total = torch.zeros_like(next(iter(round_.values())).values)
+        for rank in sorted(round_):
+            c = round_[rank]
+            if c.refused:
+                continue
+            carried = self._residuals.get((group_id, rank)) if feedback else None
+            sent = c.values + carried if carried is not None and carried.shape == c.values.shape else c.values
+            decoded = cod.decode(cod.encode(sent), sent.numel())
+            if feedback:
+                self._residuals[(group_id, rank)] = sent - decoded
+            total += decoded
+        return total / sum(not c.refused for c in round_.values())
+
+    def _finish(
+        self,
+        key: tuple[int, int],
+        contributions: list[_Contribution],
+        codec: str,
+        mean: torch.Tensor,
+        wire: int,
+        accepted: int,
+    ) -> None:
+        world = len(contributions)
         # the time the round would take on the hub's links: 2(N-1) ring steps of half an RTT each, plus its bytes
         seconds = (world - 1) * self.rtt_s + wire / self.goodput_Bps if world > 1 else 0.0
         for c in contributions:
             c.out.copy_(mean)
             c.future.set_result(
                 RoundResult(
-                    key[0], key[1], seconds, wire, wire, mean.numel(), codec, 0, len(finite), members=self.node_ids
+                    key[0], key[1], seconds, wire, wire, mean.numel(), codec, 0, accepted, members=self.node_ids
                 )
             )
 

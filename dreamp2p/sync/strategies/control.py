@@ -30,7 +30,7 @@ from dreamp2p.config.sync import SyncConfig
 from dreamp2p.messages import RingCodecPlan, RoundResult
 from dreamp2p.schedule.cost import LayerCost, LinkModel
 from dreamp2p.schedule.dreamddp import plan_dreamddp
-from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs, wire_ratio
+from dreamp2p.schedule.linkcodec import effective_bandwidth, plan_ring_codecs, round_wire_ratio, wire_ratio
 from dreamp2p.schedule.plan import Plan
 from dreamp2p.schedule.plancodec import choose_anchor_codec
 from dreamp2p.schedule.stretch import choose_codec_and_period, choose_delta_codec, choose_period, stretched_periods
@@ -293,7 +293,7 @@ class Replanner:
         carry only the anchors that follow a failed check."""
         cfg = self.cfg
         deltas, choice = choose_delta_codec(
-            [(c, wire_ratio(c)) for c in cfg.delta_chain], req.costs, req.link, periods, make_plan
+            [(c, round_wire_ratio(c, req.link.world)) for c in cfg.delta_chain], req.costs, req.link, periods, make_plan
         )
         plan = choice.plan
         if deltas != cfg.delta_codec:
