@@ -8,7 +8,8 @@ nothing keeps what those encodes drop. Here each member encodes its own buffer o
 N - 1 hops as the ring's all-gather frames do (the exact bytes, forwarded), and every member sums the N
 decoded contributions in rank order, so all end bit-identical, with the mean of exactly what each member
 sent. Each member sends N - 1 times its encoded buffer against the ring's 2(N - 1)/N: the same for two
-members, 1.5 times for three, at a codec's 0.026 bytes per element.
+members, 1.5 times for three, at a codec's 0.026 bytes per element. It holds the N encoded buffers until
+the last arrives (N times that: a few % of the group's fp32 size) and decodes them into the group's buffer.
 
 Frames are ALL_GATHER frames whose segment index is their origin's rank and whose ``excluded`` (0 or 1)
 says the origin's guard refused its contribution (zeros in its place, left out of the mean); no
@@ -43,7 +44,8 @@ class GatherRound(RingRound):
         super().__init__(spec, buffer, out, feedback)
         self._whole = Segment(0, 0, buffer.numel())
         self._expected = (spec.world - 1) * buffer.numel()
-        self._parts: dict[int, list[tuple[int, torch.Tensor]]] = {}  # origin rank -> (start, decoded values)
+        # origin rank -> (start, length, encoded bytes): a few % of the decoded values' memory, decoded at the end
+        self._parts: dict[int, list[tuple[int, int, bytes]]] = {}
         self._excluded: dict[int, int] = {}  # origin rank -> its frames' ``excluded``
         self._own_sent = spec.world == 1
 
@@ -64,11 +66,10 @@ class GatherRound(RingRound):
                 assert fb is not None
                 values = fb.compensate(REDUCE, chunk.start, values)
             raw = bytes(codec.encode(values).numpy())
-            decoded = codec.decode(raw, chunk.length)
             if compensate:
                 assert fb is not None
-                fb.keep(REDUCE, chunk.start, values, decoded)
-            self._parts.setdefault(spec.rank, []).append((chunk.start, decoded))
+                fb.keep(REDUCE, chunk.start, values, codec.decode(raw, chunk.length))
+            self._parts.setdefault(spec.rank, []).append((chunk.start, chunk.length, raw))
             frame = self._frame(
                 Phase.ALL_GATHER, 0, spec.rank, chunk.start, chunk.length, raw, codec, self._own_excluded
             )
@@ -99,10 +100,10 @@ class GatherRound(RingRound):
             )
         return super()._validate(f)
 
-    def _apply(self, frame: Frame, decoded: torch.Tensor, chunk_start: int, length: int) -> None:
+    def _apply(self, frame: Frame, raw: bytes | memoryview, decoded: torch.Tensor, start: int, length: int) -> None:
         origin = frame.segment_index
         self._excluded[origin] = frame.excluded
-        self._parts.setdefault(origin, []).append((chunk_start, decoded.clone()))  # `decoded` is scratch
+        self._parts.setdefault(origin, []).append((start, length, bytes(raw)))  # decoded again at the end
         if frame.ring_step < self.spec.world - 2:
             # forward the origin's exact bytes: every member decodes the same values
             self._forward(dataclasses.replace(frame, ring_step=frame.ring_step + 1, sender=self.spec.node_id))
@@ -116,11 +117,11 @@ class GatherRound(RingRound):
             if contributors < 1:
                 self.fail("every peer's contribution was refused at its source")
                 return
-            total = self.acc
+            total, codec = self.acc, self.spec.codec
             total.zero_()
             for origin in range(world):  # rank order: the same sums, bit for bit, at every member
-                for start, values in self._parts.get(origin, ()):
-                    total[start : start + values.numel()].add_(values)
+                for start, length, raw in self._parts.get(origin, ()):
+                    total[start : start + length].add_(self._decode(codec, raw, length))
             total.div_(contributors)
             self._parts.clear()
             if not bool(torch.isfinite(total).all()):

@@ -333,7 +333,7 @@ class RingRound:
         self._mark(frame)
         self.bytes_received += len(frame.payload)
         try:
-            self._apply(frame, decoded, chunk_start, length)
+            self._apply(frame, raw, decoded, chunk_start, length)
         except NonFiniteError as exc:
             # our own partial sum overflowed: this round cannot produce a valid mean anywhere
             self.fail(f"reduction became non-finite: {exc}")
@@ -347,17 +347,18 @@ class RingRound:
         taken = self._taken.get((frame.phase, frame.ring_step, frame.chunk_offset))
         return taken is not None and taken == _header(frame) and checksum(frame.payload) == frame.checksum
 
-    def _apply(self, frame: Frame, decoded: torch.Tensor, chunk_start: int, length: int) -> None:
+    def _apply(self, frame: Frame, raw: bytes | memoryview, decoded: torch.Tensor, start: int, length: int) -> None:
+        """Take a validated frame: ``raw`` its encoded bytes (unzipped), ``decoded`` their values (scratch)."""
         spec = self.spec
         step = frame.ring_step
-        view = self.acc[chunk_start : chunk_start + length]
+        view = self.acc[start : start + length]
         last = step == spec.world - 2
         if frame.phase == Phase.REDUCE_SCATTER:
             view.add_(decoded)
             excluded = frame.excluded + self._own_excluded
             if not last:
                 seg = reduce_scatter_send(spec.rank, spec.world, step + 1)
-                self._forward(self._encode_frame(Phase.REDUCE_SCATTER, step + 1, seg, chunk_start, length, excluded))
+                self._forward(self._encode_frame(Phase.REDUCE_SCATTER, step + 1, seg, start, length, excluded))
             else:
                 contributors = spec.world - excluded
                 if contributors < 1:
@@ -367,16 +368,16 @@ class RingRound:
                 # these bytes cross every ring link, so they use the slowest link's codec
                 gather = spec.ag_codec
                 fb = self._feedback
-                sent = fb.compensate(GATHER, chunk_start, view) if fb is not None and not gather.lossless else view
+                sent = fb.compensate(GATHER, start, view) if fb is not None and not gather.lossless else view
                 out_raw = bytes(gather.encode(sent).numpy())
                 if not gather.lossless:
                     # keep exactly what every other peer will decode
                     gather.decode(out_raw, length, out=view)
                     if fb is not None:
-                        fb.keep(GATHER, chunk_start, sent, view)
+                        fb.keep(GATHER, start, sent, view)
                 seg = all_gather_send(spec.rank, spec.world, 0)
                 # all-gather frames tell everyone how many peers the mean is over
-                self._forward(self._frame(Phase.ALL_GATHER, 0, seg, chunk_start, length, out_raw, gather, excluded))
+                self._forward(self._frame(Phase.ALL_GATHER, 0, seg, start, length, out_raw, gather, excluded))
         else:
             view.copy_(decoded)
             self.contributors = min(self.contributors, spec.world - frame.excluded)
