@@ -31,8 +31,9 @@ MAX_PROBE_BYTES = 4 << 20
 PROBE_MIN_SPAN_S = 0.05
 # ... and at least this many round trips on a longer path
 PROBE_SPAN_RTTS = 1.0
-# a burst that crossed in fewer round trips than this may have been paced by TCP's window (`burst_again`) ...
-WINDOW_RTTS = 4.0
+# a burst that crossed in fewer round trips than this may have been paced by TCP's window (`burst_again`): slow
+# start from the initial window needs 5 for a 256 KiB burst, 9 for 4 MiB ...
+WINDOW_RTTS = 8.0
 # ... and is sent again while each repeat reads this many times the one before
 OPENING = 1.1
 # the most bursts one probe sends (the first and its repeats)
