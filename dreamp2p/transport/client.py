@@ -266,8 +266,10 @@ class Link:
 
     async def probe_bandwidth(self, nbytes: int, *, shared: bool = False) -> float:
         """Send a burst and time it (minus one RTT); returns and records bytes/s. The burst is ``nbytes``, or
-        more where the link's estimate and RTT ask for it (`transport.linkrate.probeburst.probe_size`).
-        ``shared``: other traffic is on the link, so the reading is recorded as a floor (`LinkEstimator`)."""
+        more where the link's estimate and RTT ask for it (`transport.linkrate.probeburst.probe_size`); on a long
+        path it is sent again, doubled, while TCP's window rather than the link paced it (`burst_again`), and
+        the last reading is recorded. ``shared``: other traffic is on the link, so the reading is recorded as a
+        floor (`LinkEstimator`)."""
         rtt = self.stats.min_rtt_s if self.stats.rtt_samples else 0.0
         floor = min(nbytes, MAX_PROBE_BYTES)
         estimate = self.stats.goodput_Bps
