@@ -56,18 +56,17 @@ class GatherRound(RingRound):
             self._maybe_finish()
             return
         assert self.out is not None
-        codec, fb = spec.codec, self._feedback
+        codec = spec.codec
+        # a refused contribution is zeros marked excluded: nothing of ours, residual included, goes out
+        fb = self._feedback if not codec.lossless and spec.contributes else None
         for chunk in split_chunks(self._whole, spec.chunk_elems, self._block):
             if self.done.done():
                 return
             values = self.acc[chunk.start : chunk.stop]
-            compensate = fb is not None and not codec.lossless and spec.contributes
-            if compensate:
-                assert fb is not None
+            if fb is not None:
                 values = fb.compensate(REDUCE, chunk.start, values)
             raw = bytes(codec.encode(values).numpy())
-            if compensate:
-                assert fb is not None
+            if fb is not None:
                 fb.keep(REDUCE, chunk.start, values, codec.decode(raw, chunk.length))
             self._parts.setdefault(spec.rank, []).append((chunk.start, chunk.length, raw))
             frame = self._frame(
