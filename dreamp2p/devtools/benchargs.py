@@ -185,11 +185,11 @@ def _probe(p: Parser) -> None:
     p.add_argument(
         "--losses", nargs="+", type=loss_fraction, default=[0.0, 0.001, 0.01], help="packet losses of the grid"
     )
-    p.add_argument("--bursts", type=int_at_least(1), default=4, help="idle-link bursts per point (4)")
+    p.add_argument("--bursts", type=int_at_least(1), default=3, help="idle-link probes per point (3)")
     p.add_argument(
-        "--syncs", type=int_at_least(0), default=6, help="sync-sized streams per point, after the bursts (6)"
+        "--syncs", type=int_at_least(0), default=8, help="sync-sized streams per point, after the probes (8)"
     )
-    p.add_argument("--sync-kb", type=int_at_least(1), default=256, help="KiB per sync stream (256)")
+    p.add_argument("--sync-kb", type=int_at_least(1), default=1024, help="KiB per sync stream (1024)")
 
 
 def _allreduce(p: Parser) -> None:

@@ -81,7 +81,7 @@ def _prober(
 
 
 def probe_point(
-    rate: str, rtt: str, loss: float, bursts: int = 4, syncs: int = 20, sync_bytes: int = 256 << 10, idle_s: float = 3.0
+    rate: str, rtt: str, loss: float, bursts: int = 3, syncs: int = 8, sync_bytes: int = 1 << 20, idle_s: float = 3.0
 ) -> dict[str, Any]:
     """One grid point: the estimates a link of ``rate``, ``rtt`` and ``loss`` gets, against ``rate``."""
     cfg = TransportConfig()
@@ -129,9 +129,9 @@ def bench_probe(
     rates: tuple[str, ...] = RATES,
     rtts: tuple[str, ...] = RTTS,
     losses: tuple[float, ...] = LOSSES,
-    bursts: int = 4,
-    syncs: int = 20,
-    sync_kb: int = 256,
+    bursts: int = 3,
+    syncs: int = 8,
+    sync_kb: int = 1024,
 ) -> dict[str, Any]:
     """Every point of ``rates`` x ``rtts`` x ``losses`` (`probe_point`), and the worst errors over them."""
     points = [
