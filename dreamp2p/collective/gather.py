@@ -41,21 +41,22 @@ class GatherRound(RingRound):
     def __init__(
         self, spec: RoundSpec, buffer: torch.Tensor, out: OutStream | None, feedback: RoundFeedback | None = None
     ) -> None:
+        if not gathers(spec):
+            raise ValueError(
+                f"a gathered round needs a sparse codec and 2 or more members, not {spec.codec.name} among {spec.world}"
+            )
         super().__init__(spec, buffer, out, feedback)
         self._whole = Segment(0, 0, buffer.numel())
         self._expected = (spec.world - 1) * buffer.numel()
         # origin rank -> (start, length, encoded bytes): a few % of the decoded values' memory, decoded at the end
         self._parts: dict[int, list[tuple[int, int, bytes]]] = {}
         self._excluded: dict[int, int] = {}  # origin rank -> its frames' ``excluded``
-        self._own_sent = spec.world == 1
+        self._own_sent = False
 
     async def start(self) -> None:
         """Encode our buffer once and send it; what the others decode of it is what we keep of it."""
         spec = self.spec
-        if spec.world == 1:
-            self._maybe_finish()
-            return
-        assert self.out is not None
+        assert self.out is not None  # RingRound requires one for more than one member
         codec = spec.codec
         # a refused contribution is zeros marked excluded: nothing of ours, residual included, goes out
         fb = self._feedback if not codec.lossless and spec.contributes else None
@@ -111,20 +112,19 @@ class GatherRound(RingRound):
         if self.done.done() or not self._own_sent or self._received < self._expected:
             return
         world = self.spec.world
-        if world > 1:
-            contributors = world - sum(self._excluded.values())
-            if contributors < 1:
-                self.fail("every peer's contribution was refused at its source")
-                return
-            total, codec = self.acc, self.spec.codec
-            total.zero_()
-            for origin in range(world):  # rank order: the same sums, bit for bit, at every member
-                for start, length, raw in self._parts.get(origin, ()):
-                    total[start : start + length].add_(self._decode(codec, raw, length))
-            total.div_(contributors)
-            self._parts.clear()
-            if not bool(torch.isfinite(total).all()):
-                self.fail("reduction became non-finite")
-                return
-            self.contributors = contributors
+        contributors = world - sum(self._excluded.values())
+        if contributors < 1:
+            self.fail("every peer's contribution was refused at its source")
+            return
+        total, codec = self.acc, self.spec.codec
+        total.zero_()
+        for origin in range(world):  # rank order: the same sums, bit for bit, at every member
+            for start, length, raw in self._parts.get(origin, ()):
+                total[start : start + length].add_(self._decode(codec, raw, length))
+        total.div_(contributors)
+        self._parts.clear()
+        if not bool(torch.isfinite(total).all()):
+            self.fail("reduction became non-finite")
+            return
+        self.contributors = contributors
         self.done.set_result(None)

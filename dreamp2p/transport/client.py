@@ -272,9 +272,8 @@ class Link:
         floor (`LinkEstimator`)."""
         rtt = self.stats.min_rtt_s if self.stats.rtt_samples else 0.0
         floor = min(nbytes, MAX_PROBE_BYTES)
-        estimate = self.stats.goodput_Bps
         previous: float | None = None
-        size = probe_size(estimate, rtt, floor, MAX_PROBE_BYTES)
+        size = probe_size(self.stats.goodput_Bps, rtt, floor, MAX_PROBE_BYTES)
         for _ in range(MAX_BURSTS):
             if previous is not None:
                 size = repeat_size(size, previous, rtt, floor, MAX_PROBE_BYTES)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -10,33 +9,14 @@ import pytest
 import torch
 
 from dreamp2p.collective.gather import GatherRound, gathers
-from dreamp2p.collective.ring import RingRound, RoundSpec, checksum
+from dreamp2p.collective.ring import RingRound, checksum
 from dreamp2p.compression import get_codec
 from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import DType, Frame, Phase
 from dreamp2p.schedule.linkcodec import round_wire_ratio
-from tests.unit.test_linkcodec import MemoryLink, make_spec
+from tests.unit.test_linkcodec import MemoryLink, make_spec, run_ring
 
 BLOCK = 4096
-
-
-async def run_rounds(
-    inputs: Sequence[torch.Tensor], specs: Sequence[RoundSpec], kind: type[RingRound]
-) -> list[RingRound]:
-    world = len(specs)
-    links = [MemoryLink() for _ in range(world)]
-    rounds = [kind(spec, x.clone(), link) for spec, x, link in zip(specs, inputs, links, strict=True)]
-    for r, link in enumerate(links):
-        link.target = rounds[(r + 1) % world]
-    pumps = [asyncio.ensure_future(link.pump()) for link in links]
-    try:
-        await asyncio.wait_for(asyncio.gather(*(r.start() for r in rounds)), 30)
-        await asyncio.wait_for(asyncio.gather(*(r.done for r in rounds)), 30)
-    finally:
-        for p in pumps:
-            p.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-    return rounds
 
 
 def inputs(world: int, n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -60,7 +40,7 @@ async def test_every_member_ends_with_the_mean_of_what_each_sent_bit_for_bit(wor
     # members chunk their own contribution as their own link asks: the sums must not depend on it
     specs = [make_spec(r, world, "topk", chunk_elems=chunk * (1 + r % 2)) for r in range(world)]
     assert all(gathers(s) for s in specs)
-    rounds = await run_rounds(xs, specs, GatherRound)
+    rounds = (await run_ring(xs, specs, GatherRound)).rounds
     want = sent_mean(xs)
     for rnd in rounds:
         assert torch.equal(rnd.acc, want)
@@ -83,8 +63,8 @@ async def test_gathering_keeps_what_the_ring_reencodes_away() -> None:
     xs = inputs(3, 4 * BLOCK, seed=3)
     want = sent_mean(xs)
     specs = [make_spec(r, 3, "topk") for r in range(3)]
-    gathered = (await run_rounds(xs, specs, GatherRound))[0].acc
-    ringed = (await run_rounds(xs, specs, RingRound))[0].acc
+    gathered = (await run_ring(xs, specs, GatherRound)).results[0]
+    ringed = (await run_ring(xs, specs)).results[0]
     assert torch.equal(gathered, want)
     assert float((ringed - want).norm()) > 0.3 * float(want.norm())
 
@@ -93,7 +73,7 @@ async def test_a_refused_contribution_is_left_out_of_the_mean_everywhere() -> No
     xs = inputs(3, 2 * BLOCK)
     xs[1] = torch.zeros_like(xs[1])  # what a member whose guard refused it sends
     specs = [make_spec(r, 3, "topk", contributes=r != 1) for r in range(3)]
-    rounds = await run_rounds(xs, specs, GatherRound)
+    rounds = (await run_ring(xs, specs, GatherRound)).rounds
     want = sent_mean(xs, refused=frozenset({1}))
     assert all(torch.equal(r.acc, want) and r.contributors == 2 for r in rounds)
 
@@ -102,6 +82,9 @@ def test_only_sparse_codecs_among_several_members_gather() -> None:
     assert not gathers(make_spec(0, 2, "int4"))
     assert not gathers(make_spec(0, 1, "topk"))
     assert gathers(make_spec(0, 2, "topk"))
+    for spec in (make_spec(0, 2, "int4"), make_spec(0, 1, "topk")):
+        with pytest.raises(ValueError, match="a gathered round needs a sparse codec and 2 or more members"):
+            GatherRound(spec, torch.zeros(BLOCK), MemoryLink())
 
 
 def contribution(rnd: RingRound, origin: int, step: int = 0, **kw: object) -> Frame:

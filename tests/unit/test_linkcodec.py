@@ -218,11 +218,14 @@ class RingRun:
     links: list[MemoryLink]  # links[r]: from rank r to rank r + 1
 
 
-async def run_ring(inputs: Sequence[torch.Tensor], specs: Sequence[RoundSpec]) -> RingRun:
+async def run_ring(
+    inputs: Sequence[torch.Tensor], specs: Sequence[RoundSpec], kind: type[RingRound] = RingRound
+) -> RingRun:
+    """Rounds of ``kind`` (a RingRound, or a subclass such as the gathered round) over ``inputs``, wired in memory."""
     world = len(specs)
     bufs = [x.clone() for x in inputs]
     links = [MemoryLink() for _ in range(world)]
-    rounds = [RingRound(spec, buf, link) for spec, buf, link in zip(specs, bufs, links, strict=True)]
+    rounds = [kind(spec, buf, link) for spec, buf, link in zip(specs, bufs, links, strict=True)]
     for r, link in enumerate(links):
         link.target = rounds[(r + 1) % world]
     pumps = [asyncio.ensure_future(link.pump()) for link in links]

@@ -2,7 +2,7 @@
 
 For each point of a grid of rate x RTT x loss, two network namespaces are joined by tbf (no RTT, no loss)
 or by the packet emulator (`dreamp2p.devtools.wanemu`), a sink serves the real servicer in one of them
-(`bench.transport.run_sink`) and a :class:`~dreamp2p.transport.client.Link` in the other estimates the
+(`bench.transport.beside_sink`) and a :class:`~dreamp2p.transport.client.Link` in the other estimates the
 link the way a member's link does: RTT echoes, then bandwidth bursts each after an idle spell (an idle link's
 probe, `peer.probing`), then sync-sized streams, whose hand-off times feed the same estimate
 (`transport.linkrate.linkstats.BusyMeter`). Each point reports the estimate after the bursts and after the
@@ -18,12 +18,11 @@ import multiprocessing.connection
 import time
 from typing import Any
 
-from dreamp2p.config import PeerInfo, TransportConfig, parse_rate
+from dreamp2p.config import TransportConfig, parse_rate
 from dreamp2p.config.parse import parse_duration
-from dreamp2p.devtools.bench.transport import child_result, report_to, run_sink, sink_frame
+from dreamp2p.devtools.bench.transport import beside_sink, report_to, sink_frame, sink_link
 from dreamp2p.devtools.launch import enter_netns
 from dreamp2p.devtools.netns import Namespaces
-from dreamp2p.messages import PROTOCOL_VERSION, Hello
 
 RATES = ("5mbit", "20mbit", "100mbit", "200mbit")
 RTTS = ("0ms", "50ms", "150ms")
@@ -46,11 +45,8 @@ def _prober(
         enter_netns(netns)
 
     async def main() -> dict[str, Any]:
-        from dreamp2p.transport.client import Link
-
-        link = Link("bench-prober", PeerInfo("sink", address), cfg, None, None)
+        link = await sink_link(cfg, address, "bench-prober")
         try:
-            await link.handshake(Hello("bench", PROTOCOL_VERSION, "bench-prober", b"", ()), cfg.connect_timeout_s)
             for _ in range(3):
                 await link.probe_rtt()
             readings = []
@@ -85,29 +81,9 @@ def probe_point(
 ) -> dict[str, Any]:
     """One grid point: the estimates a link of ``rate``, ``rtt`` and ``loss`` gets, against ``rate``."""
     cfg = TransportConfig()
-    ctx = mp.get_context("spawn")
     with Namespaces(2, rate, rtt=rtt if parse_duration(rtt) else None, loss=loss or None) as net:
-        r_parent, r_child = ctx.Pipe()
-        p_parent, p_child = ctx.Pipe()
-        recv = ctx.Process(target=run_sink, args=(r_child, net.hosts[1][1], net.hosts[1][0], cfg), daemon=True)
-        recv.start()
-        try:
-            if not r_parent.poll(60):
-                raise RuntimeError("receiver did not start")
-            port = r_parent.recv()
-            if isinstance(port, dict):
-                raise RuntimeError(f"receiver failed: {port.get('error')}")
-            args = (p_child, f"{net.hosts[1][1]}:{port}", net.hosts[0][0], cfg, bursts, syncs, sync_bytes, idle_s)
-            prober = ctx.Process(target=_prober, args=args, daemon=True)
-            prober.start()
-            res = child_result(p_parent, prober, "prober", 300)
-            r_parent.send("stop")
-            child_result(r_parent, recv, "receiver", 30)
-            prober.join(10)
-        finally:
-            recv.join(5)
-            if recv.is_alive():
-                recv.kill()
+        args = (bursts, syncs, sync_bytes, idle_s)
+        res, _ = beside_sink(cfg, net.hosts, _prober, args, "prober", 300)
     shaped = parse_rate(rate) / 1e6
     return {
         "rate": rate,

@@ -23,7 +23,7 @@ import subprocess
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -37,6 +37,9 @@ from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import PROTOCOL_VERSION, DType, Frame, Hello, MemberProgress, PeerStatus, Phase, Vote
 from dreamp2p.transport.linkrate.kernelnet import read_tcp_limits
 from dreamp2p.transport.linkrate.tcptuning import choose_streams, per_flow_rate_Bps
+
+if TYPE_CHECKING:
+    from dreamp2p.transport.client import Link
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +161,20 @@ def run_sink(conn: mp.connection.Connection, host: str, netns: str | None, cfg: 
     report_to(conn, main)
 
 
+async def sink_link(cfg: TransportConfig, address: str, me: str) -> Link:
+    """A member's link named ``me`` to the sink at ``address``, handshaken.
+
+    On every channel, as a member's link does: a Push from a connection that never handshook must deliver its
+    first frame within transport.first_frame_timeout_s, which a few MB per stream on fresh connections of a
+    long path miss (8 streams at 100 ms: "sender did not finish").
+    """
+    from dreamp2p.transport.client import Link
+
+    link = Link(me, PeerInfo("sink", address), cfg, None, None)
+    await link.handshake(Hello("bench", PROTOCOL_VERSION, me, b"", ()), cfg.connect_timeout_s)
+    return link
+
+
 def _sender(
     conn: mp.connection.Connection, address: str, netns: str | None, cfg: TransportConfig, seconds: float
 ) -> None:
@@ -165,14 +182,8 @@ def _sender(
         enter_netns(netns)
 
     async def main() -> dict[str, Any]:
-        from dreamp2p.transport.client import Link
-
-        link = Link("bench-sender", PeerInfo("sink", address), cfg, None, None)
+        link = await sink_link(cfg, address, "bench-sender")
         try:
-            # on every channel, as a member's link does: a Push from a connection that never handshook must
-            # deliver its first frame within transport.first_frame_timeout_s, which a few MB per stream on
-            # fresh connections of a long path miss (8 streams at 100 ms: "sender did not finish")
-            await link.handshake(Hello("bench", PROTOCOL_VERSION, "bench-sender", b"", ()), cfg.connect_timeout_s)
             await link.probe_rtt()
             for _ in range(3):  # let the estimate settle before sizing chunks from it
                 await link.probe_bandwidth(cfg.probe_burst_bytes)
@@ -299,10 +310,19 @@ def bench_transport(
     return _run_pair(cfg, seconds, [(None, "127.0.0.1"), (None, "127.0.0.1")])
 
 
-def _run_pair(cfg: TransportConfig, seconds: float, hosts: list[tuple[str | None, str]]) -> dict[str, Any]:
+def beside_sink(
+    cfg: TransportConfig,
+    hosts: list[tuple[str | None, str]],
+    target: Callable[..., None],
+    args: tuple[Any, ...],
+    who: str,
+    timeout: float,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Serve the sink in ``hosts[1]`` and run ``target(conn, address, netns, cfg, *args)`` in ``hosts[0]``, each
+    in its own process (``who`` names the client in errors); the client's result, then the sink's."""
     ctx = mp.get_context("spawn")
     r_parent, r_child = ctx.Pipe()
-    s_parent, s_child = ctx.Pipe()
+    c_parent, c_child = ctx.Pipe()
     recv = ctx.Process(target=run_sink, args=(r_child, hosts[1][1], hosts[1][0], cfg), daemon=True)
     recv.start()
     try:
@@ -311,18 +331,23 @@ def _run_pair(cfg: TransportConfig, seconds: float, hosts: list[tuple[str | None
         port = r_parent.recv()
         if isinstance(port, dict):
             raise RuntimeError(f"receiver failed: {port.get('error')}")
-        send = ctx.Process(
-            target=_sender, args=(s_child, f"{hosts[1][1]}:{port}", hosts[0][0], cfg, seconds), daemon=True
+        client = ctx.Process(
+            target=target, args=(c_child, f"{hosts[1][1]}:{port}", hosts[0][0], cfg, *args), daemon=True
         )
-        send.start()
-        sres = child_result(s_parent, send, "sender", seconds + 120)
+        client.start()
+        cres = child_result(c_parent, client, who, timeout)
         r_parent.send("stop")
         rres = child_result(r_parent, recv, "receiver", 30)
-        send.join(10)
+        client.join(10)
     finally:
         recv.join(5)
         if recv.is_alive():
             recv.kill()
+    return cres, rres
+
+
+def _run_pair(cfg: TransportConfig, seconds: float, hosts: list[tuple[str | None, str]]) -> dict[str, Any]:
+    sres, rres = beside_sink(cfg, hosts, _sender, (seconds,), "sender", seconds + 120)
     if rres["bytes"] != sres["bytes"]:
         raise RuntimeError(f"receiver counted {rres['bytes']} bytes, sender sent {sres['bytes']}")
     return {
