@@ -274,7 +274,7 @@ def _plan(args: argparse.Namespace) -> int:
             print(
                 f"regions of different speeds: in lockstep every region steps at the slowest's "
                 f"{args.step_time:g} s (idle per region: {idle}; the plan is made for it); "
-                f'[sync] periods = "time" (diloco, streaming) lets each region take the steps it manages'
+                f'[sync] periods = "time" (diloco, streaming, dreamddp) lets each region take the steps it manages'
             )
     print(json.dumps(result))
     return 0

@@ -42,7 +42,7 @@ GROUP_OUTER_ADAPTIVE = (1.0, 0.5)
 # ``period`` steps: every member follows the cluster's step clock (`dreamp2p.sync.strategies.pacing`), takes
 # as many local steps as it manages meanwhile, and the merge weights each pseudo-gradient by those steps
 PERIOD_KINDS = ("steps", "time")
-TIMED_STRATEGIES = ("diloco", "streaming")  # the strategies "time" applies to so far
+TIMED_STRATEGIES = ("diloco", "streaming", "dreamddp")  # the strategies "time" applies to
 REMOVED_KEYS = {
     "round_timeout_s": "sync rounds are governed by [node.transport] round_timeout_s; set it there",
 }
@@ -315,7 +315,7 @@ class SyncConfig:
             raise ValueError(one_of_message("sync.periods", self.periods, PERIOD_KINDS))
         if self.periods == "time" and self.strategy not in (*TIMED_STRATEGIES, "none"):
             raise ValueError(
-                f"sync.periods = 'time' applies to {' and '.join(TIMED_STRATEGIES)}, not {self.strategy!r}: ssgd "
+                f"sync.periods = 'time' applies to {', '.join(TIMED_STRATEGIES)}, not {self.strategy!r}: ssgd "
                 "averages every step, and the others run their periods in steps (periods = 'steps') for now"
             )
 

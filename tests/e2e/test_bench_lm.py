@@ -143,7 +143,12 @@ def test_bench_lm_time_periods_let_a_slow_region_follow_the_clock() -> None:
     it takes fewer local steps than the clock's, and the regions still end bit-identical after the flush.
     Both regions are slowed (to ~40 and ~10 steps/s) so that a step outlasts the in-process link's delay,
     as a real model's step outlasts a WAN's. One run of the bench for the three variants: one ceiling."""
-    variants = ("diloco:periods=time", "streaming:periods=time", "streaming:periods=time,comm=process")
+    variants = (
+        "diloco:periods=time",
+        "streaming:periods=time",
+        "streaming:periods=time,comm=process",
+        "dreamddp:periods=time",
+    )
     tiny = {**TINY, "steps": 36, "period": 6}
     out = bench_lm(strategies=variants, netns=False, slow=("0=0.05", "1=0.0125"), **tiny)  # type: ignore[arg-type]
     for variant in variants:
@@ -153,3 +158,6 @@ def test_bench_lm_time_periods_let_a_slow_region_follow_the_clock() -> None:
         assert row["identical_after_flush"] is True and row["flush_errors"] == [], variant
         assert math.isfinite(row["heldout_loss_flushed"]), variant
         assert row["curve"][-1][0] == 36, variant
+        # the loss against the tokens trained on: fewer than two full-speed regions' at the clock's last step
+        assert row["curve_tokens"][-1][0] < 2 * 36 * out["batch"] * out["model"]["context"], variant
+        assert row["heldout_loss_at_equal_tokens"][1] is not None, variant

@@ -46,3 +46,26 @@ def test_kill_one_of_four_survivors_continue_and_it_rejoins(strategy: str) -> No
     assert len({r["digest"] for r in rep.results}) == 1, [r["digest"][:12] for r in rep.results]
     if strategy == "dreamddp":
         assert {r["flush_path"] for r in rep.results} == {"compressed"}, [r["flush_path"] for r in rep.results]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_time_paced_dreamddp_survives_a_kill_and_takes_its_member_back() -> None:
+    """Periods in time (`sync.periods = "time"`): the same scenario, with DreamDDP's weighed layer syncs and
+    the members following the cluster's step clock. The joiner takes the clock's window with the state."""
+    rep = kill_and_rejoin(
+        n=4,
+        victim=3,
+        kill_at=30,
+        progress=25,
+        after_join=40,
+        strategy="dreamddp",
+        sync={"periods": "time"},
+        timeout=300,
+    )
+    assert all(rep.survivor_steps_after_kill[r] >= rep.steps_at_kill[r] + 25 for r in (0, 1, 2)), rep
+    assert rep.joined_at > max(rep.survivor_steps_after_kill[r] for r in (0, 1, 2))
+    assert all(math.isfinite(loss) for r in rep.results for _, loss in r["losses"])
+    assert all(r["view_changes"] >= 2 for r in rep.results[:3])
+    assert len({r["step"] for r in rep.results}) == 1
+    assert len({r["digest"] for r in rep.results}) == 1, [r["digest"][:12] for r in rep.results]

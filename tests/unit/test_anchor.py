@@ -118,19 +118,23 @@ def test_a_floor_below_the_pace_does_not_set_the_plans_bandwidth() -> None:
 
 
 @pytest.mark.parametrize(
-    ("bwds", "want"),
+    ("bwds", "fastest", "want"),
     [
-        ((0.02, 0.05), 0.05),  # a region at 0.4x: the plan is made for its step, the one lockstep runs at
-        ((0.05, 0.02), 0.05),
-        ((0.0, 0.03), 0.03),  # a member not profiled yet (zeros) tells nothing
-        ((0.03, 0.03), 0.03),  # a tie: the first, on every member alike
+        ((0.02, 0.05), False, 0.05),  # a region at 0.4x: the plan is made for its step, the one lockstep runs at
+        ((0.05, 0.02), False, 0.05),
+        ((0.0, 0.03), False, 0.03),  # a member not profiled yet (zeros) tells nothing
+        ((0.03, 0.03), False, 0.03),  # a tie: the first, on every member alike
+        ((0.02, 0.05), True, 0.02),  # periods in time: the clock runs at the fastest member's pace
+        ((0.05, 0.02), True, 0.02),
+        ((0.0, 0.03), True, 0.03),  # ... and a member not profiled yet is not the fastest
+        ((0.0, 0.0), True, 0.0),  # nobody profiled yet: zeros, as in lockstep
     ],
 )
-def test_the_plan_takes_the_slowest_members_layer_profile(bwds: tuple[float, float], want: float) -> None:
+def test_the_plan_takes_the_pacing_members_layer_profile(bwds: tuple[float, float], fastest: bool, want: float) -> None:
     template = [LayerCost("a", 0.0, 0.0, 1000), LayerCost("b", 0.0, 0.0, 1000)]
     per_member = [[LayerCost(c.name, b / 4, b, c.nbytes) for c in template] for b in bwds]
     vec = sum(pack_control(r, 2, 1e6, 0.01, per_member[r]) for r in range(2)) / 2
-    costs = unpack_control(vec, 2, template).costs
+    costs = unpack_control(vec, 2, template, fastest=fastest).costs
     assert [c.bwd_s for c in costs] == pytest.approx([want, want], rel=1e-6)
     assert [c.fwd_s for c in costs] == pytest.approx([want / 4, want / 4], rel=1e-6)
 

@@ -13,7 +13,7 @@ from test_strategy_logic import batch, config, each, local_step, make_model, mem
 
 from dreamp2p.config.sync import SyncConfig
 from dreamp2p.sync.comm.inprocess import InProcessHub
-from dreamp2p.sync.model.groups import GROUP_PARAMS, GROUP_TOKENS
+from dreamp2p.sync.model.groups import ANCHOR_OFFSET, GROUP_PARAMS, GROUP_PLAN_BASE, GROUP_TOKENS, SYNCS_PER_PLAN
 from dreamp2p.sync.strategies.base import Strategy
 from dreamp2p.sync.strategies.pacing import StepWindow, unweigh
 
@@ -49,9 +49,9 @@ def test_unweigh_divides_by_the_mean_share_and_refuses_none() -> None:
     assert not unweigh(mean, 0.0)
 
 
-@pytest.mark.parametrize("strategy", ["ssgd", "localsgd", "co2", "dreamddp"])
+@pytest.mark.parametrize("strategy", ["ssgd", "localsgd", "co2"])
 def test_time_periods_are_refused_where_they_do_not_apply(strategy: str) -> None:
-    with pytest.raises(ValueError, match=r"sync\.periods = .time. applies to diloco and streaming"):
+    with pytest.raises(ValueError, match=r"sync\.periods = .time. applies to diloco, streaming, dreamddp"):
         SyncConfig(strategy=strategy, periods="time")
     with pytest.raises(ValueError, match=r"sync\.periods must be one of steps, time"):
         SyncConfig(strategy="diloco", periods="seconds")
@@ -100,7 +100,7 @@ def test_a_member_that_trained_half_the_period_counts_half_in_the_merge() -> Non
     assert fast.outer_digest() == slow.outer_digest()
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "streaming"])
+@pytest.mark.parametrize("strategy", ["diloco", "streaming", "dreamddp"])
 def test_a_slow_member_follows_the_clock_and_the_replicas_agree(strategy: str) -> None:
     hub = InProcessHub(2)
     cfg = config(strategy, period=4, periods="time", fragments=2, stream_delay=1)
@@ -126,14 +126,45 @@ def test_a_slow_member_follows_the_clock_and_the_replicas_agree(strategy: str) -
     assert len({b"".join(p.detach().numpy().tobytes() for p in s.model.parameters()) for s in strategies}) == 1
 
 
-def test_steps_periods_keep_lockstep_and_send_no_shares() -> None:
+def _is_pseudo_gradient_sync(group_id: int) -> bool:
+    """A DreamDDP layer sync's own round (not its anchor's, nor a check's)."""
+    return group_id >= GROUP_PLAN_BASE and (group_id - GROUP_PLAN_BASE) % SYNCS_PER_PLAN < ANCHOR_OFFSET
+
+
+def test_dreamddp_sends_each_launch_steps_share_beside_its_layer_syncs() -> None:
+    """Every pseudo-gradient sync is weighed: a shares' round under its round id, one per launch step however
+    many syncs that step launches; the slow member's syncs launch at steps it only passed (its ticks)."""
     hub = InProcessHub(2)
-    strategies = members(hub, config("diloco"))
+    cfg = config("dreamddp", period=4, periods="time", delta_codec="fp32")
+    strategies = members(hub, cfg)
+    steps = [0, 0]
+
+    def run(rank: int, s: Strategy) -> None:
+        while s.step_count < 5 * cfg.period:
+            local_step(s, rank)
+            steps[rank] += 1
+            if rank == 1:
+                time.sleep(0.03)
+        s.close()
+
+    each(strategies, run)
+    assert steps[1] < steps[0] == 5 * cfg.period, steps
+    syncs = [r for r in hub.rounds if _is_pseudo_gradient_sync(r.group_id)]
+    shares = [r for r in hub.rounds if r.group_id == GROUP_TOKENS]
+    assert syncs and not any(r.failed for r in syncs + shares)
+    assert sorted(r.round_id for r in shares) == sorted({r.round_id for r in syncs})
+    assert strategies[0].outer_digest() == strategies[1].outer_digest()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "dreamddp"])
+def test_steps_periods_keep_lockstep_and_send_no_shares(strategy: str) -> None:
+    hub = InProcessHub(2)
+    strategies = members(hub, config(strategy))
     each(strategies, lambda rank, s: [local_step(s, rank) for _ in range(8)])
     assert not [r for r in hub.rounds if r.group_id == GROUP_TOKENS]
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "streaming"])
+@pytest.mark.parametrize("strategy", ["diloco", "streaming", "dreamddp"])
 def test_the_clocks_window_travels_with_the_state(strategy: str) -> None:
     """A joiner or a resumed member takes the donor's parameters, and with them the steps they hold: the
     window of trained steps travels in the state, so its next pseudo-gradient is weighed alike."""

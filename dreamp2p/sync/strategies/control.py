@@ -74,7 +74,7 @@ def pack_control(
     return vec
 
 
-def unpack_control(mean: torch.Tensor, world: int, template: list[LayerCost]) -> Gathered:
+def unpack_control(mean: torch.Tensor, world: int, template: list[LayerCost], fastest: bool = False) -> Gathered:
     """Turn the averaged control vector (each rank filled only its slot) back into the gathered view.
 
     The planner's bandwidth is the slowest of every link's goodput and the syncs' pace (a ring runs at its
@@ -84,15 +84,21 @@ def unpack_control(mean: torch.Tensor, world: int, template: list[LayerCost]) ->
     highest member's. Per-link codecs choose from the goodputs alone. The layer profile
     is the slowest member's (the largest forward + backward): in lockstep every member steps at its pace,
     and its backward is the window a sync overlaps with; a member not profiled yet (zeros) is not counted.
+    ``fastest``: periods in time, where the cluster's step clock runs at its fastest member's pace, whose
+    profile is taken instead.
     """
     n = len(template)
     slots = (mean.double() * world).view(world, 3 + 2 * n)
     bws = [float(b) for b in slots[:, 0] if float(b) > 0]
     rtts = [float(r) for r in slots[:, 1] if float(r) > 0]
     rates = [float(r) for r in slots[:, 2] if float(r) > 0]
-    slowest_member = int(slots[:, 3:].sum(1).argmax())
-    fwd = slots[slowest_member, 3 : 3 + n]
-    bwd = slots[slowest_member, 3 + n :]
+    totals = slots[:, 3:].sum(1)
+    if fastest and bool((totals > 0).any()):
+        member = int(torch.where(totals > 0, totals, math.inf).argmin())
+    else:
+        member = int(totals.argmax())
+    fwd = slots[member, 3 : 3 + n]
+    bwd = slots[member, 3 + n :]
     costs = tuple(
         LayerCost(c.name, max(0.0, float(fwd[i])), max(0.0, float(bwd[i])), c.nbytes) for i, c in enumerate(template)
     )

@@ -64,9 +64,11 @@ from dreamp2p.sync.strategies.control import (
     unpack_control,
 )
 from dreamp2p.sync.strategies.deltaflush import DeltaFlush
-from dreamp2p.sync.strategies.layersync import InFlight, LayerSyncs
+from dreamp2p.sync.strategies.layersync import ArmedSyncs, InFlight, LayerSyncs
 from dreamp2p.sync.strategies.outer import OuterWeights
+from dreamp2p.sync.strategies.pacing import StepShares
 from dreamp2p.sync.strategies.plans import PlanBook
+from dreamp2p.sync.strategies.replicas import tensors_digest
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +143,7 @@ class DreamDDP(Strategy):
         self._blank = [LayerCost(layer.name, 0.0, 0.0, layer.nbytes) for layer in self.layers]
         self._plans = PlanBook(self.cfg, self._blank)
         self._inflight: list[InFlight] = []
-        self._layer_of = {id(p): layer.index for layer in self.layers for p in layer.params}
-        self._armed: dict[int, set[int]] = {}
-        self._pending: dict[int, int] = {}
+        self._armed = ArmedSyncs(self.layers, self._launch)
         self._schedule = ControlSchedule(self.cfg, self.comm)
         self._pace = LinkPace(self.comm.world)
         self._replanner = Replanner(self.cfg)
@@ -154,9 +154,10 @@ class DreamDDP(Strategy):
         lr, mu = self.cfg.group_outer
         self._weights = OuterWeights(self.layers, lr, mu)
         self._weights.start()
-        self._syncs = LayerSyncs(self.cfg, self.comm, self.layers, self.pin, self._weights)
+        shares = StepShares(self.comm, self._clock) if self._clock is not None else None
+        self._syncs = LayerSyncs(self.cfg, self.comm, self.layers, self.pin, self._weights, shares)
         self._delta_flush = DeltaFlush(self.comm, self._weights, self.layers, self.pin, self._wait, self._syncs.check)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._armed.on_grad) for p in self.params]
         if self.cfg.warmup_steps > 0:
             self.profiler.start()
         self._arm(0)
@@ -166,31 +167,13 @@ class DreamDDP(Strategy):
     def _arm(self, step: int) -> None:
         """Prepare the syncs of ``step``: they launch as their layers' gradients become ready."""
         self._plans.adopt(step)
-        h = (step - self.plan.effective_step) % self.plan.period
-        self._armed = {i: set(s.layers) for i, s in enumerate(self.plan.syncs) if s.iteration == h}
-        self._pending = {}
-        for layers in self._armed.values():
-            for li in layers:
-                self._pending[li] = len(self.layers[li].params)
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        li = self._layer_of.get(id(p))
-        if li is None or li not in self._pending:
-            return
-        self._pending[li] -= 1
-        if self._pending[li]:
-            return
-        for idx in [i for i, rem in self._armed.items() if li in rem]:
-            rem = self._armed[idx]
-            rem.discard(li)
-            if not rem:
-                del self._armed[idx]
-                self._launch(idx)
+        self._armed.arm(self.plan, (step - self.plan.effective_step) % self.plan.period)
 
     def _launch(self, idx: int) -> None:
-        key = (self.plan.version, idx)
-        for inf in [f for f in self._inflight if f.key == key]:
-            # still travelling from the previous period: it must land before its buffers are reused
+        key, layers = (self.plan.version, idx), set(self.plan.syncs[idx].layers)
+        # still travelling from the previous period: it must land before its buffers are reused. Paced by time
+        # (landings deferred), so must every sync of the same layers: theta then moves in one order everywhere
+        for inf in [f for f in self._inflight if f.key == key or (self._clock is not None and layers & {*f.layers})]:
             self._inflight.remove(inf)
             self._land(inf)
         anchor_codec = self.ring_codecs or self.plan_codec
@@ -225,9 +208,8 @@ class DreamDDP(Strategy):
 
     def _land(self, inf: InFlight, timeout: float | None = None) -> None:
         """Wait for a sync (and an anchor's check round) and merge it; a failed one is skipped everywhere."""
-        res = self._wait(inf.fut, timeout)
-        checked = self._wait(inf.check_fut, timeout) if inf.check_fut is not None else None
-        if res is not None and (inf.check_fut is None or checked is not None):
+        rounds = (inf.fut, inf.check_fut, inf.shares.fut if inf.shares is not None else None)
+        if all([self._wait(f, timeout) is not None for f in rounds if f is not None]):  # every one waited for
             self._syncs.merge(inf)
         self._pace.sample(inf)
 
@@ -237,6 +219,10 @@ class DreamDDP(Strategy):
 
     def outer_shards(self) -> dict[str, list[torch.Tensor]]:
         return self._weights.per_param()
+
+    def outer_digest(self) -> str:
+        """64 bits naming every layer's theta and outer momentum."""
+        return f"{tensors_digest(t for views in self._weights.per_param().values() for t in views):016x}"
 
     @property
     def anchors_healed(self) -> int:
@@ -277,12 +263,8 @@ class DreamDDP(Strategy):
 
     def _step(self) -> None:
         t = self.step_count
-        for idx in sorted(self._armed):  # layers that produced no gradient this step
-            self._launch(idx)
-        self._armed.clear()
-        for inf in [f for f in self._inflight if f.land_step <= t]:
-            self._inflight.remove(inf)
-            self._land(inf)  # a failed round failed on every member: the layers keep their local values
+        self._armed.launch_rest()
+        self._land_due(t)
         self._inner_step()
         self._stats.plan_version = self.plan.version
         if self.profiler.active:
@@ -292,6 +274,26 @@ class DreamDDP(Strategy):
                 self.profiler.end_step()
             if self.profiler.steps >= self.cfg.warmup_steps:
                 self.profiler.stop()
+        self._advance(t)
+
+    def _tick(self) -> None:
+        """Periods in time: the clock passes a step we do not train at; its syncs launch all the same (their
+        layers' values as they stand), due ones land, and the control schedule goes on."""
+        t = self.step_count
+        self._armed.launch_rest()
+        self._land_due(t)
+        self._advance(t)
+
+    def _land_due(self, t: int) -> None:
+        # a failed round failed on every member: the layers keep their local values. Paced by time, a sync
+        # lands once its rounds arrived, at its landing step or later: a slower member launches later, and
+        # waiting would tie us to its pace (where it lands changes only our own mix, not theta)
+        for inf in [f for f in self._inflight if f.land_step <= t and (self._clock is None or f.arrived())]:
+            self._inflight.remove(inf)
+            self._land(inf)
+
+    def _advance(self, t: int) -> None:
+        """The control schedule at the end of step ``t``, then the syncs of the next step armed."""
         control = self._schedule.landed(t)
         if control is not None:
             self._decide(control)
@@ -318,7 +320,9 @@ class DreamDDP(Strategy):
         self._schedule.decided(land)
         # decided as of the agreed landing step, not the step we got here: a node that joined with this
         # round in flight and started past it adopts the plan with the members' phase
-        self._plans.replan(self._replanner, unpack_control(gathered.work, world, self._blank), land, world)
+        self._plans.replan(
+            self._replanner, unpack_control(gathered.work, world, self._blank, self._clock is not None), land, world
+        )
         if not self._replanner.quiet:
             self._schedule.hasten(land)
 

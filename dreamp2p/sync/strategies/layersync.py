@@ -12,14 +12,20 @@ A sync launched at one step lands ``delay`` steps later (docs/PLANNING.md, the W
 arXiv 2502.11058). Every member that took part applies it at the same step, so a checkpoint taken while it
 travels keeps its result (`InFlight.record`), and a joiner or a resumed node applies the same average at
 the same step.
+
+Periods in time (``sync.periods = "time"``, `dreamp2p.sync.strategies.pacing`): a pseudo-gradient sync
+carries ``w * (theta - params)``, ``w`` this member's share of the clock's last period, with the step's
+shares' round beside it, and lands as the weighed mean ``sum(w g) / sum(w)``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from dreamp2p.compression import get_codec
 from dreamp2p.config.sync import SyncConfig
@@ -30,6 +36,7 @@ from dreamp2p.sync.model.groups import anchor_check_group, anchor_group, plan_sy
 from dreamp2p.sync.model.layers import FlatGroup, Layer
 from dreamp2p.sync.strategies.base import Held, landed, settled
 from dreamp2p.sync.strategies.outer import OuterWeights, anchor_verdict
+from dreamp2p.sync.strategies.pacing import Shares, StepShares, unweigh
 
 # A check round in flight: its (flag, digest bits) group, whose ``work`` receives the members' mean
 Check = tuple[FlatGroup, concurrent.futures.Future[RoundResult]]
@@ -48,12 +55,32 @@ class InFlight:
     check_fut: concurrent.futures.Future[RoundResult] | None = None
     anchor: bool = False  # whether it averages the parameters themselves (else pseudo-gradients)
     rated: bool = False  # whether its round's pace was taken into the link estimate yet (once per sync)
+    shares: Shares | None = None  # periods in time: the shares' round its weighed pseudo-gradient lands by
+
+    def arrived(self) -> bool:
+        """Whether every round of the sync completed (or failed): landing it now waits for nothing."""
+        return all(
+            f is None or f.done()
+            for f in (self.fut, self.check_fut, self.shares.fut if self.shares is not None else None)
+        )
+
+    def mean(self) -> torch.Tensor | None:
+        """The mean it lands with (its buffer, unweighed in place where shares weighed it); None where no
+        member trained in the window (nothing to apply). Valid once it arrived and its rounds succeeded."""
+        if self.shares is None:
+            return self.group.work
+        return self.group.work if unweigh(self.group.work, self.shares.mean()) else None
 
     def record(self, timeout: float) -> dict[str, Any] | None:
         """Wait for the sync, then its checkpoint record; None when it failed (everywhere: nobody applies it).
         RoundFailed when a round is still in flight after ``timeout`` (`dreamp2p.sync.strategies.base.settled`)."""
-        if not settled(self.fut, timeout) or (self.check_fut is not None and not settled(self.check_fut, timeout)):
+        futs = (self.fut, self.check_fut, self.shares.fut if self.shares is not None else None)
+        if not all(f is None or settled(f, timeout) for f in futs):
             return None
+        if self.shares is not None:  # saved as the mean it lands with, restored without shares
+            if self.mean() is None:
+                return None
+            self.shares = None
         rec = {
             "land": self.land_step,
             "key": list(self.key),
@@ -85,13 +112,58 @@ class InFlight:
         return inf
 
 
+class ArmedSyncs:
+    """The syncs of the step to come, each launched as soon as the last gradient of its layers is ready (a
+    post-accumulate-grad hook per parameter), while backward goes on."""
+
+    def __init__(self, layers: Sequence[Layer], launch: Callable[[int], None]) -> None:
+        self._layers = layers
+        self._launch = launch
+        self._layer_of = {id(p): layer.index for layer in layers for p in layer.params}
+        self._armed: dict[int, set[int]] = {}  # sync index -> its layers whose gradients are not ready yet
+        self._pending: dict[int, int] = {}  # layer -> its parameters whose gradients are not ready yet
+
+    def arm(self, plan: Plan, iteration: int) -> None:
+        """Arm the syncs ``plan`` launches at ``iteration`` of its period (the previous ones are dropped)."""
+        self._armed = {i: set(s.layers) for i, s in enumerate(plan.syncs) if s.iteration == iteration}
+        self._pending = {li: len(self._layers[li].params) for layers in self._armed.values() for li in layers}
+
+    def on_grad(self, p: torch.Tensor) -> None:
+        """A parameter's gradient is ready: launch every armed sync it was the last one missing for."""
+        li = self._layer_of.get(id(p))
+        if li is None or li not in self._pending:
+            return
+        self._pending[li] -= 1
+        if self._pending[li]:
+            return
+        for idx in [i for i, rem in self._armed.items() if li in rem]:
+            rem = self._armed[idx]
+            rem.discard(li)
+            if not rem:
+                del self._armed[idx]
+                self._launch(idx)
+
+    def launch_rest(self) -> None:
+        """Launch the armed syncs still waiting (layers that produced no gradient, or a step not trained at)."""
+        for idx in sorted(self._armed):
+            self._launch(idx)
+        self._armed.clear()
+
+
 class LayerSyncs:
     """Launches the layer syncs of the plans in force, over buffers kept per (plan version, sync)."""
 
     def __init__(
-        self, cfg: SyncConfig, comm: Collective, layers: Sequence[Layer], pin: bool, weights: OuterWeights
+        self,
+        cfg: SyncConfig,
+        comm: Collective,
+        layers: Sequence[Layer],
+        pin: bool,
+        weights: OuterWeights,
+        shares: StepShares | None = None,
     ) -> None:
         self._cfg = cfg
+        self._shares = shares  # periods in time: pseudo-gradients weighed by this member's share
         self._comm = comm
         self._layers = layers
         self._pin = pin
@@ -130,11 +202,14 @@ class LayerSyncs:
         self._weights.copy_theta(sync.layers, group.work)
 
         keep = self._cfg.keeps_unsent(delta_codec)
+        weight, shares = self._shares.launch(round_id) if self._shares is not None else (1.0, None)
 
         def pseudo_gradient() -> None:  # on the comm thread, once the snapshot has landed
             group.work.sub_(group.snap)
-            if keep:
+            if keep:  # what the codec drops stays in the parameters unweighed: the share scales what is sent
                 keep_unsent(group, delta_codec)
+            if weight != 1.0:
+                group.work.mul_(weight)
 
         fut = self._comm.allreduce_group(
             group,
@@ -146,15 +221,16 @@ class LayerSyncs:
             error_feedback=not keep and (self._cfg.error_feedback or delta_codec != self._cfg.delta_codec),
         )
         if not self._is_check(step):
-            return InFlight(step + sync.delay, key, group, sync.layers, fut)
+            return InFlight(step + sync.delay, key, group, sync.layers, fut, shares=shares)
         check, check_fut = self.check(sync.layers, anchor_check_group(gid), round_id, plan.version)
-        return InFlight(step + sync.delay, key, group, sync.layers, fut, check, check_fut)
+        return InFlight(step + sync.delay, key, group, sync.layers, fut, check, check_fut, shares=shares)
 
     def merge(self, inf: InFlight) -> None:
         """Apply a landed sync: the outer step per layer, then params = theta + local progress (where the
         check, if any, let it through; else the layers keep their local values and sync next as anchors)."""
         verdict = anchor_verdict(inf.check.work) if inf.check is not None else "agree"
-        if self._weights.land(inf.group.work, inf.layers, anchor=inf.anchor, verdict=verdict):
+        mean = inf.mean()
+        if mean is not None and self._weights.land(mean, inf.layers, anchor=inf.anchor, verdict=verdict):
             inf.group.merge()
 
     def check(self, layers: tuple[int, ...], group_id: int, round_id: int, plan_version: int = 0) -> Check:

@@ -77,6 +77,40 @@ class TokenShares:
         return float(self._groups[slot].work[0])
 
 
+class Shares:
+    """One shares' round in flight: its one-element buffer receives the members' mean share."""
+
+    def __init__(self, group: FlatGroup, fut: concurrent.futures.Future[RoundResult]) -> None:
+        self.group = group
+        self.fut = fut
+
+    def mean(self) -> float:
+        """The landed mean share (valid once :attr:`fut` completed)."""
+        return float(self.group.work[0])
+
+
+class StepShares:
+    """DreamDDP's shares' rounds: one per launch step, beside every pseudo-gradient sync launched at that step
+    (they all cover the same window of the clock), each in a buffer of its own that lives as long as a sync
+    launched with it travels (syncs of several steps travel at once)."""
+
+    def __init__(self, comm: Collective, window: StepWindow) -> None:
+        self._comm = comm
+        self._window = window
+        self._current: tuple[int, float, Shares] | None = None  # (round id, share, its round)
+
+    def launch(self, round_id: int) -> tuple[float, Shares]:
+        """This member's share of the window and the shares' round of ``round_id``, launched on first use."""
+        if self._current is None or self._current[0] != round_id:
+            share = self._window.share()
+            group = FlatGroup([torch.zeros(1)])
+            group.snap.fill_(share)
+            # a share is a count, not an update: the norm guard's history of updates does not apply
+            fut = self._comm.allreduce_group(group, GROUP_TOKENS, "fp32", round_id=round_id, guard_norm=False)
+            self._current = (round_id, share, Shares(group, fut))
+        return self._current[1], self._current[2]
+
+
 def unweigh(mean: torch.Tensor, mean_share: float) -> bool:
     """Turn the landed mean of ``w * g`` into the token-weighted mean ``sum(w g) / sum(w)``, in place; False
     where no member trained (a mean share of 0: nothing to merge)."""

@@ -6,6 +6,7 @@ each figure means is in its module docstring. Figures are rounded for the JSON r
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,43 @@ def region_curve(res: list[dict[str, Any]]) -> list[list[float]]:
         [pts[0][0], max(p[1] for p in pts), mean([p[2] for p in pts])]
         for pts in zip(*(r["curve"] for r in res), strict=True)
     ]
+
+
+def tokens_curve(res: list[dict[str, Any]]) -> list[list[float]] | None:
+    """[[tokens the regions had trained on together, region-mean held-out loss], ...] at the curve's points: the
+    loss against the data consumed, where regions that follow the clock train on less of it per clock step.
+    None for results without local step counts per point."""
+    if not all("curve_local_steps" in r for r in res):
+        return None
+    per_step = [r["tokens"] / r["local_steps"] if r["local_steps"] else 0.0 for r in res]
+    out = []
+    for i, pts in enumerate(zip(*(r["curve"] for r in res), strict=True)):
+        tokens = sum(w * r["curve_local_steps"][i] for w, r in zip(per_step, res, strict=True))
+        out.append([round(tokens), mean([p[2] for p in pts])])
+    return out
+
+
+def loss_at_tokens(curve: list[list[float]], tokens: float) -> float | None:
+    """The held-out loss on a [[tokens, loss], ...] curve at ``tokens``, linear between the points around it;
+    None where the curve does not reach that far or starts after it."""
+    for (x0, l0), (x1, l1) in itertools.pairwise(curve):
+        if x0 <= tokens <= x1:
+            return l1 if x1 == x0 else l0 + (l1 - l0) * (tokens - x0) / (x1 - x0)
+    return curve[0][1] if curve and curve[0][0] == tokens else None
+
+
+def at_equal_tokens(rows: dict[str, dict[str, Any]], names: list[str]) -> None:
+    """Each row's ``heldout_loss_at_equal_tokens``: [n, loss], its held-out loss after the regions trained on n
+    tokens together, the fewest any of ``names`` trained on in its run (lockstep runs of unequal regions train
+    on more tokens per second of the slow region; a time-paced run on fewer per clock step)."""
+    ends = [rows[n]["curve_tokens"][-1][0] for n in names if rows[n].get("curve_tokens")]
+    if not ends:
+        return
+    n = min(ends)
+    for row in rows.values():
+        if row.get("curve_tokens"):
+            loss = loss_at_tokens(row["curve_tokens"], n)
+            row["heldout_loss_at_equal_tokens"] = [n, rounded(loss) if loss is not None else None]
 
 
 def time_to(curve: list[list[float]], target: float) -> float | None:
@@ -72,6 +110,8 @@ def summarize(res: list[dict[str, Any]], steps: int, wire_run: list[int] | None)
         "exposed_by_plan": {v: [n, rounded(e, 3), rounded(c, 3)] for v, (n, e, c) in res[0]["exposed_by_plan"].items()},
         "curve": [[s, rounded(t, 3), rounded(loss)] for s, t, loss in region_curve(res)],
     }
+    if (by_tokens := tokens_curve(res)) is not None:
+        row["curve_tokens"] = [[n, rounded(loss)] for n, loss in by_tokens]
     if wire_run is not None:
         row["mb_sent_run"] = rounded(sum(wire_run) / 1e6 / len(res), 3)
     if "heldout_loss_flushed" in res[0]:
@@ -197,6 +237,7 @@ def results(
         rows[name]["time_to_target_s"] = rounded(time_to(curve, target), 3)
     syncing = [n for n in rows if n != "none"] or list(rows)
     at_equal_wall(rows, curves, syncing)
+    at_equal_tokens(rows, syncing)
     winner = max(syncing, key=lambda n: rows[n]["steps_per_s"])
     ceiling = ceiling_summary(ceiling_res, ceiling_curve, ceiling_sps, steps, target, rows)
     ceiling["steps_per_s_runs"] = [rounded(c) for c in ceilings]

@@ -154,7 +154,7 @@ class _Workload:
         """
         a, model = self.a, self.model
         steps, device, every = a["steps"], a["device"], eval_every(a["steps"])
-        snaps: list[tuple[int, float, list[torch.Tensor]]] = []
+        snaps: list[tuple[int, float, int, list[torch.Tensor]]] = []  # (clock step, loop time, local steps, copy)
         losses: list[float] = []
         wall = copies = 0.0
         wire0 = wire() if wire else 0
@@ -181,7 +181,7 @@ class _Workload:
                 wall += time.perf_counter() - t
                 copy0 = time.thread_time()
                 values = [p.detach().clone() for p in model.parameters()]
-                snaps.extend((m, wall, values) for m in marks)
+                snaps.extend((m, wall, k, values) for m in marks)
                 copies += time.thread_time() - copy0  # not training: off the trainer's CPU as off its clock
                 t = time.perf_counter()
         _sync_device(device)
@@ -190,7 +190,7 @@ class _Workload:
         comm_cpu = (time.process_time() - cpu0) - thread
         train_cpu = thread - copies
         sent = wire() - wire0 if wire else None
-        snaps.append((steps, wall, [p.detach().clone() for p in model.parameters()]))
+        snaps.append((steps, wall, k, [p.detach().clone() for p in model.parameters()]))
         tail = losses[-10:]
         return {
             "wall_s": wall,
@@ -204,15 +204,18 @@ class _Workload:
         }
 
     def evaluate(self, out: dict[str, Any]) -> dict[str, Any]:
-        """Replace the parameter copies by their held-out losses: ``curve`` = [[step, loop time, loss], ...]."""
-        curve = []
+        """Replace the parameter copies by their held-out losses: ``curve`` = [[step, loop time, loss], ...], and
+        ``curve_local_steps`` the local steps this region had taken at each point."""
+        curve, trained = [], []
         params = list(self.model.parameters())
         with torch.no_grad():
-            for step, clock, values in out.pop("snaps"):
+            for step, clock, local, values in out.pop("snaps"):
                 for p, v in zip(params, values, strict=True):
                     p.copy_(v)
                 curve.append([step, clock, heldout_loss(self.model, self.evals)])
+                trained.append(local)
         out["curve"] = curve
+        out["curve_local_steps"] = trained
         out["heldout_loss"] = curve[-1][2]
         return out
 
