@@ -14,7 +14,15 @@
 from dreamp2p.config.check import check_file
 from dreamp2p.config.daemon import LOG_FORMATS, CheckpointConfig, DaemonConfig, MetricsConfig
 from dreamp2p.config.parse import parse_duration, parse_rate
-from dreamp2p.config.peer import COMM_MODES, PeerConfig, PeerInfo, TLSConfig, TransportConfig, is_loopback_address
+from dreamp2p.config.peer import (
+    COMM_MODES,
+    PeerConfig,
+    PeerInfo,
+    TLSConfig,
+    TransportConfig,
+    is_loopback_address,
+    token_digest,
+)
 from dreamp2p.config.sync import STRATEGIES, SyncConfig
 from dreamp2p.config.task import TaskConfig
 from dreamp2p.config.train import AMP_MODES, TrainConfig
@@ -38,4 +46,5 @@ __all__ = [
     "is_loopback_address",
     "parse_duration",
     "parse_rate",
+    "token_digest",
 ]

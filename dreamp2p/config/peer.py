@@ -5,8 +5,10 @@ Every loader names the offending key and what it accepts; nothing here touches t
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -154,13 +156,25 @@ class PeerInfo:
 
     ``ranks``: a region of many ranks that spans hosts lists every rank's address, in region-rank order (rank 0's
     is ``address``); without it, rank k of the region listens on ``address``'s host at its port + k
-    (`dreamp2p.sync.comm.shards.rank_config`)."""
+    (`dreamp2p.sync.comm.shards.rank_config`).
+
+    ``token_sha256``: per-node tokens, the hex SHA-256 of this member's own token (`token_digest`; `dreamp2p config
+    token` makes a token and its digest). Listed for every member, a caller presenting a member's token may act
+    only as that member (handshake, frames, votes, probes, state requests), as mutual TLS binds ids to
+    certificates; without them every member shares one token, and any holder may claim any member's id."""
 
     node_id: str
     address: str
     ranks: tuple[str, ...] = ()
+    token_sha256: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.token_sha256, str) or (self.token_sha256 and not _SHA256.fullmatch(self.token_sha256)):
+            raise ValueError(
+                f"ring entry {self.node_id!r}: token_sha256 must be 64 hex digits (the SHA-256 of its token), "
+                f"got {self.token_sha256!r}"
+            )
+        object.__setattr__(self, "token_sha256", self.token_sha256.lower())
         if isinstance(self.ranks, str) or not all(isinstance(a, str) and a for a in self.ranks):
             raise ValueError(
                 f"ring entry {self.node_id!r}: ranks must be a list of host:port strings, got {self.ranks!r}"
@@ -171,6 +185,14 @@ class PeerInfo:
                 f"ring entry {self.node_id!r}: ranks[0] ({self.ranks[0]!r}) must be its address ({self.address!r}), "
                 "the region's rank 0"
             )
+
+
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def token_digest(token: str) -> str:
+    """The hex SHA-256 a ring entry lists for a member whose token is ``token`` (per-node tokens)."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 COMM_MODES = ("thread", "process")
@@ -219,6 +241,7 @@ class PeerConfig:
             raise ValueError(f"ring lists a node id twice: {ids}")
         if self.ring and self.node_id not in ids:
             raise ValueError(f"ring does not contain this node ({self.node_id!r}): {ids}")
+        self._check_member_tokens()
         if self.tls is None and not self.allow_insecure:
             exposed = self.non_loopback_addresses()
             if exposed:
@@ -228,6 +251,37 @@ class PeerConfig:
                     "mutual = true; [node.tls] in a node daemon's file; deploy/tls/make-certs.sh makes them), or "
                     "set allow_insecure = true to send in clear text on a private network"
                 )
+
+    def _check_member_tokens(self) -> None:
+        hashed = [p.node_id for p in self.ring if p.token_sha256]
+        if not hashed:
+            return
+        missing = [p.node_id for p in self.ring if not p.token_sha256]
+        if missing:
+            raise ValueError(
+                f"ring lists token_sha256 for {', '.join(hashed)} but not for {', '.join(missing)}: per-node tokens "
+                "need one for every member"
+            )
+        seen: dict[str, str] = {}
+        for p in self.ring:
+            if p.token_sha256 in seen:
+                raise ValueError(
+                    f"ring entries {seen[p.token_sha256]!r} and {p.node_id!r} list the same token_sha256: per-node "
+                    "tokens need a token of its own for each member"
+                )
+            seen[p.token_sha256] = p.node_id
+        if not self.token:
+            raise ValueError("ring lists per-node tokens (token_sha256), but this node has no token")
+        own = next(p for p in self.ring if p.node_id == self.node_id)
+        if token_digest(self.token) != own.token_sha256:
+            raise ValueError(
+                f"this node's token does not hash to its ring entry's token_sha256 ({self.node_id!r}): it would be "
+                "refused by every member (`dreamp2p config token` prints a token and its digest)"
+            )
+
+    def member_tokens(self) -> dict[str, str]:
+        """Per-node tokens: each member's token digest -> its node id; empty where the members share one token."""
+        return {p.token_sha256: p.node_id for p in self.ring if p.token_sha256}
 
     def non_loopback_addresses(self) -> list[str]:
         """The addresses this config listens on, advertises or dials that leave the host, each named by key."""

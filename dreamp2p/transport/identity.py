@@ -30,8 +30,9 @@ def certificate_names(context: aio.ServicerContext) -> frozenset[str] | None:
     return names_from_auth(context.auth_context())
 
 
-def identity_refusal(names: frozenset[str] | None, claimed: str) -> PeerError | None:
-    """Why a caller whose certificate names ``names`` may not act as node ``claimed`` (None: it may).
+def identity_refusal(names: frozenset[str] | None, claimed: str, source: str = "TLS certificate") -> PeerError | None:
+    """Why a caller whose certificate (or, ``source`` "token", per-node token) names ``names`` may not act as
+    node ``claimed`` (None: it may).
 
     A call without a client certificate (``names`` None) is not this check's business: the server
     requires one whenever binding is on, so such a call never reaches it.
@@ -39,6 +40,4 @@ def identity_refusal(names: frozenset[str] | None, claimed: str) -> PeerError | 
     if names is None or claimed in names:
         return None
     shown = ", ".join(sorted(names)[:8]) or "no names"
-    return PeerError(
-        Status.IDENTITY_MISMATCH, f"claims node id {claimed!r}, but its TLS certificate names only: {shown}"
-    )
+    return PeerError(Status.IDENTITY_MISMATCH, f"claims node id {claimed!r}, but its {source} names only: {shown}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import grpc
@@ -20,7 +20,7 @@ from dreamp2p.errors import PeerError, Status
 from dreamp2p.messages import Frame, Hello, MemberProgress, PeerStatus, Vote
 from dreamp2p.statemeta import STREAM_CHUNK_BYTES, StateManifest
 from dreamp2p.transport import serde
-from dreamp2p.transport.auth import TokenAuthInterceptor
+from dreamp2p.transport.auth import TokenAuthInterceptor, token_names
 from dreamp2p.transport.budget import SenderBudget
 from dreamp2p.transport.callcap import CallLimits, CallSlots, ConnectionBindings, Ticket
 from dreamp2p.transport.identity import certificate_names, identity_refusal
@@ -85,7 +85,9 @@ class StateSource(Protocol):
 
 
 class PeerServicer(pb_grpc.PeerServicer):
-    def __init__(self, backend: PeerBackend, bind_identity: bool = False) -> None:
+    def __init__(
+        self, backend: PeerBackend, bind_identity: bool = False, member_tokens: Mapping[str, str] | None = None
+    ) -> None:
         self._b = backend
         self._budget = SenderBudget.for_backend(backend)  # bytes each sender has waiting in Push
         transport = _transport_of(backend)
@@ -94,12 +96,21 @@ class PeerServicer(pb_grpc.PeerServicer):
         self._first_frame_s = transport.first_frame_timeout_s
         # mutual TLS with binding: every node id a caller claims must be named by its certificate
         self._bind = bind_identity
+        # per-node tokens (digest -> node id): every node id a caller claims must be its token's
+        self._tokens = dict(member_tokens or {})
 
-    def _names(self, context: aio.ServicerContext) -> frozenset[str] | None:
-        return certificate_names(context) if self._bind else None
+    def _claim_check(self, context: aio.ServicerContext) -> Callable[[str], PeerError | None]:
+        """Why this call may not claim a node id (None: it may), from its certificate and its token."""
+        cert = certificate_names(context) if self._bind else None
+        token = token_names(context.invocation_metadata(), self._tokens) if self._tokens else None
+
+        def refusal(claimed: str) -> PeerError | None:
+            return identity_refusal(cert, claimed) or identity_refusal(token, claimed, "token")
+
+        return refusal
 
     async def _refuse_impostor(self, context: aio.ServicerContext, claimed: str) -> None:
-        err = identity_refusal(self._names(context), claimed)
+        err = self._claim_check(context)(claimed)
         if err is not None:
             await _abort(context, err)
 
@@ -168,11 +179,11 @@ class PeerServicer(pb_grpc.PeerServicer):
         nbytes = 0
         sender = ""
         keys: set[tuple[int, int]] = set()  # rounds this stream carried: only they fail if it breaks
-        names = self._names(context)
+        impostor_of = self._claim_check(context)
         try:
             async for message in messages:
                 frame = serde.frame_from_wire(message, self._b.max_payload)
-                if (impostor := identity_refusal(names, frame.sender)) is not None:
+                if (impostor := impostor_of(frame.sender)) is not None:
                     raise impostor
                 if (unbound := self.bindings.refusal(frame.sender, connection, "a frame")) is not None:
                     raise unbound
@@ -359,7 +370,8 @@ def add_to_server(servicer: PeerServicer, server: aio.Server) -> None:
 
 def build_server(config: PeerConfig, backend: PeerBackend) -> tuple[aio.Server, int]:
     """Create (not start) the aio server bound to ``config.listen``; returns it and the bound port."""
-    interceptors = [TokenAuthInterceptor(config.token)] if config.token else []
+    members = config.member_tokens()
+    interceptors = [TokenAuthInterceptor(config.token, members)] if config.token else []
     server = aio.server(
         options=server_options(config.transport),
         interceptors=interceptors,
@@ -368,7 +380,15 @@ def build_server(config: PeerConfig, backend: PeerBackend) -> tuple[aio.Server, 
         maximum_concurrent_rpcs=None,
     )
     tls = config.tls
-    add_to_server(PeerServicer(backend, bind_identity=tls is not None and tls.mutual and tls.bind_identity), server)
+    bind = tls is not None and tls.mutual and tls.bind_identity
+    if config.token and not members and not bind and len(config.ring) > 1:
+        log.warning(
+            "node %s: every member shares one token, so any holder of it can handshake as another member and send "
+            "frames and votes in its name. Give each node a token of its own (ring[].token_sha256; `dreamp2p config "
+            "token` makes one) or use mutual TLS (deploy/tls/make-certs.sh)",
+            config.node_id,
+        )
+    add_to_server(PeerServicer(backend, bind_identity=bind, member_tokens=members), server)
     if config.tls is not None:
         port = server.add_secure_port(config.listen, server_credentials(config.tls))
     else:

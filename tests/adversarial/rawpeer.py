@@ -56,9 +56,9 @@ def hello_request(**fields: Any) -> pb.HandshakeRequest:
 async def running_peer(**fields: Any) -> AsyncIterator[Peer]:
     """A started token-protected peer ``p1`` on 127.0.0.1 whose ring also lists p0 and p2 (never started).
 
-    ``fields`` override PeerConfig keyword arguments (cluster, token, manifest and FAST by default).
+    ``fields`` override PeerConfig keyword arguments (cluster, token, manifest and FAST by default; the ring too).
     """
-    ring = tuple(PeerInfo(f"p{i}", f"127.0.0.1:{i + 1}") for i in range(3))
+    ring = fields.pop("ring", tuple(PeerInfo(f"p{i}", f"127.0.0.1:{i + 1}") for i in range(3)))
     kw: dict[str, Any] = {"cluster_id": CLUSTER, "token": TOKEN, "manifest_hash": MANIFEST, "transport": FAST}
     kw.update(fields)
     peer = Peer(PeerConfig(node_id="p1", ring=ring, **kw))

@@ -80,7 +80,10 @@ def rank_config(config: PeerConfig, local_rank: int, host_rank: int | None = Non
     if local_rank < 0 or (host_rank is not None and host_rank < 0):
         raise ValueError(f"local rank and host rank must be >= 0, got {local_rank} and {host_rank}")
     here = local_rank if host_rank is None else host_rank
-    ring = tuple(PeerInfo(rank_node_id(p.node_id, local_rank), rank_address(p, local_rank)) for p in config.ring)
+    ring = tuple(
+        PeerInfo(rank_node_id(p.node_id, local_rank), rank_address(p, local_rank), token_sha256=p.token_sha256)
+        for p in config.ring
+    )
     own = next((p for p in config.ring if p.node_id == config.node_id and p.ranks), None)
     if own is None and here != local_rank and config.ring:
         # the other regions would dial this rank on rank 0's host, where another rank (or nothing) listens
