@@ -33,10 +33,10 @@ demo: $(STAMP)
 # The suite on pytest-xdist workers, two per core: most multi-process tests spend their time waiting (on
 # timeouts, heartbeats, shaped links), so twice the cores keeps the CPUs busy. One test at a time per worker
 # (--maxschedchunk 1): the slow tests, sorted first (tests/conftest.py), spread over every worker instead of
-# landing in one worker's first chunk.
+# landing in one worker's first chunk. The 15 slowest tests are listed at the end: where the suite's time goes.
 TEST_WORKERS ?= $(shell $(PY) -c 'import os; print(2 * (os.cpu_count() or 1))')
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 --durations 15
 
 # the whole suite in one process, in order: for reading a failure without other tests' load beside it
 test-serial: $(STAMP)
