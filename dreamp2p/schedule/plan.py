@@ -11,7 +11,7 @@ import hashlib
 import itertools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +135,20 @@ class Plan:
         if not is_int(step) or step < self.effective_step:
             raise ValueError(f"step must be an int >= effective_step {self.effective_step}, got {step!r}")
         return (step - self.effective_step) % self.period
+
+    def inflight_share(self, layer_bytes: Sequence[int]) -> float:
+        """The largest share of the model's bytes (``layer_bytes`` per layer) whose syncs are in flight between two
+        steps: a sync launched at iteration i with delay d travels across the ends of steps i .. i+d-1 (the period
+        repeats, so a late sync wraps into the next one). Its host buffers (snapshot and mean) live that long."""
+        total = sum(layer_bytes)
+        if total <= 0:
+            return 0.0
+        ends = [0] * self.period
+        for sync in self.syncs:
+            nbytes = sum(layer_bytes[li] for li in sync.layers)
+            for k in range(sync.delay):
+                ends[(sync.iteration + k) % self.period] += nbytes
+        return max(ends) / total
 
     def step_time_s(self) -> float:
         """Predicted mean time of one training step: compute plus the mean exposed wait."""

@@ -199,6 +199,8 @@ class Replanner:
         bw = g.bandwidth_Bps if g is not None and math.isfinite(g.bandwidth_Bps) else 1e12
         return {
             "plan": plan.to_dict(),
+            # host buffers between steps: 8 B per parameter of the syncs in flight (layersync.LayerSyncs.launch)
+            "inflight_share": plan.inflight_share([c.nbytes for c in costs]),
             "costs": [asdict(c) for c in costs],
             "round_cost_s": self.cfg.round_cost_s,
             "link": {

@@ -171,8 +171,8 @@ class DreamDDP(Strategy):
 
     def _launch(self, idx: int) -> None:
         key, layers = (self.plan.version, idx), set(self.plan.syncs[idx].layers)
-        # still travelling from the previous period: it must land before its buffers are reused. Paced by time
-        # (landings deferred), so must every sync of the same layers: theta then moves in one order everywhere
+        # still travelling from the previous period: it lands first, so its layers' theta moves through their
+        # syncs in launch order. Paced by time (landings deferred), so must every sync of the same layers
         for inf in [f for f in self._inflight if f.key == key or (self._clock is not None and layers & {*f.layers})]:
             self._inflight.remove(inf)
             self._land(inf)
@@ -214,8 +214,8 @@ class DreamDDP(Strategy):
         self._pace.sample(inf)
 
     def _held(self) -> list[Held]:
-        # a sync restored from saved state travels in buffers of its own until it lands
-        return [*self._weights.held(), *self._syncs.held(inf.group for inf in self._inflight)]
+        # every sync in flight holds its snapshot and mean buffers until it lands
+        return [*self._weights.held(), *LayerSyncs.held(inf.group for inf in self._inflight)]
 
     def outer_shards(self) -> dict[str, list[torch.Tensor]]:
         return self._weights.per_param()
@@ -299,7 +299,6 @@ class DreamDDP(Strategy):
             self._decide(control)
         if self._schedule.due(t):
             self._schedule.launch(t, self._replanner.control_interval(), self._round(), self._control_vector)
-        self._syncs.forget(self.plan.version, {f.key for f in self._inflight})
         self._arm(t + 1)
 
     def _control_vector(self) -> tuple[torch.Tensor, int]:
@@ -387,7 +386,6 @@ class DreamDDP(Strategy):
         the same settings from the same checkpoint starts over alike (a joiner then takes their state)."""
         step = self.step_count
         self._plans.restart(step)
-        self._syncs.clear()
         self._replanner = Replanner(self.cfg)
         self._schedule.restart(step)
         log.info(
@@ -421,9 +419,6 @@ class DreamDDP(Strategy):
         if "plan" not in state:
             return
         self._plans.load(state)
-        # group buffers are cached per (version, sync); a loaded plan of a version we held may group
-        # other layers (a node that took the members' state after a partition, see Node.resync)
-        self._syncs.clear()
         self._replanner.load(state)
         self._weights.load(state)
         self._inflight = [InFlight.restore(rec, self.layers, self.pin) for rec in state.get("inflight", [])]

@@ -5,13 +5,13 @@ update, not to the weights). Every ``anchor_every``-th period, by the launch ste
 without asking, a sync carries a 17-element check round beside it; a layer a check found apart syncs next
 as an anchor, which averages the parameters themselves with a check of its own (see
 `dreamp2p.sync.strategies.outer` for what a landing does with each). A pseudo-gradient whose check found
-the members' outer weights different is applied nowhere, as after a failed round. Each plan's syncs keep
-their flat buffers between periods, so a sync's host memory is allocated once per plan.
+the members' outer weights different is applied nowhere, as after a failed round.
 
 A sync launched at one step lands ``delay`` steps later (docs/PLANNING.md, the WAN extension of DreamDDP,
 arXiv 2502.11058). Every member that took part applies it at the same step, so a checkpoint taken while it
 travels keeps its result (`InFlight.record`), and a joiner or a resumed node applies the same average at
-the same step.
+the same step. A sync's flat buffers (its snapshot and its mean) are made at its launch and dropped when it
+lands: between steps a member holds them only for the syncs in flight.
 
 Periods in time (``sync.periods = "time"``, `dreamp2p.sync.strategies.pacing`): a pseudo-gradient sync
 carries ``w * (theta - params)``, ``w`` this member's share of the clock's last period, with the step's
@@ -151,7 +151,7 @@ class ArmedSyncs:
 
 
 class LayerSyncs:
-    """Launches the layer syncs of the plans in force, over buffers kept per (plan version, sync)."""
+    """Launches the layer syncs of the plans in force, each over buffers of its own while it travels."""
 
     def __init__(
         self,
@@ -168,7 +168,6 @@ class LayerSyncs:
         self._layers = layers
         self._pin = pin
         self._weights = weights
-        self._groups: dict[tuple[int, int], FlatGroup] = {}
 
     def launch(
         self,
@@ -179,16 +178,14 @@ class LayerSyncs:
         anchor_codec: str | RingCodecPlan,
         delta_codec: str,
     ) -> InFlight:
-        """Launch sync ``idx`` of ``plan`` at ``step``; its buffers must not be in flight any more.
-        ``anchor_codec``: what an anchor's parameters travel in (the plan's codec, or the per-link codecs);
-        ``delta_codec``: what a pseudo-gradient travels in (``delta_codec`` or, on a tight link, a fallback,
-        which always carries error feedback)."""
+        """Launch sync ``idx`` of ``plan`` at ``step``, in buffers of its own that live until it lands (host memory
+        is held only for the syncs in flight, not for every sync of the plan). ``anchor_codec``: what an
+        anchor's parameters travel in (the plan's codec, or the per-link codecs); ``delta_codec``: what a
+        pseudo-gradient travels in (``delta_codec`` or, on a tight link, a fallback, which always carries error
+        feedback)."""
         sync = plan.syncs[idx]
         key = (plan.version, idx)
-        group = self._groups.get(key)
-        if group is None:
-            group = FlatGroup([p for li in sync.layers for p in self._layers[li].params], pin=self._pin)
-            self._groups[key] = group
+        group = FlatGroup([p for li in sync.layers for p in self._layers[li].params], pin=self._pin)
         gid = plan_sync_group(plan.version, idx)
         if self._averages_params(sync.layers):
             group.snapshot()
@@ -251,30 +248,22 @@ class LayerSyncs:
         otherwise where a check asked for it."""
         return not self._cfg.delta_codec or self._weights.needs_anchor(layers)
 
-    def held(self, travelling: Iterable[FlatGroup] = ()) -> list[Held]:
-        """The buffers kept for the syncs of the plans held, and ``travelling`` ones of their own (`Strategy.held`)."""
-        groups = {id(g): g for g in (*self._groups.values(), *travelling)}.values()
+    @staticmethod
+    def held(travelling: Iterable[FlatGroup]) -> list[Held]:
+        """The buffers of the syncs in flight (`Strategy.held`)."""
+        groups = {id(g): g for g in travelling}.values()
         return [
             Held(
                 "sync snapshots",
-                "per sync of the plan: the parameters at launch; the landing keeps the local progress made since",
+                "per sync in flight: the parameters at launch; the landing keeps the local progress made since",
                 tuple(g.snap for g in groups),
             ),
             Held(
                 "sync means",
-                "per sync of the plan: theta - parameters at launch, averaged in place, then the new theta",
+                "per sync in flight: theta - parameters at launch, averaged in place, then the new theta",
                 tuple(g.work for g in groups),
             ),
         ]
-
-    def forget(self, version: int, keep: set[tuple[int, int]]) -> None:
-        """Free the buffers of plans other than ``version``, but for the syncs ``keep`` (still in flight)."""
-        for key in [k for k in self._groups if k[0] != version and k not in keep]:
-            del self._groups[key]
-
-    def clear(self) -> None:
-        """Forget every buffer: a plan of a version held before may group other layers (a loaded state)."""
-        self._groups.clear()
 
 
 def keep_unsent(group: FlatGroup, codec: str) -> None:
