@@ -215,6 +215,8 @@ def _bench_chaos(args: argparse.Namespace) -> dict[str, Any]:
             flap_down_s=args.flap_down,
             rate=args.rate,
             rtt=args.rtt,
+            loss=args.loss,
+            jitter=args.jitter,
             period=args.period,
             max_delay=args.max_delay,
             dim=args.width,

@@ -207,13 +207,14 @@ class Namespaces:
         for i in apart:
             _ip("-n", hub, "link", "set", f"{self.prefix}-p{i}", "master", other)
 
-    def block(self, src: list[int], dst: list[int]) -> None:
+    def block(self, src: list[int], dst: list[int], layer: int = 0) -> None:
         """One direction of a partition: what regions ``src`` send to regions ``dst`` is dropped on arrival,
         silently, while ``dst``'s packets still reach ``src``. :meth:`unblock` heals it.
 
         A blackhole policy rule in each ``dst`` region's namespace for packets from a ``src`` address
         arriving on its link, ranked before the local table (moved from rank 0 to 1000 there once): no tc
-        action or netfilter module is needed, and the links' shaping stays as it is.
+        action or netfilter module is needed, and the links' shaping stays as it is. ``layer``: blocks of
+        different layers are rules of their own (a link flap over a partition), made and healed apart.
         """
         for j in dst:
             ns = self.hosts[j][0]
@@ -222,16 +223,18 @@ class Namespaces:
                 _ip("-n", ns, "rule", "add", "pref", "1000", "lookup", "local")
                 _ip("-n", ns, "rule", "del", "pref", "0")
             for i in src:
-                _ip("-n", ns, "rule", "add", *self._drop(i, j))
+                _ip("-n", ns, "rule", "add", *self._drop(i, j, layer))
 
-    def unblock(self, src: list[int], dst: list[int]) -> None:
-        """Heal :meth:`block` of the same regions."""
+    def unblock(self, src: list[int], dst: list[int], layer: int = 0) -> None:
+        """Heal :meth:`block` of the same regions and layer."""
         for j in dst:
             for i in src:
-                _ip("-n", str(self.hosts[j][0]), "rule", "del", *self._drop(i, j))
+                _ip("-n", str(self.hosts[j][0]), "rule", "del", *self._drop(i, j, layer))
 
-    def _drop(self, i: int, j: int) -> list[str]:
-        return ["pref", "10", "from", f"{self.hosts[i][1]}/32", "iif", self.devs[j][1], "blackhole"]
+    def _drop(self, i: int, j: int, layer: int = 0) -> list[str]:
+        if not 0 <= layer < 100:
+            raise ValueError(f"block layer must be in 0..99, got {layer}")
+        return ["pref", str(10 + layer), "from", f"{self.hosts[i][1]}/32", "iif", self.devs[j][1], "blackhole"]
 
     def hub_link(self, i: int) -> tuple[str, str]:
         """(namespace, device) of region ``i``'s port on the hub (star layout): down, the region is cut off."""

@@ -58,3 +58,21 @@ def test_block_drops_one_direction_only_until_unblocked(regions: int) -> None:
         assert arrives(ns, 0, 1) and arrives(ns, 1, 0)
         ns.block([0], [1])  # a second time: the local table stays moved, no error
         assert not arrives(ns, 0, 1)
+
+
+def test_blocks_of_two_layers_are_made_and_healed_apart_through_the_packet_emulator() -> None:
+    """Through the packet emulator (TUN devices, no links of ours) a block works as on tbf links, and a block of
+    another layer on the same regions (a link flap over a partition, `bench chaos`) is a rule of its own: healing
+    one leaves the other in place."""
+    with Namespaces(3, "50mbit", rtt="4ms") as ns:
+        assert ns.emulator is not None
+        assert arrives(ns, 0, 1) and arrives(ns, 1, 0)
+        ns.block([0], [1])
+        ns.block([0], [1], layer=1)
+        assert not arrives(ns, 0, 1) and arrives(ns, 1, 0) and arrives(ns, 0, 2)
+        ns.unblock([0], [1], layer=1)
+        assert not arrives(ns, 0, 1)  # the first layer's rule still drops
+        ns.unblock([0], [1])
+        assert arrives(ns, 0, 1)
+    with pytest.raises(ValueError, match=r"block layer must be in 0\.\.99"):
+        Namespaces(2, "50mbit")._drop(0, 1, layer=100)

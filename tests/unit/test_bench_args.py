@@ -37,7 +37,7 @@ OPTIONS: dict[str, set[str]] = {
         *("--minutes", "--peers", "--kill-every", "--down", "--max-down", "--flap-every", "--flap-down", "--no-flaps"),
         *("--rate", "--rtt", "--period", "--width", "--depth", "--max-delay", "--seed", "--run-dir"),
         *("--kinds", "--stop-min", "--stop-max", "--long-stop-p", "--long-stop-max", "--partition-min"),
-        *("--partition-max", "--oneway-p", "--min-step"),
+        *("--partition-max", "--oneway-p", "--min-step", "--loss", "--jitter"),
     },
     "regions": {
         *("--regions", "--ranks", "--rate", "--rtt", "--strategies", "--steps", "--period", "--width", "--depth"),
@@ -122,6 +122,8 @@ def test_one_name_for_the_link_rate() -> None:
         ),
         (["bench", "chaos"], {"partition_min": 5.0, "partition_max": 30.0, "oneway_p": 0.5}),
         (["bench", "chaos", "--kinds", "Kill, stop"], {"kinds": ("kill", "stop")}),
+        (["bench", "chaos"], {"loss": 0.0, "jitter": "0ms"}),
+        (["bench", "chaos", "--rtt", "80ms", "--loss", "0.1%"], {"rtt": "80ms", "loss": pytest.approx(0.001)}),
         (["bench", "regions"], {"steps": 12, "regions": 2, "ranks": 2, "rate": "20mbit", "strategies": None}),
         (["bench", "plancheck"], {"steps": 100, "period": 20, "region_counts": [2, 3]}),
         (["bench", "codec"], {"mbytes": 64.0, "repeats": 3, "codecs": None}),
@@ -181,8 +183,11 @@ def test_each_bench_has_its_own_defaults(argv: list[str], expected: dict[str, ob
         (["bench", "lm", "--loss", "1.5"], "argument --loss: loss must be a fraction in [0, 1)"),
         (["bench", "lm", "--jitter", "fast"], "argument --jitter:"),
         (["bench", "lm", "--loss", "nan"], "argument --loss: loss must be a fraction in [0, 1)"),
-        (["bench", "chaos", "--loss", "1%"], "argument --loss: not an option of bench chaos; bench transport, lm"),
-        (["bench", "regions", "--loss", "1%"], "argument --loss: not an option of bench regions"),
+        (["bench", "chaos", "--loss", "100%"], "argument --loss: loss must be a fraction in [0, 1)"),
+        (
+            ["bench", "regions", "--loss", "1%"],
+            "argument --loss: not an option of bench regions; bench transport, lm, chaos",
+        ),
     ],
 )
 def test_checks_across_options(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

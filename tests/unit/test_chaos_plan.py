@@ -575,3 +575,14 @@ def test_fault_summary_reports_the_rejoins_of_stops_and_partitions() -> None:
     assert out["partition"]["one_ring_again"] == 1 and out["partition"]["rejoin_s"]["max"] == 4.0
     with pytest.raises(ValueError, match="3 faults but 1 rejoins"):
         fault_summary(("stop",), [], SUMMARY_FAULTS, [1.0, 2.0, 3.0], [1.0])
+
+
+@pytest.mark.parametrize(
+    ("loss", "jitter", "emulated"), [(0.0, "0ms", False), (0.001, "0ms", True), (0.0, "5ms", True)]
+)
+def test_loss_or_jitter_put_the_chaos_paths_through_the_packet_emulator(
+    loss: float, jitter: str, emulated: bool
+) -> None:
+    from dreamp2p.devtools.bench.chaos.run import ChaosRun
+
+    assert ChaosRun(loss=loss, jitter=jitter).emulated is emulated

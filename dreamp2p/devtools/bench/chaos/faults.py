@@ -138,11 +138,16 @@ class Injector:
             log.debug("undoing the partition: %s", "; ".join(failed))
 
 
+FLAP_LAYER = 1  # `Namespaces.block` layer of the link flaps through the packet emulator (partitions: 0)
+
+
 class Flapper:
     """Cuts the cluster in two halves for ``down_s`` at each of ``times`` (seconds from the chaos's start).
 
     With one namespace per member (a star through a hub) the first half's hub ports move to a bridge of their
-    own (`Namespaces.split`); with two namespaces, their veth link goes down. No namespaces: no flaps.
+    own (`Namespaces.split`); with two namespaces, their veth link goes down; through the packet emulator
+    (no links of ours to cut), each half drops what the other sends (`Namespaces.block`, both ways). No
+    namespaces: no flaps.
     """
 
     def __init__(self, ns: Any, times: list[float], down_s: float, half: list[int]) -> None:
@@ -154,7 +159,12 @@ class Flapper:
         self.done: list[float] = []  # wall times the halves were cut apart
 
     def _set(self, down: bool) -> None:
-        if self.ns.n == 2:
+        if self.ns.emulator is not None:
+            rest = [i for i in range(self.ns.n) if i not in self.half]
+            for src, dst in ((self.half, rest), (rest, self.half)):
+                # rules of a layer of their own: a partition under way keeps its rules through the flap
+                (self.ns.block if down else self.ns.unblock)(src, dst, layer=FLAP_LAYER)
+        elif self.ns.n == 2:
             name, dev = self.ns.devs[0]
             state = "down" if down else "up"
             subprocess.run(["ip", "-n", name, "link", "set", "dev", dev, state], check=True, timeout=30)

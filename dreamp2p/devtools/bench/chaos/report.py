@@ -71,6 +71,15 @@ def chaos_report(
         "minutes": run.minutes,
         "nodes": run.nodes,
         "min_step_s": run.min_step_s,
+        # what carried the paths: the packet emulator (TCP sees rtt, jitter, loss), else the rate per hop in
+        # tbf (namespaces) or in process (loopback) with the transport's in-process delay
+        "paths": {
+            "shaping": "wanemu" if run.emulated else "tbf or in-process",
+            "rate": run.rate,
+            "rtt": run.rtt,
+            "loss": run.loss,
+            "jitter": run.jitter,
+        },
         **_timing(timing),
         "kills": len(inj.kills),
         "kills_survived": len(recovered),

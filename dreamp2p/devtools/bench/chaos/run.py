@@ -66,7 +66,10 @@ class ChaosRun:
     flap_every_s: float = 180.0
     flap_down_s: float = 10.0
     rate: str = "50mbit"  # per hop: paced in process on loopback, tbf on each namespace's link
-    rtt: str = "4ms"
+    rtt: str = "4ms"  # the transport's in-process delay line; the packet emulator's path RTT when emulated
+    # either above 0: every path goes through the packet emulator (root), which carries rate and rtt too
+    loss: float = 0.0
+    jitter: str = "0ms"
     period: int = 5
     max_delay: int | None = None  # None: period - 1
     dim: int = 64
@@ -89,6 +92,11 @@ class ChaosRun:
             raise ValueError(f"minutes must be > 0, got {self.minutes}")
         if not 0 <= self.min_step_s < MAX_MIN_STEP_S:
             raise ValueError(f"min_step_s must be in [0, {MAX_MIN_STEP_S:g}) seconds, got {self.min_step_s}")
+
+    @property
+    def emulated(self) -> bool:
+        """Whether the paths go through the packet emulator (TCP sees the RTT, the jitter and the losses)."""
+        return self.loss > 0 or parse_duration(self.jitter) > 0
 
     @property
     def delay(self) -> int:
@@ -136,13 +144,20 @@ def run_timing(timing: ChaosTiming, off: Off) -> ChaosTiming:
 def _network(run: ChaosRun, off: Off) -> Iterator[tuple[Any, list[str | None], list[str] | None]]:
     """(namespaces or None, namespace per member, address per member or None for loopback).
 
-    Namespaces (one per member) when flaps or partitions are on, loopback otherwise."""
-    if off.flaps is not None and off.partitions is not None:
+    Namespaces (one per member) when flaps or partitions are on or the paths are emulated, loopback otherwise."""
+    if run.emulated and (missing := _net_missing()) is not None:
+        raise ValueError(f"--loss/--jitter go through the packet emulator, which cannot run here: {missing}")
+    if off.flaps is not None and off.partitions is not None and not run.emulated:
         yield None, [None] * run.nodes, None
         return
     from dreamp2p.devtools.netns import Namespaces
 
-    with Namespaces(run.nodes, run.rate) as ns:
+    made = (
+        Namespaces(run.nodes, run.rate, rtt=run.rtt, loss=run.loss, jitter=run.jitter)
+        if run.emulated
+        else Namespaces(run.nodes, run.rate)
+    )
+    with made as ns:
         yield ns, [h[0] for h in ns.hosts], [h[1] for h in ns.hosts]
 
 
@@ -169,7 +184,7 @@ def _configs(run: ChaosRun, run_dir: Path, hosts: list[str] | None) -> list[Path
         run_dir,
         run.nodes,
         rate_Bps=None if hosts else parse_rate(run.rate),
-        delay_s=parse_duration(run.rtt) / 2,
+        delay_s=0.0 if run.emulated else parse_duration(run.rtt) / 2,
         sync=sync,
         task=task,
         checkpoint_every=1000,
