@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dreamp2p.devtools.bench.chaos.faults import Flapper, Injector, Span
+from dreamp2p.devtools.bench.chaos.faults import FLAP_LAYER, Flapper, Injector, Span
 from dreamp2p.devtools.bench.chaos.plan import FAULT_KINDS, Action, ChaosTiming, Fault, KillOutcome
 from dreamp2p.devtools.bench.chaos.report import Off, fault_log
 from dreamp2p.devtools.bench.chaos.run import ChaosRun, off_reasons, run_timing
@@ -48,27 +48,34 @@ class FakeCluster:
 
 
 class FakeNet:
-    """Blocking rules as a set of (src, dst) ranks; ``fail_after`` blocks make the next one fail half-way."""
+    """Blocking rules as a set of (src, dst) ranks per layer (``rules``: layer 0's, the partitions'); ``fail_after``
+    blocks make the next one fail half-way. ``emulated``: paths through the packet emulator (no star to split)."""
 
-    def __init__(self, n: int = 5, fail_after: int | None = None) -> None:
+    def __init__(self, n: int = 5, fail_after: int | None = None, emulated: bool = False) -> None:
         self.n = n
         self.rules: set[tuple[int, int]] = set()
+        self.layers: dict[int, set[tuple[int, int]]] = {0: self.rules}
         self.fail_after = fail_after
         self.events: list[str] = []
+        self.emulator = object() if emulated else None
 
-    def block(self, src: list[int], dst: list[int]) -> None:
+    def block(self, src: list[int], dst: list[int], layer: int = 0) -> None:
+        rules = self.layers.setdefault(layer, set())
         for j in dst:
             for i in src:
                 if self.fail_after is not None and len(self.rules) >= self.fail_after:
                     raise subprocess.CalledProcessError(2, ["ip", "rule", "add"])
-                self.rules.add((i, j))
+                if (i, j) in rules:
+                    raise subprocess.CalledProcessError(2, ["ip", "rule", "add"])  # RTNETLINK: File exists
+                rules.add((i, j))
 
-    def unblock(self, src: list[int], dst: list[int]) -> None:
+    def unblock(self, src: list[int], dst: list[int], layer: int = 0) -> None:
+        rules = self.layers.setdefault(layer, set())
         for j in dst:
             for i in src:
-                if (i, j) not in self.rules:
+                if (i, j) not in rules:
                     raise subprocess.CalledProcessError(2, ["ip", "rule", "del"])
-                self.rules.discard((i, j))
+                rules.discard((i, j))
 
     def split(self, apart: list[int]) -> None:
         self.events.append(f"split {apart}")
@@ -178,6 +185,21 @@ def test_a_flap_cuts_the_star_in_halves_then_joins_it() -> None:
     assert net.events[-1] == "join" and len(flapper.done) == 2
     flapper.poll(100.0)
     assert len(flapper.done) == 2
+
+
+def test_a_flap_through_the_emulator_blocks_the_halves_both_ways_beside_a_partition() -> None:
+    """No star to split through the packet emulator: the flap drops what each half sends the other, in rules
+    of its own layer, so a partition under way (layer 0) keeps its rules through the flap and after it."""
+    net = FakeNet(emulated=True)
+    net.block([4], [0, 1, 2, 3])  # a one-way partition of member 4, under way
+    partition = set(net.rules)
+    flapper = Flapper(net, [5.0], 3.0, half=[0, 1, 2])
+    flapper.poll(5.0)
+    halves = {(i, j) for i in (0, 1, 2) for j in (3, 4)} | {(j, i) for i in (0, 1, 2) for j in (3, 4)}
+    assert net.layers[FLAP_LAYER] == halves and net.rules == partition
+    flapper.poll(8.0)
+    assert net.layers[FLAP_LAYER] == set() and net.rules == partition and net.events == []
+    assert len(flapper.done) == 1
 
 
 def test_no_namespaces_no_flaps() -> None:

@@ -39,6 +39,13 @@ class Off:
     partitions: str | None
 
 
+def _paths(run: ChaosRun) -> dict[str, Any]:
+    """What carried the paths: the packet emulator (TCP sees the rtt, jitter and loss), else the rate per hop in
+    tbf (namespaces) or in process (loopback) with the transport's in-process delay."""
+    shaping = "wanemu" if run.emulated else "tbf or in-process"
+    return {"shaping": shaping, "rate": run.rate, "rtt": run.rtt, "loss": run.loss, "jitter": run.jitter}
+
+
 def chaos_report(
     run: ChaosRun,
     timing: ChaosTiming,
@@ -71,15 +78,7 @@ def chaos_report(
         "minutes": run.minutes,
         "nodes": run.nodes,
         "min_step_s": run.min_step_s,
-        # what carried the paths: the packet emulator (TCP sees rtt, jitter, loss), else the rate per hop in
-        # tbf (namespaces) or in process (loopback) with the transport's in-process delay
-        "paths": {
-            "shaping": "wanemu" if run.emulated else "tbf or in-process",
-            "rate": run.rate,
-            "rtt": run.rtt,
-            "loss": run.loss,
-            "jitter": run.jitter,
-        },
+        "paths": _paths(run),
         **_timing(timing),
         "kills": len(inj.kills),
         "kills_survived": len(recovered),
