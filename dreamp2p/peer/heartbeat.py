@@ -15,6 +15,12 @@ members' round frames filled the link, the echoes on the control connection took
 segments dropped again and again at the full bottleneck queue) instead of 0.1-0.3 s, and members counted
 each other dead after 3 ticks.
 
+A member that is sending us a round's frames over a slow path (`SenderPace`: frames of one round arriving
+further apart than heartbeats) answers behind them on the same path: its silence counts no miss either,
+for twice the widest gap between its frames of that round, measured: at 2 Mbit/s, when our own frames
+were all delivered but the member's last ones still crossed (256 KiB frames, ~1 s apart), its answers
+took ~0.4 s and it was counted dead for 0.1 s at the very end of a round (`tests/net/test_saturated_link.py`).
+
 Only a refused connection (the member's host says nothing listens: its process is gone) marks a member
 dead at once. A connection that broke under an echo (reset, closed, or given up by our own kernel: at
 2 Mbit/s a control connection starved for ~8-10 s ends with ETIMEDOUT, on TCP's probe limit or gRPC's
@@ -30,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 
 from dreamp2p.errors import Connection, PeerError
 from dreamp2p.peer.membership import Membership
@@ -51,6 +57,27 @@ def uplink_saturated(backlogs_s: Iterable[float], heartbeat_s: float) -> bool:
     or starve beside them at the bottleneck's full queue, and so do the answers that leave the member while
     ours fill the link."""
     return max(backlogs_s, default=0.0) >= heartbeat_s
+
+
+class SenderPace:
+    """Whether a member is sending us a round now, from when its frames arrive (pure: times are given).
+
+    Per member: its last frame's time and round, and the widest gap between two of its frames of that round; it
+    counts as sending for twice that gap after its last frame. On a fast path the gaps are far below a heartbeat
+    and nothing changes; a frozen member stops sending and is counted again within two gaps."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, tuple[int, int], float]] = {}  # member -> (time, round, widest gap)
+
+    def frame(self, member: str, key: tuple[int, int], now: float) -> None:
+        """A frame of round ``key`` (group id, round id) from ``member`` arrived at ``now``."""
+        last = self._last.get(member)
+        gap = max(last[2], now - last[0]) if last is not None and last[1] == key else 0.0
+        self._last[member] = (now, key, gap)
+
+    def sending(self, member: str, now: float) -> bool:
+        last = self._last.get(member)
+        return last is not None and now - last[0] < 2.0 * last[2]
 
 
 async def echo(link: Link, timeout: float) -> PeerError | None:
@@ -91,22 +118,26 @@ class Echoes:
         self._asked: dict[str, int] = {}  # member -> the tick its oldest unanswered echo was sent at
         self._flying: dict[str, set[asyncio.Task[None]]] = {}
 
-    def tick(self, links: Mapping[str, Link], saturated: bool = False) -> set[asyncio.Task[None]]:
+    def tick(
+        self, links: Mapping[str, Link], saturated: bool = False, sending: Collection[str] = ()
+    ) -> set[asyncio.Task[None]]:
         """Count a miss for every member still silent since an earlier tick, then echo every member.
 
         ``saturated``: our own uplink is saturated (`uplink_saturated`): silence counts no miss now, only
-        the membership's bound on it. Returns the echoes this tick sent (the caller may give them a moment
-        to answer before it publishes the view).
+        the membership's bound on it; ``sending``: members whose silence counts none either (`SenderPace`).
+        Returns the echoes this tick sent (the caller may give them a moment to answer before it publishes
+        the view).
         """
         now = time.monotonic()
         sent: set[asyncio.Task[None]] = set()
         cap = self.membership.misses
         for node, link in links.items():
             asked = self._asked.get(node)
-            if asked is not None and asked < self.ticks and self.membership.missed(node, now, counted=not saturated):
-                if saturated:
+            quiet = saturated or node in sending
+            if asked is not None and asked < self.ticks and self.membership.missed(node, now, counted=not quiet):
+                if quiet:
                     log.warning(
-                        "%s has been silent for %.0f s while our link was saturated: the ring re-forms without it",
+                        "%s has been silent for %.0f s while the link was full: the ring re-forms without it",
                         node,
                         self.membership.dead_after_s,
                     )

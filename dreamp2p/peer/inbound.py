@@ -68,7 +68,7 @@ class Inbound:
         if refused is not None:
             raise refused
         self._require_admitted(frame.sender)
-        self._live.heard(frame.sender)
+        self._live.heard(frame.sender, (frame.group_id, frame.round_id))
         # a frame that would wait for its round is checked as far as it can be without the round's layout
         rnd = await self._rounds.round_for(frame, self._check_early)
         # a frame from another view is refused (VIEW_MISMATCH) without touching the round: its sender's

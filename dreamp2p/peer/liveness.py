@@ -29,7 +29,7 @@ from typing import Any
 from dreamp2p.config import TransportConfig
 from dreamp2p.errors import Connection, PeerError
 from dreamp2p.messages import RoundEvidence
-from dreamp2p.peer.heartbeat import Echoes, echo, uplink_saturated
+from dreamp2p.peer.heartbeat import Echoes, SenderPace, echo, uplink_saturated
 from dreamp2p.peer.membership import Membership
 from dreamp2p.peer.straggler import StragglerPolicy, rule_of
 from dreamp2p.transport.client import Link
@@ -66,6 +66,7 @@ class Liveness:
         self._beat = asyncio.Event()  # set (and replaced) after each heartbeat tick
         self._checks: dict[str, asyncio.Task[None]] = {}  # one out-of-turn echo per member at a time
         self.saturated = False  # the last tick found our uplink saturated (its silences counted no miss)
+        self._pace = SenderPace()  # which members are sending us a round over a slow path now
 
     def begin(self, members: Sequence[str], unreachable: Iterable[str]) -> None:
         """A new membership over ``members``, all alive but ``unreachable`` (they count as dead at once)."""
@@ -100,10 +101,14 @@ class Liveness:
         if checks:
             await asyncio.wait(checks)
 
-    def heard(self, node: str) -> None:
-        """``node`` sent us something: it is alive (but a dead member is revived only by a heartbeat)."""
+    def heard(self, node: str, frame_of: tuple[int, int] | None = None) -> None:
+        """``node`` sent us something: it is alive (but a dead member is revived only by a heartbeat).
+        ``frame_of``: a frame of that round (group id, round id), whose pace `SenderPace` follows."""
+        now = time.monotonic()
+        if frame_of is not None:
+            self._pace.frame(node, frame_of, now)
         if self.membership is not None:
-            self.membership.heard(node, time.monotonic(), revive=False)
+            self.membership.heard(node, now, revive=False)
 
     def is_alive(self, node: str) -> bool:
         return self.membership is None or self.membership.is_alive(node)
@@ -117,7 +122,9 @@ class Liveness:
             last = loop.time()
             assert self._echoes is not None
             links = self._links()
-            sent = self._echoes.tick(links, self._saturated(links))
+            now = time.monotonic()
+            sending = [n for n in links if self._pace.sending(n, now)]
+            sent = self._echoes.tick(links, self._saturated(links), sending)
             # a tick waits at most one interval for its own echoes (a refusal or a revival then shows in
             # the view it publishes, which a retry waiting on `next_heartbeat` runs among); a silent
             # member's echo never holds the next tick back, so ticks, and misses, keep their pace

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from dreamp2p.errors import Connection, PeerError, Status
-from dreamp2p.peer.heartbeat import Echoes
+from dreamp2p.peer.heartbeat import Echoes, SenderPace
 from dreamp2p.peer.membership import Membership
 
 
@@ -68,8 +68,8 @@ class _Harness:
     def _changed(self) -> None:
         self.changes += 1
 
-    async def tick(self, saturated: bool = False) -> None:
-        self.echoes.tick({"a": self.link}, saturated)  # type: ignore[dict-item]
+    async def tick(self, saturated: bool = False, sending: tuple[str, ...] = ()) -> None:
+        self.echoes.tick({"a": self.link}, saturated, sending)  # type: ignore[dict-item]
         await _settle()
 
 
@@ -226,3 +226,36 @@ async def test_a_dead_member_that_answers_is_revived_and_introduced_to_again() -
     assert h.membership.is_alive("a")
     assert (h.changes, h.reintroduced) == (1, 1)
     await h.echoes.close()
+
+
+async def test_ticks_while_the_member_sends_us_a_round_count_no_miss() -> None:
+    h = _Harness(3)
+    for _ in range(10):
+        await h.tick(sending=("a",))
+    assert h.membership.is_alive("a")
+    for _ in range(3):
+        await h.tick()  # its frames stopped: misses count again
+    assert not h.membership.is_alive("a")
+    await h.echoes.close()
+
+
+@pytest.mark.parametrize(
+    ("frames", "now", "sending"),
+    [
+        ([], 1.0, False),  # never heard
+        ([(0.0, (5, 1))], 0.1, False),  # one frame: no gap known yet
+        ([(0.0, (5, 1)), (1.0, (5, 1))], 2.9, True),  # frames 1 s apart: sending for 2 s after the last
+        ([(0.0, (5, 1)), (1.0, (5, 1))], 3.1, False),  # ... and no longer
+        ([(0.0, (5, 1)), (1.0, (5, 1)), (1.1, (5, 1))], 3.0, True),  # the widest gap of the round counts
+        ([(0.0, (5, 1)), (1.0, (5, 1)), (1.1, (6, 1))], 1.2, False),  # another round: its gap starts over
+        ([(0.0, (5, 1)), (0.001, (5, 1))], 0.01, False),  # a fast path: far below a heartbeat, no change
+    ],
+)
+def test_a_member_counts_as_sending_for_twice_its_widest_frame_gap(
+    frames: list[tuple[float, tuple[int, int]]], now: float, sending: bool
+) -> None:
+    pace = SenderPace()
+    for t, key in frames:
+        pace.frame("a", key, t)
+    assert pace.sending("a", now) is sending
+    assert not pace.sending("b", now)
