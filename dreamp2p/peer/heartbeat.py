@@ -17,9 +17,10 @@ each other dead after 3 ticks.
 
 A member that is sending us a round's frames over a slow path (`SenderPace`: frames of one round arriving
 further apart than heartbeats) answers behind them on the same path: its silence counts no miss either,
-for twice the widest gap between its frames of that round, measured: at 2 Mbit/s, when our own frames
-were all delivered but the member's last ones still crossed (256 KiB frames, ~1 s apart), its answers
-took ~0.4 s and it was counted dead for 0.1 s at the very end of a round (`tests/net/test_saturated_link.py`).
+for twice the widest gap between its frames of that round. Seen in `tests/net/test_saturated_link.py` (2
+Mbit/s, 256 KiB frames ~1 s apart): at the very end of a round, our uplink no longer saturated (so misses
+counted) while the member's last frames still crossed, its answers stayed out for over 3 heartbeats and it
+was counted dead, then answered again 0.1 s later.
 
 Only a refused connection (the member's host says nothing listens: its process is gone) marks a member
 dead at once. A connection that broke under an echo (reset, closed, or given up by our own kernel: at
