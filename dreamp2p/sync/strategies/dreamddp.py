@@ -207,7 +207,8 @@ class DreamDDP(Strategy):
         return self._plans.delta_codec or self.plan_codec
 
     def _land(self, inf: InFlight, timeout: float | None = None) -> None:
-        """Wait for a sync (and an anchor's check round) and merge it; a failed one is skipped everywhere."""
+        """Wait for a sync (and its check and shares' rounds, where it has them) and merge it; a failed one is
+        skipped everywhere."""
         rounds = (inf.fut, inf.check_fut, inf.shares.fut if inf.shares is not None else None)
         if all([self._wait(f, timeout) is not None for f in rounds if f is not None]):  # every one waited for
             self._syncs.merge(inf)
