@@ -209,8 +209,7 @@ class DreamDDP(Strategy):
     def _land(self, inf: InFlight, timeout: float | None = None) -> None:
         """Wait for a sync (and its check and shares' rounds, where it has them) and merge it; a failed one is
         skipped everywhere."""
-        rounds = (inf.fut, inf.check_fut, inf.shares.fut if inf.shares is not None else None)
-        if all([self._wait(f, timeout) is not None for f in rounds if f is not None]):  # every one waited for
+        if all([self._wait(f, timeout) is not None for f in inf.rounds()]):  # every one waited for
             self._syncs.merge(inf)
         self._pace.sample(inf)
 

@@ -57,12 +57,14 @@ class InFlight:
     rated: bool = False  # whether its round's pace was taken into the link estimate yet (once per sync)
     shares: Shares | None = None  # periods in time: the shares' round its weighed pseudo-gradient lands by
 
+    def rounds(self) -> list[concurrent.futures.Future[RoundResult]]:
+        """The sync's round and those beside it (its check, its shares'), where it has them."""
+        beside = (self.check_fut, self.shares.fut if self.shares is not None else None)
+        return [self.fut, *(f for f in beside if f is not None)]
+
     def arrived(self) -> bool:
         """Whether every round of the sync completed (or failed): landing it now waits for nothing."""
-        return all(
-            f is None or f.done()
-            for f in (self.fut, self.check_fut, self.shares.fut if self.shares is not None else None)
-        )
+        return all(f.done() for f in self.rounds())
 
     def mean(self) -> torch.Tensor | None:
         """The mean it lands with (its buffer, unweighed in place where shares weighed it); None where no
@@ -74,8 +76,7 @@ class InFlight:
     def record(self, timeout: float) -> dict[str, Any] | None:
         """Wait for the sync, then its checkpoint record; None when it failed (everywhere: nobody applies it).
         RoundFailed when a round is still in flight after ``timeout`` (`dreamp2p.sync.strategies.base.settled`)."""
-        futs = (self.fut, self.check_fut, self.shares.fut if self.shares is not None else None)
-        if not all(f is None or settled(f, timeout) for f in futs):
+        if not all(settled(f, timeout) for f in self.rounds()):
             return None
         if self.shares is not None:  # saved as the mean it lands with, restored without shares
             if self.mean() is None:

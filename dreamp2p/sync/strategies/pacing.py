@@ -57,6 +57,15 @@ class StepWindow:
         return list(self._marks)
 
 
+def share_round(
+    comm: Collective, group: FlatGroup, share: float, round_id: int
+) -> concurrent.futures.Future[RoundResult]:
+    """Average ``share`` among the members in fp32 through the one-element ``group``, under ``round_id``."""
+    group.snap.fill_(share)
+    # a share is a count, not an update: the norm guard's history of updates does not apply
+    return comm.allreduce_group(group, GROUP_TOKENS, "fp32", round_id=round_id, guard_norm=False)
+
+
 class TokenShares:
     """The one-element rounds that carry each member's share beside its pseudo-gradients, one buffer per slot
     (a fragment): a slot's buffer holds its mean until the slot's pseudo-gradient lands."""
@@ -67,10 +76,7 @@ class TokenShares:
 
     def launch(self, slot: int, share: float, round_id: int) -> concurrent.futures.Future[RoundResult]:
         """Average ``share`` among the members in fp32, under the launch's round id."""
-        group = self._groups[slot]
-        group.snap.fill_(share)
-        # a share is a count, not an update: the norm guard's history of updates does not apply
-        return self._comm.allreduce_group(group, GROUP_TOKENS, "fp32", round_id=round_id, guard_norm=False)
+        return share_round(self._comm, self._groups[slot], share, round_id)
 
     def mean(self, slot: int) -> float:
         """The landed mean share of ``slot``'s round (valid once its future completed)."""
@@ -104,10 +110,7 @@ class StepShares:
         if self._current is None or self._current[0] != round_id:
             share = self._window.share()
             group = FlatGroup([torch.zeros(1)])
-            group.snap.fill_(share)
-            # a share is a count, not an update: the norm guard's history of updates does not apply
-            fut = self._comm.allreduce_group(group, GROUP_TOKENS, "fp32", round_id=round_id, guard_norm=False)
-            self._current = (round_id, share, Shares(group, fut))
+            self._current = (round_id, share, Shares(group, share_round(self._comm, group, share, round_id)))
         return self._current[1], self._current[2]
 
 
